@@ -1,0 +1,273 @@
+"""Checkpoints in Hugging Face layout: the tensor index (headers only) and demo checkpoints.
+
+The index is read from the safetensors headers alone (8-byte length + JSON), so planning a
+100 GB model costs a few kilobytes of reads.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import LayerlineError
+
+# Bytes per element of every safetensors dtype we may meet in a header.
+DTYPE_BYTES = {
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
+    "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1,
+}
+MAX_HEADER_BYTES = 100 * 2**20
+LAYER_RE = re.compile(r"^(?:model\.layers|blk|transformer\.h|model\.decoder\.layers)\.(\d+)\.")
+
+
+class CheckpointError(LayerlineError):
+    """A checkpoint is missing, malformed or of an unsupported kind."""
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    file: str  # file name relative to the checkpoint dir
+    nbytes: int
+
+    @property
+    def layer(self) -> int | None:
+        m = LAYER_RE.match(self.name)
+        return int(m.group(1)) if m else None
+
+
+@dataclass
+class CheckpointIndex:
+    path: str
+    config: dict
+    tensors: dict[str, TensorEntry] = field(default_factory=dict)
+
+    @property
+    def num_layers(self) -> int:
+        layers = {t.layer for t in self.tensors.values() if t.layer is not None}
+        return max(layers) + 1 if layers else 0
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+
+def read_safetensors_header(path: str | os.PathLike) -> dict:
+    """The JSON header of one .safetensors file, validated for size."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) != 8:
+                raise CheckpointError(f"{path}: not a safetensors file (shorter than 8 bytes)")
+            (n,) = struct.unpack("<Q", raw)
+            if n > MAX_HEADER_BYTES:
+                raise CheckpointError(f"{path}: safetensors header of {n} bytes is over the {MAX_HEADER_BYTES} limit")
+            header = json.loads(f.read(n))
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read ({e.strerror})") from e
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: safetensors header is not valid JSON ({e})") from e
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: safetensors header is not a JSON object")
+    return header
+
+
+def _entries_of(path: Path) -> list[TensorEntry]:
+    out = []
+    for name, meta in read_safetensors_header(path).items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape = meta["dtype"], tuple(int(d) for d in meta["shape"])
+            start, end = (int(o) for o in meta["data_offsets"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(f"{path}: tensor {name!r} has a malformed header entry ({e})") from e
+        if dtype not in DTYPE_BYTES:
+            raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {dtype}")
+        nbytes = math.prod(shape) * DTYPE_BYTES[dtype]
+        if end - start != nbytes:
+            raise CheckpointError(f"{path}: tensor {name!r} spans {end - start} bytes but its shape needs {nbytes}")
+        out.append(TensorEntry(name, dtype, shape, path.name, nbytes))
+    return out
+
+
+def read_config(ckpt: str | os.PathLike) -> dict:
+    p = Path(ckpt) / "config.json"
+    try:
+        cfg = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{p}: missing; layerline_checkpoint must be a Hugging Face model dir "
+                              "(make one with `layerline demo-checkpoint DIR`)") from None
+    except ValueError as e:
+        raise CheckpointError(f"{p}: not valid JSON ({e})") from e
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{p}: not a JSON object")
+    return cfg
+
+
+def read_index(ckpt: str | os.PathLike) -> CheckpointIndex:
+    """Tensor index of a checkpoint dir, from config.json and safetensors headers only."""
+    root = Path(ckpt)
+    if not root.is_dir():
+        raise CheckpointError(f"{root}: no such checkpoint directory; set layerline_checkpoint "
+                              "or make one with `layerline demo-checkpoint DIR`")
+    config = read_config(root)
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{root}: holds no *.safetensors files")
+    idx = CheckpointIndex(str(root), config)
+    for f in files:
+        for e in _entries_of(f):
+            if e.name in idx.tensors:
+                raise CheckpointError(f"{root}: tensor {e.name!r} appears in both {idx.tensors[e.name].file} and {f.name}")
+            idx.tensors[e.name] = e
+    return idx
+
+
+# --- demo checkpoints -------------------------------------------------------------------
+
+DEMO_DEFAULTS = {
+    # about 250M parameters: the default demo model
+    "llama": dict(hidden=1024, layers=16, heads=16, kv_heads=4, intermediate=2816, vocab=32000),
+}
+
+
+def demo_config(arch: str = "llama", layers: int | None = None, hidden: int | None = None,
+                heads: int | None = None, kv_heads: int | None = None,
+                intermediate: int | None = None, vocab: int | None = None) -> dict:
+    if arch not in DEMO_DEFAULTS:
+        raise CheckpointError(f"--arch {arch}: unknown; choose one of {', '.join(DEMO_DEFAULTS)}")
+    d = dict(DEMO_DEFAULTS[arch])
+    for k, v in dict(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
+                     intermediate=intermediate, vocab=vocab).items():
+        if v is not None:
+            if v <= 0:
+                raise CheckpointError(f"--{k} {v}: must be a positive integer")
+            d[k] = v
+    if hidden is not None and intermediate is None:
+        d["intermediate"] = 256 * math.ceil(hidden * 8 / 3 / 256)
+    if hidden is not None and heads is None:
+        d["heads"] = max(1, d["hidden"] // 64)
+        d["kv_heads"] = kv_heads or max(1, d["heads"] // 4)
+    if d["hidden"] % d["heads"] or d["heads"] % d["kv_heads"]:
+        raise CheckpointError(f"--hidden {d['hidden']} must divide by heads {d['heads']}, "
+                              f"and heads by kv heads {d['kv_heads']}")
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": d["vocab"],
+        "hidden_size": d["hidden"],
+        "intermediate_size": d["intermediate"],
+        "num_hidden_layers": d["layers"],
+        "num_attention_heads": d["heads"],
+        "num_key_value_heads": d["kv_heads"],
+        "head_dim": d["hidden"] // d["heads"],
+        "hidden_act": "silu",
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "rope_scaling": None,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "torch_dtype": "bfloat16",
+    }
+
+
+def demo_tensor_shapes(cfg: dict) -> list[tuple[str, tuple[int, ...]]]:
+    """Names and shapes of every tensor of a Llama-family checkpoint, in file order."""
+    h, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    hd = cfg["head_dim"]
+    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
+    out = [("model.embed_tokens.weight", (v, h))]
+    for n in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{n}."
+        out += [
+            (p + "input_layernorm.weight", (h,)),
+            (p + "self_attn.q_proj.weight", (q, h)),
+            (p + "self_attn.k_proj.weight", (kv, h)),
+            (p + "self_attn.v_proj.weight", (kv, h)),
+            (p + "self_attn.o_proj.weight", (h, q)),
+            (p + "post_attention_layernorm.weight", (h,)),
+            (p + "mlp.gate_proj.weight", (i, h)),
+            (p + "mlp.up_proj.weight", (i, h)),
+            (p + "mlp.down_proj.weight", (h, i)),
+        ]
+    out += [("model.norm.weight", (h,))]
+    if not cfg.get("tie_word_embeddings"):
+        out += [("lm_head.weight", (v, h))]
+    return out
+
+
+def write_demo_checkpoint(out: str | os.PathLike, arch: str = "llama", layers: int | None = None,
+                          hidden: int | None = None, seed: int = 0, dtype: str = "bfloat16",
+                          shard_bytes: int = 200 * 2**20, progress=None, **sizes) -> Path:
+    """Write a deterministic random-init checkpoint in Hugging Face layout.
+
+    Reuses an existing one made with the same arguments (a stamp file records them), so
+    the demo is made once. Written to a temp dir and renamed, so a crash leaves nothing half-made.
+    """
+    import torch
+    from safetensors.torch import save_file
+
+    cfg = demo_config(arch, layers=layers, hidden=hidden, **sizes)
+    cfg["torch_dtype"] = dtype
+    out = Path(out)
+    stamp = {"arch": arch, "seed": seed, "config": cfg, "format": 1}
+    stamp_path = out / "layerline-demo.json"
+    if stamp_path.exists():
+        try:
+            if json.loads(stamp_path.read_text()) == stamp:
+                return out
+        except ValueError:
+            pass
+    if out.exists() and any(out.iterdir()) and not stamp_path.exists():
+        raise CheckpointError(f"{out}: exists and is not a layerline demo checkpoint; choose an empty dir")
+    tdtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[dtype]
+    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(seed)
+    shapes = demo_tensor_shapes(cfg)
+    shards: list[dict] = [{}]
+    size = 0
+    for k, (name, shape) in enumerate(shapes):
+        if name.endswith("norm.weight"):
+            t = 1.0 + 0.1 * torch.randn(shape, generator=gen)  # not all-ones, so norms are exercised
+        else:
+            t = torch.randn(shape, generator=gen) * 0.02
+        t = t.to(tdtype)
+        nb = t.numel() * t.element_size()
+        if size and size + nb > shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nb
+        if progress and k % 9 == 0:
+            progress(k + 1, len(shapes))
+    weight_map, total = {}, 0
+    for n, shard in enumerate(shards, 1):
+        fname = f"model-{n:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(tmp / fname), metadata={"format": "pt"})
+        for name, t in shard.items():
+            weight_map[name] = fname
+            total += t.numel() * t.element_size()
+    (tmp / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+    (tmp / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": cfg["bos_token_id"], "eos_token_id": cfg["eos_token_id"]}, indent=2))
+    (tmp / "layerline-demo.json").write_text(json.dumps(stamp, indent=2))
+    if out.exists():
+        for f in out.iterdir():
+            f.unlink()
+        out.rmdir()
+    tmp.rename(out)
+    return out
