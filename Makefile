@@ -1,0 +1,35 @@
+# The README's two commands: `make demo` and `make test`. Both set everything up first.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
+
+.PHONY: setup demo test lint bench clean teardown
+
+setup: $(VENV)/.layerline-stamp
+
+$(VENV)/.layerline-stamp: pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# constraints.txt pins torch to the CPU build; pip never pulls a CUDA one
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[test]'
+	touch $@
+
+demo: setup
+	$(BIN)/ansible-playbook deploy.yml
+
+teardown: setup
+	$(BIN)/ansible-playbook teardown.yml
+
+test: setup
+	$(BIN)/python -m pytest -q tests
+
+lint: setup
+	$(BIN)/ansible-lint --profile production deploy.yml teardown.yml playbooks roles
+
+bench: setup
+	$(BIN)/python bench/run_all.py
+
+clean:
+	-$(BIN)/ansible-playbook teardown.yml
+	rm -rf .cache

@@ -1,0 +1,74 @@
+"""Filters over layerline's planner: thin adapters, no logic of their own.
+
+    {{ hostvars | layerline_plan(ansible_play_hosts, cost, objective, policy, reserve_ram_gb) }}
+    {{ plan | layerline_argv(inventory_hostname, hostvars[inventory_hostname], python) }}
+    {{ plan | layerline_plan_table }}
+    {{ drive_result | layerline_drive_report }}
+"""
+from __future__ import annotations
+
+import json
+
+from ansible.errors import AnsibleFilterError
+
+try:
+    from layerline import LayerlineError
+    from layerline.deploy import plan_for_hosts, worker_argv
+    from layerline.driver import drive_report
+    from layerline.planner import plan_table
+    IMPORT_ERROR = None
+except ImportError as e:  # the controller's interpreter lacks the package
+    IMPORT_ERROR = e
+
+# Host variables the planner reads; everything else stays untemplated.
+_KEYS = ("ansible_connection", "ansible_host")
+
+
+def _need_runtime():
+    if IMPORT_ERROR is not None:
+        raise AnsibleFilterError(f"layerline filters: cannot import layerline on the controller ({IMPORT_ERROR}); "
+                                 "run ansible-playbook from the venv made by `make setup`")
+
+
+def _plain(value):
+    """Plain JSON data: Ansible hands over tagged and lazy types that the runtime need not know."""
+    return json.loads(json.dumps(value))
+
+
+def _host_vars(hostvars, host: str) -> dict:
+    hv = hostvars[host]
+    return _plain({k: hv[k] for k in hv if k.startswith("layerline_") or k in _KEYS})
+
+
+def layerline_plan(hostvars, hosts, cost, objective=None, policy=None, reserve_ram_gb=None):
+    _need_runtime()
+    try:
+        return plan_for_hosts({h: _host_vars(hostvars, h) for h in hosts}, _plain(cost), _plain(objective),
+                              _plain(policy), _plain(reserve_ram_gb))
+    except LayerlineError as e:
+        raise AnsibleFilterError(f"layerline_plan: {e}") from None
+
+
+def layerline_argv(plan, host, hvars, python="python3"):
+    _need_runtime()
+    try:
+        hv = _plain({k: hvars[k] for k in hvars if k.startswith("layerline_") or k in _KEYS})
+        return worker_argv(_plain(plan), str(host), hv, python=str(python))
+    except LayerlineError as e:
+        raise AnsibleFilterError(f"layerline_argv: {e}") from None
+
+
+def layerline_plan_table(plan):
+    _need_runtime()
+    return plan_table(_plain(plan))
+
+
+def layerline_drive_report(result):
+    _need_runtime()
+    return drive_report(_plain(result))
+
+
+class FilterModule:
+    def filters(self):
+        return {"layerline_plan": layerline_plan, "layerline_argv": layerline_argv,
+                "layerline_plan_table": layerline_plan_table, "layerline_drive_report": layerline_drive_report}

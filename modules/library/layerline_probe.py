@@ -1,0 +1,301 @@
+#!/usr/bin/python
+# -*- coding: utf-8 -*-
+
+from __future__ import annotations
+
+DOCUMENTATION = r"""
+module: layerline_probe
+short_description: Measure a layerline node's hardware and return it as facts
+description:
+  - Runs C(layerline.probe) on the target and returns its NodeCaps self-report as the
+    C(layerline_caps) fact. The planner places transformer layers from these facts.
+  - Compute speed (fp32 matmul) and memory bandwidth are measured per device, the read
+    speed of the checkpoint's disk is measured with the page cache dropped for the file
+    (and O_DIRECT where the filesystem allows it). A speed that was not measured is
+    returned as null, never as 0.
+  - The probe makes no network traffic; the node's address comes from its interface table.
+  - The module changes nothing on the target apart from the optional O(cache_file).
+version_added: "0.1.0"
+author:
+  - layerline authors
+options:
+  checkpoint:
+    description:
+      - Checkpoint directory on the target (Hugging Face layout), or one file of it.
+      - Free disk space is read on its filesystem (the nearest existing parent when the
+        directory does not exist yet), and its biggest C(*.safetensors) file is read to
+        measure the disk.
+      - When omitted, free space is read for the working directory and the disk speed is
+        null.
+    type: path
+  device:
+    description:
+      - The host's C(layerline_device) (C(cpu), C(cuda), C(cuda:N) or C(cuda+cpu)).
+      - A CUDA device the host does not have fails the task with a message saying how to
+        fix C(layerline_device). Every visible CUDA device is reported whatever this says.
+    type: str
+    default: cpu
+  addr:
+    description:
+      - Address other nodes reach this one at.
+      - Defaults to the primary non-loopback IPv4 address of the target, else C(127.0.0.1).
+    type: str
+  budget_s:
+    description:
+      - Seconds of measuring per device (half matmul, half memory copy) and for the disk
+        read. The whole probe takes about two to three times this plus the C(torch) import.
+    type: float
+    default: 0.5
+  measure_disk:
+    description:
+      - Whether to measure the read speed of the checkpoint's disk.
+    type: bool
+    default: true
+  cache_file:
+    description:
+      - File on the target that keeps the last result (written with mode C(0600)).
+      - When it holds a result measured with the same options and the same layerline
+        version, that result is returned without measuring again, unless O(refresh=true).
+      - Not written in check mode.
+    type: path
+  refresh:
+    description:
+      - Measure again even when O(cache_file) holds a matching result.
+    type: bool
+    default: false
+requirements:
+  - The target's Python interpreter (C(ansible_python_interpreter)) can import C(layerline)
+    and C(torch); the C(layerline_runtime) role installs them.
+notes:
+  - Facts are returned whether or not check mode is on; check mode only skips writing
+    O(cache_file).
+  - Supports C(check_mode).
+"""
+
+EXAMPLES = r"""
+- name: Probe the node against the checkpoint it will load
+  layerline_probe:
+    checkpoint: "{{ layerline_checkpoint }}"
+    device: "{{ layerline_device | default('cpu') }}"
+    cache_file: "{{ layerline_state_dir }}/caps.json"
+
+- name: Measure again, ignoring the cached result, with a longer budget
+  layerline_probe:
+    checkpoint: /srv/models/llama
+    budget_s: 2
+    cache_file: /var/lib/layerline/caps.json
+    refresh: true
+
+- name: Show what each node can do
+  ansible.builtin.debug:
+    msg: >-
+      {{ ansible_facts.layerline_caps.addr }}:
+      {{ ansible_facts.layerline_caps.devices | map(attribute='name') | join(', ') }},
+      {{ (ansible_facts.layerline_caps.ram_available_bytes / 2**30) | round(1) }} GiB free
+"""
+
+RETURN = r"""
+cached:
+  description: Whether the facts came from O(cache_file) instead of a new measurement.
+  returned: always
+  type: bool
+  sample: false
+ansible_facts:
+  description: Facts added to the host.
+  returned: success
+  type: dict
+  contains:
+    layerline_caps:
+      description: The node's NodeCaps self-report.
+      returned: success
+      type: dict
+      contains:
+        addr:
+          description: Address other nodes reach this one at.
+          type: str
+          sample: 10.0.0.12
+        hostname:
+          description: The target's host name.
+          type: str
+          sample: node1
+        os:
+          description: Operating system name.
+          type: str
+          sample: Linux
+        cores:
+          description: CPU cores this process may use (affinity and cgroup quota applied).
+          type: int
+          sample: 16
+        ram_total_bytes:
+          description: RAM, capped by a cgroup memory limit.
+          type: int
+          sample: 68719476736
+        ram_available_bytes:
+          description: RAM available now.
+          type: int
+          sample: 60129542144
+        disk_free_bytes:
+          description: Free bytes on the checkpoint's filesystem; null when unreadable.
+          type: int
+          sample: 512110190592
+        disk_read_bytes_per_s:
+          description: Measured read speed of the checkpoint's biggest safetensors file;
+            null when not measured (never 0).
+          type: float
+          sample: 1754265584.4
+        disk_read_cached:
+          description: True when the disk read looked served by the page cache (an
+            impossible rate, or the file's pages stayed resident); the rate is kept.
+          type: bool
+          sample: false
+        devices:
+          description: Compute devices, C(cpu) first, then C(cuda:N).
+          type: list
+          elements: dict
+          contains:
+            name:
+              description: Device name as the worker's C(--device) takes it.
+              type: str
+              sample: cuda:0
+            kind:
+              description: C(cpu) or C(cuda).
+              type: str
+              sample: cuda
+            memory_bytes:
+              description: Device memory (RAM for C(cpu)).
+              type: int
+              sample: 85899345920
+            memory_free_bytes:
+              description: Device memory free now.
+              type: int
+              sample: 84825604096
+            flops_per_s:
+              description: Measured fp32 matmul FLOP/s.
+              type: float
+              sample: 198132552840.4
+            mem_bw_bytes_per_s:
+              description: Measured memory bandwidth (bytes read plus written per second).
+              type: float
+              sample: 33741918972.8
+        probe_seconds:
+          description: How long the probe took.
+          type: float
+          sample: 1.7
+"""
+
+import json
+import os
+import sys
+import tempfile
+import traceback
+
+from ansible.module_utils.basic import AnsibleModule
+
+LAYERLINE_IMPORT_ERROR = None
+try:
+    import layerline
+    from layerline.errors import LayerlineError
+    from layerline.probe import probe
+except ImportError:
+    LAYERLINE_IMPORT_ERROR = traceback.format_exc()
+
+CACHE_FORMAT = 1
+
+
+def cache_key(params):
+    return {
+        "format": CACHE_FORMAT,
+        "layerline_version": getattr(layerline, "__version__", None),
+        "checkpoint": params["checkpoint"],
+        "device": params["device"],
+        "addr": params["addr"],
+        "budget_s": params["budget_s"],
+        "measure_disk": params["measure_disk"],
+    }
+
+
+def read_cache(path, key):
+    """The cached caps when path holds a result for the same key, else None."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or data.get("key") != key or not isinstance(data.get("caps"), dict):
+        return None
+    return data["caps"]
+
+
+def write_cache(module, path, key, caps):
+    directory = os.path.dirname(path) or "."
+    try:
+        if not os.path.isdir(directory):
+            os.makedirs(directory, mode=0o700)
+        fd, tmp = tempfile.mkstemp(prefix=".layerline_probe.", dir=directory)  # mode 0600
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                json.dump({"key": key, "caps": caps}, fh, indent=2, sort_keys=True)
+                fh.write("\n")
+            os.chmod(tmp, 0o600)
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+    except OSError as e:
+        module.fail_json(msg=f"cannot write cache_file {path}: {e}; choose a path the remote user can write, "
+                             "or leave cache_file out")
+
+
+def main():
+    module = AnsibleModule(
+        argument_spec=dict(
+            checkpoint=dict(type="path"),
+            device=dict(type="str", default="cpu"),
+            addr=dict(type="str"),
+            budget_s=dict(type="float", default=0.5),
+            measure_disk=dict(type="bool", default=True),
+            cache_file=dict(type="path"),
+            refresh=dict(type="bool", default=False),
+        ),
+        supports_check_mode=True,
+    )
+
+    if LAYERLINE_IMPORT_ERROR is not None:
+        module.fail_json(
+            msg=(f"the Python interpreter on this host ({sys.executable}) cannot import layerline; run the "
+                 "layerline_runtime role for this host, or set ansible_python_interpreter to an interpreter "
+                 "that has layerline installed"),
+            exception=LAYERLINE_IMPORT_ERROR,
+        )
+
+    params = module.params
+    if params["budget_s"] <= 0:
+        module.fail_json(msg=f"budget_s is {params['budget_s']}; give a positive number of seconds, e.g. 0.5")
+
+    key = cache_key(params)
+    cache_file = params["cache_file"]
+    if cache_file and not params["refresh"]:
+        caps = read_cache(cache_file, key)
+        if caps is not None:
+            module.exit_json(changed=False, cached=True, ansible_facts={"layerline_caps": caps})
+
+    try:
+        caps = probe(
+            checkpoint=params["checkpoint"],
+            device=params["device"],
+            addr=params["addr"],
+            budget_s=params["budget_s"],
+            measure_disk=params["measure_disk"],
+        )
+    except LayerlineError as e:
+        module.fail_json(msg=str(e))
+
+    if cache_file and not module.check_mode:
+        write_cache(module, cache_file, key, caps)
+
+    module.exit_json(changed=False, cached=False, ansible_facts={"layerline_caps": caps})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,270 @@
+"""`layerline …`: the command line that playbooks, benchmarks and users call.
+
+Every user mistake ends in one line on stderr and exit status 2, never a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+from .errors import LayerlineError
+
+
+def _progress(done: int, total: int) -> None:
+    print(f"\r  writing tensors {done}/{total}", end="", file=sys.stderr, flush=True)
+
+
+def cmd_demo_checkpoint(a) -> int:
+    from .checkpoint import write_demo_checkpoint
+    sizes = {k: getattr(a, k) for k in ("heads", "kv_heads", "intermediate", "vocab") if getattr(a, k) is not None}
+    t0 = time.perf_counter()
+    out = write_demo_checkpoint(a.out, arch=a.arch, layers=a.layers, hidden=a.hidden, seed=a.seed,
+                                dtype=a.dtype, progress=_progress if sys.stderr.isatty() else None, **sizes)
+    print(f"checkpoint {out} ready ({time.perf_counter() - t0:.1f} s)", file=sys.stderr)
+    return 0
+
+
+def cmd_index(a) -> int:
+    from .checkpoint import read_index
+    from .cost import model_cost
+    idx = read_index(a.checkpoint)
+    cost = model_cost(idx)
+    if a.json:
+        print(json.dumps({"path": idx.path, "num_layers": idx.num_layers, "total_bytes": idx.total_bytes,
+                          "tensors": len(idx.tensors), "cost": cost.to_dict()}))
+        return 0
+    print(f"{idx.path}: {idx.num_layers} layers, {len(idx.tensors)} tensors, {idx.total_bytes / 2**20:.1f} MiB "
+          f"stored as {cost.stored_precision}")
+    print(f"  embedding {cost.embed_params:,} params, head {cost.head_params:,} params"
+          f"{' (tied)' if cost.tied_embeddings else ''}")
+    print(f"  per layer: dense {cost.dense_params[0]:,} params, experts {cost.expert_params[0]:,}, "
+          f"KV width {cost.kv_width} elements/token")
+    return 0
+
+
+def _load_caps(path: str) -> dict[str, dict]:
+    try:
+        data = json.loads(open(path).read())
+    except (OSError, ValueError) as e:
+        raise LayerlineError(f"--caps {path}: cannot read JSON ({e})") from None
+    if isinstance(data, list):
+        names = [str(c.get("hostname")) if isinstance(c, dict) else "" for c in data]
+        if len(set(names)) != len(names) or "None" in names:
+            names = [f"host{i}" for i in range(len(data))]
+        return dict(zip(names, data))
+    if isinstance(data, dict):
+        return data
+    raise LayerlineError(f"--caps {path}: must be a list of NodeCaps or an object of them keyed by host")
+
+
+def cmd_plan(a) -> int:
+    from .checkpoint import read_index
+    from .cost import CostOptions, model_cost
+    from .planner import Node, make_plan, plan_table
+    caps = _load_caps(a.caps)
+    cost = model_cost(read_index(a.checkpoint))
+    opts = CostOptions(objective=a.objective, context=a.context, batch=a.batch,
+                       precision_ladder=a.precision_ladder.split(",") if a.precision_ladder else [],
+                       on_unknown_kv=a.on_unknown_kv)
+    nodes = [Node(host=h, caps=c, endpoint=f"tcp://{c.get('addr', '127.0.0.1')}:9100") for h, c in caps.items()]
+    plan = make_plan(nodes, cost, opts, a.policy)
+    print(json.dumps(plan, indent=2) if a.json else plan_table(plan))
+    return 0
+
+
+def cmd_drive(a) -> int:
+    import torch
+    from .driver import Pipeline, drive_report, greedy_generate, tolerance
+    cfg = json.loads(open(os.path.join(a.checkpoint, "config.json")).read())
+    g = torch.Generator().manual_seed(a.seed)
+    ids = torch.randint(0, int(cfg["vocab_size"]), (1, a.seq), generator=g)
+    with Pipeline(a.first, reply_host=a.reply_host, timeout_s=a.timeout) as pipe:
+        pipe.forward(ids[:, :1])  # warm the path (connections, first allocations)
+        r = pipe.forward(ids)
+        result = {"tokens": a.seq, "stages": r.timings, "wall_s": r.wall_s, "hop_s": r.hop_s,
+                  "logits_shape": list(r.logits.shape), "next_token": int(r.logits[0, -1].argmax())}
+        if a.generate:
+            t0 = time.perf_counter()
+            toks, steps = greedy_generate(pipe, ids[0].tolist(), a.generate, seq=f"drive{os.getpid()}")
+            dt = time.perf_counter() - t0
+            decode = steps[1:]
+            result["generate"] = {
+                "new_tokens": toks, "seconds": dt,
+                "decode_tokens_per_s": len(decode) / sum(s.wall_s for s in decode) if decode else None,
+                "stage_seconds": [sum(s.timings[i]["s"] for s in decode) / max(1, len(decode))
+                                  for i in range(len(r.timings))]}
+    if a.reference:
+        from .model.loader import load_stage
+        from .checkpoint import read_index
+        full = load_stage(a.checkpoint, 0, read_index(a.checkpoint).num_layers, True, True, precision=a.precision)
+        ref = full(ids)
+        diff = float((ref - r.logits).abs().max())
+        tol = tolerance(a.precision, ref)
+        result.update(max_abs_diff=diff, tolerance=tol, ok=diff <= tol, precision=a.precision)
+    print(json.dumps(result) if a.json else drive_report(result))
+    return 0 if result.get("ok", True) else 1
+
+
+def _free_ports(n: int) -> list[int]:
+    """n free loopback ports, each with its +1 control port also free."""
+    out: list[int] = []
+    while len(out) < n:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            p = s.getsockname()[1]
+        with socket.socket() as s2:
+            try:
+                s2.bind(("127.0.0.1", p + 1))
+            except OSError:
+                continue
+        if p not in out and p + 1 not in out and p - 1 not in out:
+            out.append(p)
+    return out
+
+
+def local_stages(checkpoint: str, n: int, precision: str, kv_context: int = 4096, threads: int | None = None):
+    """Start n workers on this machine (no Ansible); yields (procs, first endpoint, tmpdir)."""
+    from .checkpoint import read_index
+    L = read_index(checkpoint).num_layers
+    if not 1 <= n <= L:
+        raise LayerlineError(f"--local-stages {n}: must be 1..{L} (the model's layers)")
+    bounds = [round(i * L / n) for i in range(n + 1)]
+    ports = _free_ports(n)
+    tmp = tempfile.mkdtemp(prefix="layerline-local-")
+    procs = []
+    for i in range(n):
+        argv = [sys.executable, "-m", "layerline.worker", "--checkpoint", checkpoint,
+                "--layers", f"{bounds[i]}:{bounds[i + 1]}", "--precision", precision,
+                "--kv-context", str(kv_context), "--bind", f"tcp://127.0.0.1:{ports[i]}",
+                "--name", f"stage{i}", "--ready-file", os.path.join(tmp, f"ready{i}.json")]
+        if threads:
+            argv += ["--threads", str(threads)]
+        argv += ["--first"] if i == 0 else []
+        argv += ["--last"] if i == n - 1 else ["--next", f"tcp://127.0.0.1:{ports[i + 1]}"]
+        procs.append(subprocess.Popen(argv, stdout=open(os.path.join(tmp, f"worker{i}.log"), "w"),
+                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
+    deadline = time.time() + 300
+    for i, p in enumerate(procs):
+        while not os.path.exists(os.path.join(tmp, f"ready{i}.json")):
+            if p.poll() is not None or time.time() > deadline:
+                stop_local(procs)
+                log = open(os.path.join(tmp, f"worker{i}.log")).read()[-2000:]
+                raise LayerlineError(f"local stage {i} did not start: {log.strip().splitlines()[-1] if log.strip() else 'no output'}")
+            time.sleep(0.05)
+    return procs, f"tcp://127.0.0.1:{ports[0]}", tmp
+
+
+def stop_local(procs) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
+def cmd_generate(a) -> int:
+    from .driver import Pipeline, greedy_generate
+    try:
+        prompt = [int(x) for x in a.input_ids.split(",") if x.strip()]
+    except ValueError:
+        raise LayerlineError(f"--input-ids {a.input_ids!r}: must be comma-separated integers") from None
+    if not prompt:
+        raise LayerlineError("--input-ids: give at least one token id")
+    procs, first, _ = local_stages(a.checkpoint, a.local_stages, a.precision, threads=a.threads)
+    try:
+        with Pipeline(first) as pipe:
+            t0 = time.perf_counter()
+            toks, steps = greedy_generate(pipe, prompt, a.max_new_tokens)
+            dt = time.perf_counter() - t0
+    finally:
+        stop_local(procs)
+    n = len(steps[0].timings)
+    stage_s = [sum(s.timings[i]["s"] for s in steps) for i in range(n)]
+    decode = steps[1:]
+    res = {"tokens": toks, "stage_seconds": stage_s, "seconds": dt,
+           "decode_tokens_per_s": len(decode) / sum(s.wall_s for s in decode) if decode else None}
+    print(json.dumps(res) if a.json else " ".join(map(str, toks)))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="layerline", description="one transformer split layer-wise across machines")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    d = sub.add_parser("demo-checkpoint", help="write a deterministic random-init checkpoint (HF layout)")
+    d.add_argument("out")
+    d.add_argument("--arch", default="llama")
+    d.add_argument("--layers", type=int)
+    d.add_argument("--hidden", type=int)
+    d.add_argument("--heads", type=int)
+    d.add_argument("--kv-heads", type=int)
+    d.add_argument("--intermediate", type=int)
+    d.add_argument("--vocab", type=int)
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    d.set_defaults(fn=cmd_demo_checkpoint)
+
+    i = sub.add_parser("index", help="tensor index and model cost, from headers only")
+    i.add_argument("checkpoint")
+    i.add_argument("--json", action="store_true")
+    i.set_defaults(fn=cmd_index)
+
+    pl = sub.add_parser("plan", help="plan placement from probed caps")
+    pl.add_argument("--caps", required=True)
+    pl.add_argument("--checkpoint", required=True)
+    pl.add_argument("--objective", default="throughput", choices=["throughput", "latency", "memory"])
+    pl.add_argument("--policy", default="auto", choices=["auto", "ram_balanced", "uniform"])
+    pl.add_argument("--context", type=int, default=4096)
+    pl.add_argument("--batch", type=int, default=1)
+    pl.add_argument("--precision-ladder", default=None, help="e.g. bf16,int8")
+    pl.add_argument("--on-unknown-kv", default="fail", choices=["fail", "assume", "ignore"])
+    pl.add_argument("--json", action="store_true")
+    pl.set_defaults(fn=cmd_plan)
+
+    dr = sub.add_parser("drive", help="push one forward through running workers, timing each stage")
+    dr.add_argument("--first", required=True, help="stage 0's endpoint, tcp://HOST:PORT")
+    dr.add_argument("--checkpoint", required=True)
+    dr.add_argument("--seq", type=int, default=16, help="prompt length")
+    dr.add_argument("--seed", type=int, default=0)
+    dr.add_argument("--precision", default="fp32")
+    dr.add_argument("--reference", action="store_true", help="compare with a one-process forward")
+    dr.add_argument("--generate", type=int, default=0, help="also generate this many tokens greedily")
+    dr.add_argument("--reply-host", default="127.0.0.1")
+    dr.add_argument("--timeout", type=float, default=120.0)
+    dr.add_argument("--json", action="store_true")
+    dr.set_defaults(fn=cmd_drive)
+
+    g = sub.add_parser("generate", help="greedy generation on N local worker processes (no Ansible)")
+    g.add_argument("--checkpoint", required=True)
+    g.add_argument("--local-stages", type=int, default=3)
+    g.add_argument("--input-ids", required=True)
+    g.add_argument("--max-new-tokens", type=int, default=16)
+    g.add_argument("--precision", default="bf16")
+    g.add_argument("--threads", type=int, default=None)
+    g.add_argument("--json", action="store_true")
+    g.set_defaults(fn=cmd_generate)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    try:
+        return a.fn(a)
+    except LayerlineError as e:
+        print(f"layerline {a.cmd}: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

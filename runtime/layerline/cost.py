@@ -1,0 +1,193 @@
+"""What a model costs, from its tensor index alone: bytes, FLOPs and KV per layer.
+
+Pure functions over data: ModelCost is built from a CheckpointIndex (headers, never tensor
+data) and priced under CostOptions. Routed-expert bytes are kept apart from dense bytes so
+the planner can page experts from disk.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field
+
+from .checkpoint import DTYPE_BYTES, CheckpointIndex
+from .errors import LayerlineError
+
+# Bytes per parameter at each precision a worker may run. int8 carries one fp32 scale per
+# output channel; that overhead is charged per layer from its row count.
+PRECISION_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 1.0}
+KV_DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "int8": 1}
+STORED_PRECISION = {"F32": "fp32", "BF16": "bf16", "F16": "fp16", "I8": "int8"}
+EXPERT_RE = re.compile(r"\.(?:block_sparse_moe|mlp)\.experts\.\d+\.|\.ffn_(?:gate|up|down)_exps\.")
+OBJECTIVES = ("throughput", "latency", "memory")
+
+
+class CostError(LayerlineError):
+    """The model cannot be costed as asked (unknown KV width, bad option)."""
+
+
+@dataclass
+class ModelCost:
+    num_layers: int
+    stored_precision: str
+    dense_params: list[int]          # per layer, non-expert parameters
+    expert_params: list[int]         # per layer, all routed-expert parameters
+    rows: list[int]                  # per layer, output channels of its matrices (int8 scales)
+    embed_params: int
+    head_params: int                 # final norm + lm_head (0 extra when tied: it reuses the embedding)
+    num_experts: int = 0
+    experts_per_token: int = 0
+    kv_width: int | None = None      # K+V elements per token per layer (2 x kv_heads x head_dim)
+    hidden_size: int = 0
+    vocab_size: int = 0
+    tied_embeddings: bool = False
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelCost":
+        try:
+            return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+        except TypeError as e:
+            raise CostError(f"model cost: malformed ({e}); regenerate it with `layerline index CKPT --json`") from e
+
+    def active_params(self, layer: int) -> float:
+        """Parameters one token touches in a layer: dense + its share of routed experts."""
+        e = self.expert_params[layer]
+        if e and self.num_experts:
+            e = e * self.experts_per_token / self.num_experts
+        return self.dense_params[layer] + e
+
+
+@dataclass
+class KvProfile:
+    context: int
+    dtype: str
+    bytes_per_token: int             # per layer, per sequence
+    source: str                      # "index", "override", "assumed", "ignored"
+
+
+@dataclass
+class CostOptions:
+    objective: str = "throughput"
+    context: int = 4096
+    batch: int = 1
+    kv_dtype: str | None = None              # default: the precision's width
+    kv_bytes_per_layer_token: int | None = None
+    on_unknown_kv: str = "fail"              # fail | assume | ignore
+    precision_ladder: list[str] = field(default_factory=list)  # empty: the stored precision
+    reserve_ram_bytes: int = 0
+    hop_s: float = 0.0005                    # per hop; measured RTT when known
+
+    def __post_init__(self):
+        if self.objective not in OBJECTIVES:
+            raise CostError(f"layerline_objective.optimize: {self.objective!r} is not one of {', '.join(OBJECTIVES)}")
+        for name in ("context", "batch"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise CostError(f"layerline_objective.{name}: {v!r} must be a positive integer")
+        if self.on_unknown_kv not in ("fail", "assume", "ignore"):
+            raise CostError(f"layerline_objective.on_unknown_kv: {self.on_unknown_kv!r} is not fail, assume or ignore")
+        for p in self.precision_ladder:
+            if p not in PRECISION_BYTES:
+                raise CostError(f"layerline_objective.precision_ladder: {p!r} is not one of {', '.join(PRECISION_BYTES)}")
+        if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPE_BYTES:
+            raise CostError(f"layerline_objective.kv_dtype: {self.kv_dtype!r} is not one of {', '.join(KV_DTYPE_BYTES)}")
+        if self.hop_s < 0 or self.reserve_ram_bytes < 0:
+            raise CostError("layerline_objective: hop_secs and layerline_reserve_ram_gb must not be negative")
+
+    @classmethod
+    def from_vars(cls, objective: dict | None, reserve_ram_gb: float | None = None) -> "CostOptions":
+        """From the inventory's layerline_objective dict (DESIGN names)."""
+        o = dict(objective or {})
+        known = {"optimize", "context", "batch", "hop_secs", "kv_dtype", "kv_bytes_per_layer_token",
+                 "on_unknown_kv", "precision_ladder"}
+        extra = sorted(set(o) - known)
+        if extra:
+            raise CostError(f"layerline_objective: unknown key(s) {', '.join(extra)}; known: {', '.join(sorted(known))}")
+        kw = {"objective": o.get("optimize", "throughput"), "context": o.get("context", 4096),
+              "batch": o.get("batch", 1), "kv_dtype": o.get("kv_dtype"),
+              "kv_bytes_per_layer_token": o.get("kv_bytes_per_layer_token"),
+              "on_unknown_kv": o.get("on_unknown_kv", "fail"),
+              "precision_ladder": list(o.get("precision_ladder") or []),
+              "reserve_ram_bytes": int(float(reserve_ram_gb or 0) * 2**30)}
+        if o.get("hop_secs") is not None:
+            kw["hop_s"] = float(o["hop_secs"])
+        return cls(**kw)
+
+
+def model_cost(index: CheckpointIndex) -> ModelCost:
+    """ModelCost from a tensor index: layers by block prefix, experts by name."""
+    cfg = index.config
+    n = index.num_layers
+    if n == 0:
+        raise CostError(f"{index.path}: no layer tensors found (expected names like model.layers.N.*)")
+    dense, expert, rows = [0] * n, [0] * n, [0] * n
+    embed = head = 0
+    stored = None
+    kv_width = None
+    for t in index.tensors.values():
+        params = t.nbytes // DTYPE_BYTES[t.dtype]
+        if t.dtype in STORED_PRECISION and len(t.shape) >= 2:
+            stored = stored or STORED_PRECISION[t.dtype]
+        layer = t.layer
+        if layer is None:
+            if "embed_tokens" in t.name or t.name.startswith(("tok_embeddings", "token_embd")):
+                embed += params
+            else:  # final norm, lm_head, output
+                head += params
+            continue
+        if EXPERT_RE.search(t.name):
+            expert[layer] += params
+        else:
+            dense[layer] += params
+        if len(t.shape) == 2:
+            rows[layer] += t.shape[0]
+        if layer == 0 and re.search(r"\.(k_proj|v_proj)\.weight$", t.name):
+            kv_width = (kv_width or 0) + t.shape[0]
+    tied = bool(cfg.get("tie_word_embeddings")) or not any(
+        "lm_head" in name or name.startswith("output.") for name in index.tensors)
+    return ModelCost(
+        num_layers=n, stored_precision=stored or "fp32", dense_params=dense, expert_params=expert,
+        rows=rows, embed_params=embed, head_params=head,
+        num_experts=int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0),
+        experts_per_token=int(cfg.get("num_experts_per_tok") or 0),
+        kv_width=kv_width, hidden_size=int(cfg.get("hidden_size") or 0),
+        vocab_size=int(cfg.get("vocab_size") or 0), tied_embeddings=tied)
+
+
+def kv_profile(cost: ModelCost, opts: CostOptions, precision: str) -> KvProfile:
+    """KV bytes per token per layer after the options' override and unknown-handling."""
+    dtype = opts.kv_dtype or precision
+    if opts.kv_bytes_per_layer_token is not None:
+        return KvProfile(opts.context, dtype, int(opts.kv_bytes_per_layer_token), "override")
+    if cost.kv_width:
+        return KvProfile(opts.context, dtype, cost.kv_width * KV_DTYPE_BYTES[dtype], "index")
+    if opts.on_unknown_kv == "assume":  # as if full multi-head attention: K and V of hidden width
+        return KvProfile(opts.context, dtype, 2 * cost.hidden_size * KV_DTYPE_BYTES[dtype], "assumed")
+    if opts.on_unknown_kv == "ignore":
+        return KvProfile(opts.context, dtype, 0, "ignored")
+    raise CostError("KV width: cannot be inferred from the checkpoint (no k_proj/v_proj in layer 0); set "
+                    "layerline_objective.kv_bytes_per_layer_token, or on_unknown_kv: assume | ignore")
+
+
+def weight_bytes(cost: ModelCost, layer: int, precision: str, experts: bool = True) -> int:
+    p = cost.dense_params[layer] + (cost.expert_params[layer] if experts else 0)
+    extra = cost.rows[layer] * 4 if precision == "int8" else 0
+    return int(p * PRECISION_BYTES[precision]) + extra
+
+
+def edge_bytes(cost: ModelCost, precision: str, first: bool, last: bool) -> int:
+    b = 0
+    if first:
+        b += cost.embed_params * PRECISION_BYTES[precision]
+    if last:
+        b += cost.head_params * PRECISION_BYTES[precision]
+        if cost.tied_embeddings and not first:
+            b += cost.embed_params * PRECISION_BYTES[precision]  # the head is the embedding
+    return int(b)
+
+
+def edge_flops(cost: ModelCost, last: bool) -> float:
+    """The head's matmul: 2 x vocab x hidden per token (the embedding lookup is free)."""
+    return 2.0 * cost.vocab_size * cost.hidden_size if last else 0.0

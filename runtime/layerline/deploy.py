@@ -1,0 +1,122 @@
+"""From inventory variables to planner input and worker argv: what the filter plugins call.
+
+The inventory speaks DESIGN's variable names (layerline_*); this module turns one host's
+variables into a planner Node, a whole play into a plan, and a plan into each host's argv.
+Looking hosts up by name (never by position) keeps standbys and drained hosts from shifting
+anyone's layers.
+"""
+from __future__ import annotations
+
+import os
+import shlex
+
+from .cost import CostOptions, ModelCost
+from .errors import LayerlineError
+from .planner import PlanError, Node, make_plan, parse_layers
+
+DEFAULT_PORT = 9100
+
+
+def host_addr(hvars: dict, host: str) -> str:
+    """The address other hosts reach this one at."""
+    if hvars.get("layerline_addr"):
+        return str(hvars["layerline_addr"])
+    if hvars.get("ansible_connection") == "local":
+        return "127.0.0.1"
+    return str(hvars.get("ansible_host") or host)
+
+
+def host_endpoint(hvars: dict, host: str) -> str:
+    port = hvars.get("layerline_port", DEFAULT_PORT)
+    try:
+        port = int(port)
+        assert 1 <= port <= 65534
+    except (TypeError, ValueError, AssertionError):
+        raise LayerlineError(f"{host}: layerline_port {port!r} must be an integer in 1..65534 "
+                             "(the next port is the control socket)") from None
+    return f"tcp://{host_addr(hvars, host)}:{port}"
+
+
+def _gb(hvars: dict, key: str, host: str) -> int | None:
+    v = hvars.get(key)
+    if v in (None, ""):
+        return None
+    try:
+        return int(float(v) * 2**30)
+    except (TypeError, ValueError):
+        raise LayerlineError(f"{host}: {key} {v!r} must be a number of GiB") from None
+
+
+def node_from_vars(host: str, hvars: dict, caps: dict | None) -> Node:
+    if not isinstance(caps, dict):
+        raise LayerlineError(f"{host}: no layerline_caps facts; run the probe play (playbooks/probe.yml) first")
+    device = str(hvars.get("layerline_device") or "cpu")
+    if device == "cuda+cpu":
+        device = "cuda:0"  # spill is planned as the GPU's budget; the worker spills the rest to RAM
+    return Node(host=host, caps=caps, device=device,
+                role=str(hvars.get("layerline_role") or "active"),
+                layers=parse_layers(hvars.get("layerline_layers"), host),
+                precision=hvars.get("layerline_precision") or None,
+                standby_for=hvars.get("layerline_standby_for") or None,
+                max_ram_bytes=_gb(hvars, "layerline_max_ram_gb", host),
+                endpoint=host_endpoint(hvars, host))
+
+
+def plan_for_hosts(host_vars: dict[str, dict], cost: dict | ModelCost, objective: dict | None = None,
+                   policy: str | None = None, reserve_ram_gb: float | None = None) -> dict:
+    """The plan for a play's hosts (in pipeline order); caps come from each one's layerline_caps."""
+    if not host_vars:
+        raise PlanError("inventory: no hosts to plan for (put the workers in group layerline)")
+    nodes = [node_from_vars(h, v, v.get("layerline_caps")) for h, v in host_vars.items()]
+    mc = cost if isinstance(cost, ModelCost) else ModelCost.from_dict(cost)
+    return make_plan(nodes, mc, CostOptions.from_vars(objective, reserve_ram_gb), policy or "auto")
+
+
+def stage_of(plan: dict, host: str) -> dict | None:
+    return next((s for s in plan.get("stages", []) if s["host"] == host), None)
+
+
+def next_endpoint(plan: dict, stage: dict) -> str | None:
+    """The active stage that takes this stage's output (standbys feed the same next hop)."""
+    end = stage["layers"][1]
+    return next((s["endpoint"] for s in plan["stages"] if s["role"] == "active" and s["layers"][0] == end), None)
+
+
+def worker_argv(plan: dict, host: str, hvars: dict, python: str = "python3") -> list[str]:
+    """This host's worker command line, from its stage of the plan (looked up by host name)."""
+    s = stage_of(plan, host)
+    if s is None:
+        raise LayerlineError(f"{host}: not in the plan (role {hvars.get('layerline_role', 'active')}); "
+                             "only planned hosts start workers")
+    ckpt = hvars.get("layerline_checkpoint")
+    if not ckpt:
+        raise LayerlineError(f"{host}: layerline_checkpoint is not set; point it at a Hugging Face model dir")
+    state = str(hvars.get("layerline_state_dir") or f"/tmp/layerline-{host}")
+    port = int(str(s["endpoint"]).rsplit(":", 1)[1])
+    bind_host = str(hvars.get("layerline_bind_addr") or host_addr(hvars, host))
+    argv = [python, "-m", "layerline.worker",
+            "--checkpoint", str(ckpt),
+            "--layers", f"{s['layers'][0]}:{s['layers'][1]}",
+            "--device", s["device"],
+            "--precision", s["precision"],
+            "--kv-context", str(plan["kv"]["context"]),
+            "--kv-dtype", str(plan["kv"]["dtype"]),
+            "--rng-seed", str(hvars.get("layerline_rng_seed", 0)),
+            "--bind", f"tcp://{bind_host}:{port}",
+            "--name", host,
+            "--ready-file", os.path.join(state, "ready.json"),
+            "--keys", str(hvars.get("layerline_keys_dir") or os.path.join(state, "keys"))]
+    nxt = next_endpoint(plan, s)
+    if nxt:
+        argv += ["--next", nxt]
+    if s["layers"][0] == 0:
+        argv.append("--first")
+    if s["layers"][1] == plan["num_layers"]:
+        argv.append("--last")
+    if hvars.get("layerline_threads"):
+        argv += ["--threads", str(int(hvars["layerline_threads"]))]
+    return argv
+
+
+def argv_line(argv: list[str]) -> str:
+    return shlex.join(argv)

@@ -1,0 +1,172 @@
+"""The driver: pushes token ids into stage 0 and takes logits back from the last stage.
+
+The driver binds one result socket (reply_to) and names it in every request, so the last
+stage answers whoever asked. Each request carries an id and a deadline; stages append their
+compute time to the header, so one result tells where the time went.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+import zmq
+
+from . import wire
+from .errors import LayerlineError
+
+
+class DriveError(LayerlineError):
+    """A forward that did not come back: names the stage that failed or went quiet."""
+
+
+@dataclass
+class StepResult:
+    logits: torch.Tensor
+    timings: list[dict]           # per stage: {"stage", "layers", "s"}
+    wall_s: float
+
+    @property
+    def hop_s(self) -> float:
+        """Wall time not spent computing: framing, copies and the links between stages."""
+        return max(0.0, self.wall_s - sum(t["s"] for t in self.timings))
+
+
+@dataclass
+class Pipeline:
+    first: str                     # stage 0's data endpoint
+    reply_host: str = "127.0.0.1"  # an address of this machine the last stage can reach
+    timeout_s: float = 120.0
+    ctx: zmq.Context = field(default_factory=zmq.Context)
+
+    def __post_init__(self):
+        wire.endpoint(self.first, "first stage endpoint")
+        self._ids = itertools.count()
+        self.to_first = self.ctx.socket(zmq.DEALER)
+        self.to_first.setsockopt(zmq.LINGER, 0)
+        self.to_first.connect(self.first)
+        self.results = self.ctx.socket(zmq.ROUTER)
+        self.results.setsockopt(zmq.LINGER, 0)
+        port = self.results.bind_to_random_port(f"tcp://{self.reply_host}")
+        self.reply_to = f"tcp://{self.reply_host}:{port}"
+        self.poller = zmq.Poller()
+        self.poller.register(self.to_first, zmq.POLLIN)
+        self.poller.register(self.results, zmq.POLLIN)
+
+    def close(self) -> None:
+        self.to_first.close(0)
+        self.results.close(0)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def forward(self, input_ids: torch.Tensor, seq: str | None = None, pos: int = 0,
+                cache: bool = False) -> StepResult:
+        """One pass of [batch, tokens] ids through every stage; logits [batch, tokens, vocab]."""
+        if input_ids.dim() == 1:
+            input_ids = input_ids.unsqueeze(0)
+        rid = f"r{os.getpid()}-{next(self._ids)}"
+        head = {"op": "forward", "id": rid, "pos": pos, "cache": cache, "reply_to": self.reply_to,
+                "deadline": time.time() + self.timeout_s, "timings": []}
+        if seq is not None:
+            head["seq"] = seq
+        t0 = time.perf_counter()
+        self.to_first.send_multipart(wire.encode(head, {"input_ids": input_ids.to(torch.int64)}), copy=False)
+        while True:
+            left = self.timeout_s - (time.perf_counter() - t0)
+            if left <= 0:
+                raise DriveError(f"request {rid}: no result within {self.timeout_s:.0f} s; a stage after "
+                                 f"{self.first} is down or slow (check each worker's log and health)")
+            for sock, _ in self.poller.poll(min(left, 1.0) * 1000):
+                frames = sock.recv_multipart(copy=False)
+                if sock is self.results:
+                    frames = frames[1:]  # drop the sender's identity
+                h, tensors = wire.decode(frames)
+                if h.get("id") != rid:
+                    continue  # a late answer to an earlier request
+                if h["op"] == "error":
+                    raise DriveError(f"stage {h.get('stage', '?')}: {h.get('error')}")
+                if h["op"] == "result" and "logits" in tensors:
+                    wall = time.perf_counter() - t0
+                    return StepResult(tensors["logits"].clone(), h.get("timings", []), wall)
+
+    def release(self, seq: str) -> None:
+        """Every stage frees this sequence's KV cache."""
+        self.to_first.send_multipart(wire.encode({"op": "release", "seq": seq}))
+
+
+def control(endpoint: str, op: str, timeout_s: float = 5.0, ctx: zmq.Context | None = None, **fields) -> dict:
+    """One request to a worker's control socket (health, stats, set_next, shutdown)."""
+    ctx = ctx or zmq.Context.instance()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(endpoint)
+    try:
+        s.send_multipart(wire.encode({"op": op, **fields}))
+        if not s.poll(timeout_s * 1000):
+            raise DriveError(f"control {endpoint}: no answer to {op} within {timeout_s:.0f} s")
+        h, _ = wire.decode(s.recv_multipart())
+        if h["op"] == "error":
+            raise DriveError(f"control {endpoint}: {h.get('error')}")
+        return h
+    finally:
+        s.close(0)
+
+
+def tolerance(precision: str, ref: torch.Tensor) -> float:
+    """How far a pipelined forward may stray from one process running the same code.
+
+    Stages run the same kernels, but thread counts may differ between processes and change
+    reduction order; low precisions amplify that through the layers.
+    """
+    scale = float(ref.abs().max()) if ref.numel() else 1.0
+    rel = {"fp32": 1e-4, "bf16": 3e-2, "fp16": 1e-2, "int8": 3e-2}.get(precision, 1e-2)
+    return rel * max(scale, 1.0)
+
+
+def greedy_generate(pipe: Pipeline, prompt: list[int], max_new_tokens: int, seq: str = "s0",
+                    eos: int | None = None) -> tuple[list[int], list[StepResult]]:
+    """Prefill then one-token decode steps, each stage keeping this sequence's KV cache."""
+    ids = torch.tensor([prompt], dtype=torch.int64)
+    steps, out = [], []
+    try:
+        r = pipe.forward(ids, seq=seq, pos=0, cache=True)
+        steps.append(r)
+        pos = len(prompt)
+        for _ in range(max_new_tokens):
+            tok = int(r.logits[0, -1].argmax())
+            out.append(tok)
+            if tok == eos or len(out) == max_new_tokens:
+                break
+            r = pipe.forward(torch.tensor([[tok]]), seq=seq, pos=pos, cache=True)
+            steps.append(r)
+            pos += 1
+    finally:
+        pipe.release(seq)
+    return out, steps
+
+
+def drive_report(result: dict) -> str:
+    """The drive result as lines a person reads: per-stage times, hops, the reference check."""
+    lines = []
+    for t in result.get("stages", []):
+        a, b = t["layers"]
+        lines.append(f"{t['stage']:<12} layers {a:>3}:{b:<3} {t['s'] * 1e3:9.2f} ms")
+    lines.append(f"forward of {result.get('tokens')} tokens: wall {result['wall_s'] * 1e3:.2f} ms, "
+                 f"hops and framing {result['hop_s'] * 1e3:.2f} ms")
+    gen = result.get("generate")
+    if gen:
+        per = ", ".join(f"{s * 1e3:.2f}" for s in gen["stage_seconds"])
+        tps = gen["decode_tokens_per_s"]
+        lines.append(f"generated {len(gen['new_tokens'])} tokens in {gen['seconds']:.2f} s"
+                     + (f", decode {tps:.1f} tokens/s, per-stage ms/token [{per}]" if tps else ""))
+    if "max_abs_diff" in result:
+        verdict = "matches" if result["ok"] else "DOES NOT MATCH"
+        lines.append(f"max |logits - one-process forward| = {result['max_abs_diff']:.3g} "
+                     f"(tolerance {result['tolerance']:.3g} at {result['precision']}): {verdict}")
+    return "\n".join(lines)

@@ -1,0 +1,419 @@
+"""Llama-family decoder layers (Llama 2/3, Mistral, Qwen2), one pipeline *stage* at a time.
+
+gpt-fast style: a dataclass of model args, the KV cache as a module, nothing the forward does
+not need. A `Stage` holds a contiguous, half-open layer range [start, end) of the model, plus the
+token embedding when it is the first stage and the final norm + LM head when it is the last.
+
+Numerics follow Hugging Face transformers: RMSNorm in float32 and cast back, RoPE cos/sin
+computed in float32 from `inv_freq` in the rotate_half layout (the order HF checkpoints' q/k
+weights are in), softmax in float32. Attention is plain matmul + softmax with a causal mask
+(SDPA measured slower on the target CPUs); grouped-query attention folds the query heads of
+one KV head together instead of copying K/V per query head.
+
+Submodule names mirror HF's, so a stage's state_dict key is the HF tensor name without the
+leading "model." (layers are keyed by their global index): see `hf_name`.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..checkpoint import CheckpointError
+from ..errors import LayerlineError
+
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def _cfg_err(key: str, what: str) -> CheckpointError:
+    return CheckpointError(f"config.json {key}: {what}")
+
+
+def _pos_int(cfg: dict, key: str, default: int | None = None) -> int:
+    v = cfg.get(key)
+    if v is None:
+        if default is None:
+            raise _cfg_err(key, "missing; a Llama-family config.json must set it (e.g. re-export the checkpoint "
+                                "with transformers' save_pretrained)")
+        return default
+    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+        raise _cfg_err(key, f"{v!r} is not a positive integer; fix the value in config.json")
+    return v
+
+
+def _pos_float(cfg: dict, key: str, default: float | None = None, where: str = "") -> float:
+    v = cfg.get(key)
+    if v is None:
+        if default is None:
+            raise _cfg_err(where + key, "missing; add it to config.json")
+        return float(default)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+        raise _cfg_err(where + key, f"{v!r} is not a positive number; fix the value in config.json")
+    return float(v)
+
+
+def _bool(cfg: dict, key: str, default: bool) -> bool:
+    v = cfg.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise _cfg_err(key, f"{v!r} is not true or false; fix the value in config.json")
+    return v
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None  # None for plain RoPE, else a dict with "rope_type" ("linear" | "llama3")
+    max_position_embeddings: int
+    attention_bias: bool  # bias on q/k/v projections
+    tie_word_embeddings: bool
+    o_proj_bias: bool = False  # Llama's attention_bias also biases o_proj; Qwen2 biases q/k/v only
+
+    @classmethod
+    def from_config(cls, cfg: dict) -> "ModelArgs":
+        """Model args from a Hugging Face config.json dict (Llama, Mistral, Qwen2).
+
+        Missing or invalid keys raise CheckpointError naming the config.json key.
+        """
+        if not isinstance(cfg, dict):
+            raise CheckpointError("config.json: not a JSON object")
+        model_type = cfg.get("model_type", "llama")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise _cfg_err("model_type", f"{model_type!r} is not supported by layerline's model code; "
+                                         f"use a {', '.join(SUPPORTED_MODEL_TYPES)} checkpoint")
+        act = cfg.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise _cfg_err("hidden_act", f"{act!r} is not supported; only SwiGLU (silu) MLPs are")
+        if model_type == "qwen2" and cfg.get("use_sliding_window"):
+            raise _cfg_err("use_sliding_window", "true is not supported; only full attention is")
+        if cfg.get("mlp_bias"):
+            raise _cfg_err("mlp_bias", "true is not supported; only bias-free MLPs are")
+        hidden = _pos_int(cfg, "hidden_size")
+        heads = _pos_int(cfg, "num_attention_heads")
+        kv_heads = _pos_int(cfg, "num_key_value_heads", heads)
+        if heads % kv_heads:
+            raise _cfg_err("num_key_value_heads", f"{kv_heads} does not divide num_attention_heads {heads}; "
+                                                  "fix config.json")
+        if cfg.get("head_dim") is None and hidden % heads:
+            raise _cfg_err("head_dim", f"missing and hidden_size {hidden} does not divide by "
+                                       f"num_attention_heads {heads}; add head_dim to config.json")
+        head_dim = _pos_int(cfg, "head_dim", hidden // heads)
+        if head_dim % 2:
+            raise _cfg_err("head_dim", f"{head_dim} is odd; rotary embeddings need an even head_dim")
+        max_pos = _pos_int(cfg, "max_position_embeddings", 2048)
+
+        # RoPE: transformers 5 writes "rope_parameters" (rope_theta inside); older configs write
+        # "rope_theta" and "rope_scaling" at the top level.
+        rp = cfg.get("rope_parameters")
+        if rp is not None and not isinstance(rp, dict):
+            raise _cfg_err("rope_parameters", f"{rp!r} is not an object; fix config.json")
+        scaling = cfg.get("rope_scaling")
+        if scaling is not None and not isinstance(scaling, dict):
+            raise _cfg_err("rope_scaling", f"{scaling!r} is not an object or null; fix config.json")
+        theta_src = dict(cfg)
+        if rp and rp.get("rope_theta") is not None:
+            theta_src = rp
+        theta = _pos_float(theta_src, "rope_theta", 10000.0)
+        src_key = "rope_scaling"
+        if scaling is None and rp:
+            scaling, src_key = rp, "rope_parameters"
+        rope_scaling = None
+        if scaling:
+            rtype = scaling.get("rope_type", scaling.get("type", "default"))
+            if rtype not in _ROPE_TYPES:
+                raise _cfg_err(f"{src_key}.rope_type", f"{rtype!r} is not supported; "
+                                                       f"supported: {', '.join(_ROPE_TYPES)}")
+            if rtype != "default":
+                rope_scaling = {"rope_type": rtype,
+                                "factor": _pos_float(scaling, "factor", where=src_key + ".")}
+                if rtype == "llama3":
+                    for k in ("low_freq_factor", "high_freq_factor"):
+                        rope_scaling[k] = _pos_float(scaling, k, where=src_key + ".")
+                    rope_scaling["original_max_position_embeddings"] = _pos_float(
+                        scaling, "original_max_position_embeddings", max_pos, where=src_key + ".")
+                    if rope_scaling["high_freq_factor"] <= rope_scaling["low_freq_factor"]:
+                        raise _cfg_err(f"{src_key}.high_freq_factor",
+                                       "must be larger than low_freq_factor; fix config.json")
+
+        qwen2 = model_type == "qwen2"
+        # Qwen2 always biases q/k/v (transformers ignores attention_bias there); Llama/Mistral by the key
+        attention_bias = True if qwen2 else _bool(cfg, "attention_bias", False)
+        return cls(
+            vocab_size=_pos_int(cfg, "vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=_pos_int(cfg, "intermediate_size"),
+            num_layers=_pos_int(cfg, "num_hidden_layers"),
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=_pos_float(cfg, "rms_norm_eps", 1e-6),
+            rope_theta=theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=max_pos,
+            attention_bias=attention_bias,
+            tie_word_embeddings=_bool(cfg, "tie_word_embeddings", False),
+            o_proj_bias=attention_bias and not qwen2,
+        )
+
+
+def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
+    """Inverse RoPE frequencies [head_dim // 2], float32 on the CPU, as transformers computes them."""
+    dim = args.head_dim
+    # explicit device: stages are built under `with torch.device("meta")` by the loader
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu")
+                                          .to(dtype=torch.float) / dim))
+    sc = args.rope_scaling
+    if not sc:
+        return inv_freq
+    if sc["rope_type"] == "linear":
+        return inv_freq / sc["factor"]
+    # llama3 (transformers' _compute_llama3_parameters)
+    factor, low, high = sc["factor"], sc["low_freq_factor"], sc["high_freq_factor"]
+    old_len = sc["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    inv_llama = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * inv_llama / factor + smooth * inv_llama
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, inv_llama)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.to(torch.float32)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class KVCache(nn.Module):
+    """One layer's keys and values: buffers [batch, n_kv_heads, max_len, head_dim]."""
+
+    def __init__(self, batch: int, n_kv_heads: int, max_len: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str | None = None):
+        super().__init__()
+        shape = (batch, n_kv_heads, max_len, head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    def update(self, start_pos: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k, v [B, n_kv, T, hd] at positions start_pos.. and return all keys/values up to them."""
+        b, end = k.shape[0], start_pos + k.shape[2]
+        self.k[:b, :, start_pos:end] = k
+        self.v[:b, :, start_pos:end] = v
+        ks, vs = self.k[:b, :, :end], self.v[:b, :, :end]
+        if ks.dtype != k.dtype:  # a KV cache kept in another dtype than the compute
+            ks, vs = ks.to(k.dtype), vs.to(k.dtype)
+        return ks, vs
+
+
+class StageCache:
+    """The KV caches of one stage's layers for one batch of sequences, and how many tokens they hold."""
+
+    def __init__(self, layers: list[KVCache]):
+        self.layers = layers
+        self.length = 0
+
+    @property
+    def batch(self) -> int:
+        return self.layers[0].k.shape[0]
+
+    @property
+    def max_len(self) -> int:
+        return self.layers[0].k.shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.k.numel() * c.k.element_size() * 2 for c in self.layers)
+
+    def reset(self) -> None:
+        """Forget the cached tokens (the buffers are overwritten as new ones come)."""
+        self.length = 0
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, dtype: torch.dtype):
+        super().__init__()
+        h, hd = args.hidden_size, args.head_dim
+        self.n_heads, self.n_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, hd
+        self.scale = hd ** -0.5
+        self.q_proj = nn.Linear(h, args.num_heads * hd, bias=args.attention_bias, dtype=dtype)
+        self.k_proj = nn.Linear(h, args.num_kv_heads * hd, bias=args.attention_bias, dtype=dtype)
+        self.v_proj = nn.Linear(h, args.num_kv_heads * hd, bias=args.attention_bias, dtype=dtype)
+        self.o_proj = nn.Linear(args.num_heads * hd, h, bias=args.o_proj_bias, dtype=dtype)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
+                start_pos: int, kv: KVCache | None) -> torch.Tensor:
+        b, t, _ = x.shape
+        nh, nkv, hd = self.n_heads, self.n_kv_heads, self.head_dim
+        q = self.q_proj(x).view(b, t, nh, hd).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, nkv, hd).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, nkv, hd).transpose(1, 2)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        if kv is not None:
+            k, v = kv.update(start_pos, k, v)
+        s = k.shape[2]
+        g = nh // nkv
+        # GQA without copying K/V: query head j*g + r uses kv head j (HF's repeat_kv order), so fold
+        # the g query heads of each kv head into the row dimension: [b, nkv, g*t, hd].
+        q = q.reshape(b, nkv, g * t, hd)
+        scores = torch.matmul(q, k.transpose(2, 3)) * self.scale  # [b, nkv, g*t, s]
+        if mask is not None:
+            scores = scores.view(b, nkv, g, t, s).masked_fill(mask.logical_not(), float("-inf"))
+            scores = scores.view(b, nkv, g * t, s)
+        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        out = torch.matmul(probs, v)  # [b, nkv, g*t, hd]
+        out = out.view(b, nh, t, hd).transpose(1, 2).reshape(b, t, nh * hd)
+        return self.o_proj(out)
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs, dtype: torch.dtype):
+        super().__init__()
+        h, i = args.hidden_size, args.intermediate_size
+        self.gate_proj = nn.Linear(h, i, bias=False, dtype=dtype)
+        self.up_proj = nn.Linear(h, i, bias=False, dtype=dtype)
+        self.down_proj = nn.Linear(i, h, bias=False, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, dtype: torch.dtype):
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
+        self.self_attn = Attention(args, dtype)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
+        self.mlp = MLP(args, dtype)
+
+    def forward(self, x, cos, sin, mask, start_pos, kv):
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, start_pos, kv)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+def hf_name(key: str, args: ModelArgs) -> str:
+    """The Hugging Face checkpoint tensor name of a Stage state_dict key."""
+    if key.startswith("lm_head."):
+        return "model.embed_tokens." + key[len("lm_head."):] if args.tie_word_embeddings else key
+    return "model." + key
+
+
+class Stage(nn.Module):
+    """Layers [start, end) of the model; the embedding if `first`; final norm + LM head if `last`."""
+
+    def __init__(self, args: ModelArgs, start: int, end: int, first: bool, last: bool, dtype: torch.dtype):
+        super().__init__()
+        if not 0 <= start < end <= args.num_layers:
+            raise LayerlineError(f"--layers {start}:{end}: not a non-empty range inside the model's "
+                                 f"0:{args.num_layers}; choose A:B with 0 <= A < B <= {args.num_layers}")
+        self.args, self.start, self.end = args, start, end
+        self.first, self.last, self.dtype = first, last, dtype
+        if first:
+            self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size, dtype=dtype)
+        # keyed by global layer index, so state_dict keys read as the checkpoint's names
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(args, dtype) for i in range(start, end)})
+        if last:
+            self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False, dtype=dtype)
+            if first and args.tie_word_embeddings:
+                self.lm_head.weight = self.embed_tokens.weight
+        self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.inv_freq.device
+
+    def new_cache(self, batch: int, max_len: int, dtype: torch.dtype | None = None) -> StageCache:
+        """Empty KV caches for `batch` sequences of up to `max_len` tokens (dtype: the stage's by default)."""
+        if batch <= 0 or max_len <= 0:
+            raise LayerlineError(f"KV cache of batch {batch} x {max_len} tokens: both must be positive")
+        a = self.args
+        return StageCache([KVCache(batch, a.num_kv_heads, max_len, a.head_dim, dtype or self.dtype, self.device)
+                           for _ in self.layers])
+
+    @torch.inference_mode()
+    def forward(self, x: torch.Tensor, start_pos: int = 0, cache: StageCache | None = None,
+                *, last_only: bool = False) -> torch.Tensor:
+        """Run the stage on T new tokens at positions start_pos..start_pos+T-1.
+
+        first stage: x is int64 token ids [B, T]; others: hidden states [B, T, hidden].
+        Last stage returns float32 logits [B, T, vocab] ([B, 1, vocab] with last_only);
+        others return hidden [B, T, hidden] in the stage dtype.
+        """
+        a = self.args
+        if self.first:
+            if x.dim() != 2 or x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
+                raise LayerlineError(f"first stage input: expected integer token ids [batch, tokens], "
+                                     f"got {x.dtype} {tuple(x.shape)}")
+            if x.numel() and (int(x.min()) < 0 or int(x.max()) >= a.vocab_size):
+                raise LayerlineError(f"token ids must lie in [0, {a.vocab_size}); got "
+                                     f"{int(x.min())}..{int(x.max())}")
+            h = self.embed_tokens(x.to(self.device))
+        else:
+            if x.dim() != 3 or x.shape[-1] != a.hidden_size or not x.dtype.is_floating_point:
+                raise LayerlineError(f"stage {self.start}:{self.end} input: expected float hidden states "
+                                     f"[batch, tokens, {a.hidden_size}], got {x.dtype} {tuple(x.shape)}")
+            h = x.to(device=self.device, dtype=self.dtype)
+        b, t = h.shape[:2]
+        if t == 0:
+            raise LayerlineError("stage input holds no tokens")
+        if cache is None:
+            if start_pos != 0:
+                raise LayerlineError(f"start_pos {start_pos} without a KV cache: a forward without cache "
+                                     "must start at position 0")
+        else:
+            if not 0 <= start_pos <= cache.length:
+                raise LayerlineError(f"start_pos {start_pos}: the KV cache holds {cache.length} tokens; "
+                                     "positions must continue from at most there (replay the prefix)")
+            if start_pos + t > cache.max_len:
+                raise LayerlineError(f"KV cache full: {start_pos + t} tokens do not fit its {cache.max_len}; "
+                                     "raise --kv-context")
+            if b > cache.batch:
+                raise LayerlineError(f"batch {b} is larger than the KV cache's {cache.batch}")
+        s = start_pos + t
+
+        pos = torch.arange(start_pos, s, device=self.device)
+        freqs = pos[:, None].float() * self.inv_freq[None, :].float()
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos().to(h.dtype), emb.sin().to(h.dtype)
+        # key s' is visible to query t' when s' <= start_pos + t'; one new token sees everything
+        mask = torch.ones(t, s, dtype=torch.bool, device=self.device).tril(start_pos) if t > 1 else None
+
+        kvs = cache.layers if cache is not None else [None] * len(self.layers)
+        for layer, kv in zip(self.layers.values(), kvs):
+            h = layer(h, cos, sin, mask, start_pos, kv)
+        if cache is not None:
+            cache.length = s
+        if not self.last:
+            return h
+        if last_only:
+            h = h[:, -1:]
+        return self.lm_head(self.norm(h)).float()

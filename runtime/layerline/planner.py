@@ -1,0 +1,418 @@
+"""Placement: which contiguous layers each host holds, at which precision, with which KV reserve.
+
+Pure functions over data. Hosts keep the order they are given in (the pipeline order, which
+the inventory controls to keep hops short); pinned ranges are honoured. For that order the
+placement is exact for its objective:
+
+- throughput: smallest slowest-stage time, by bisection over the bottleneck with a greedy
+  feasibility check (each host takes as many layers as fit the candidate time and its memory;
+  stage cost is monotone in the range, so the greedy is optimal for a fixed order);
+- latency: smallest sum of stage times and hops, by dynamic programming over (host, layer);
+- memory: fewest machines (the greedy at unbounded time), then balanced among those.
+
+The precision ladder is stepped down only as far as needed; nothing fitting ends in one line
+that says how many bytes are short at the last rung.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from .cost import (PRECISION_BYTES, CostOptions, KvProfile, ModelCost, edge_bytes, edge_flops,
+                   kv_profile, weight_bytes)
+from .errors import LayerlineError
+
+POLICIES = ("auto", "ram_balanced", "uniform", "manual")
+ROLES = ("active", "standby", "draining")
+GiB = 2**30
+
+
+class PlanError(LayerlineError):
+    """No valid plan: the text names the host or field, and what would make it fit."""
+
+
+@dataclass
+class Node:
+    """One host as the planner sees it: probed caps plus its inventory knobs."""
+    host: str
+    caps: dict
+    device: str = "cpu"
+    role: str = "active"
+    layers: tuple[int, int] | None = None     # pinned [start, end)
+    precision: str | None = None               # pinned precision
+    standby_for: str | None = None
+    max_ram_bytes: int | None = None
+    endpoint: str | None = None
+
+    # filled in by _prepare
+    budget: int = 0
+    flops: float = 0.0
+    mem_bw: float = 0.0
+    disk_bw: float | None = None
+
+
+@dataclass
+class _Table:
+    """Prefix sums per precision so a stage's cost is O(1)."""
+    cost: ModelCost
+    precision: str
+    kv_per_layer: int                    # bytes for one layer's KV window (context x batch)
+    wsum: list[int] = field(default_factory=list)
+    fsum: list[float] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.wsum, self.fsum = [0], [0.0]
+        for i in range(self.cost.num_layers):
+            self.wsum.append(self.wsum[-1] + weight_bytes(self.cost, i, self.precision))
+            # bytes read per token: dense + the active experts' share
+            self.fsum.append(self.fsum[-1] + 2.0 * self.cost.active_params(i))
+
+    def weight(self, a: int, b: int) -> int:
+        L = self.cost.num_layers
+        return self.wsum[b] - self.wsum[a] + edge_bytes(self.cost, self.precision, a == 0, b == L)
+
+    def mem(self, a: int, b: int) -> int:
+        return self.weight(a, b) + (b - a) * self.kv_per_layer
+
+    def time(self, node: Node, a: int, b: int, batch: int) -> float:
+        L = self.cost.num_layers
+        flops = (self.fsum[b] - self.fsum[a] + edge_flops(self.cost, b == L)) * batch
+        # decode reads each weight once per step: dense bytes + the active experts' bytes
+        read = (self.fsum[b] - self.fsum[a]) / 2.0 * PRECISION_BYTES[self.precision]
+        if b == L:
+            read += self.cost.head_params * PRECISION_BYTES[self.precision]
+            if self.cost.tied_embeddings:
+                read += self.cost.embed_params * PRECISION_BYTES[self.precision]
+        return max(flops / node.flops, read / node.mem_bw)
+
+
+def parse_layers(value, host: str) -> tuple[int, int] | None:
+    if value in (None, ""):
+        return None
+    try:
+        a, b = (int(x) for x in str(value).split(":"))
+    except ValueError:
+        raise PlanError(f"{host}: layerline_layers {value!r} must be \"A:B\" (half-open: layers A to B-1)") from None
+    if not 0 <= a < b:
+        raise PlanError(f"{host}: layerline_layers {value!r} must have 0 <= A < B")
+    return a, b
+
+
+def _device_caps(node: Node) -> dict:
+    devices = node.caps.get("devices")
+    if not isinstance(devices, list):
+        raise PlanError(f"{node.host}: probe facts have no devices list; re-run the probe (layerline_probe)")
+    for d in devices:
+        if isinstance(d, dict) and d.get("name") == node.device:
+            return d
+    names = [d.get("name") for d in devices if isinstance(d, dict)]
+    raise PlanError(f"{node.host}: layerline_device {node.device!r} is not on this host (probed: {', '.join(map(str, names))})")
+
+
+def _prepare(nodes: list[Node], opts: CostOptions) -> None:
+    """Budget and speeds per node. Hosts sharing one machine share its RAM."""
+    share: dict[tuple, int] = {}
+    for n in nodes:
+        if n.role != "draining" and n.device == "cpu":
+            key = (n.caps.get("hostname"), n.caps.get("ram_total_bytes"))
+            share[key] = share.get(key, 0) + 1
+    for n in nodes:
+        d = _device_caps(n)
+        for key in ("flops_per_s", "mem_bw_bytes_per_s"):
+            v = d.get(key)
+            if not isinstance(v, (int, float)) or v <= 0:
+                raise PlanError(f"{n.host}: device {n.device} has no measured {key}; re-run the probe")
+        n.flops, n.mem_bw = float(d["flops_per_s"]), float(d["mem_bw_bytes_per_s"])
+        disk = n.caps.get("disk_read_bytes_per_s")
+        n.disk_bw = float(disk) if isinstance(disk, (int, float)) and disk > 0 else None
+        if n.device == "cpu":
+            avail = n.caps.get("ram_available_bytes")
+            if not isinstance(avail, int):
+                raise PlanError(f"{n.host}: probe facts have no ram_available_bytes; re-run the probe")
+            sharers = share.get((n.caps.get("hostname"), n.caps.get("ram_total_bytes")), 1)
+            budget = avail // max(1, sharers) - opts.reserve_ram_bytes
+        else:
+            budget = int(d.get("memory_free_bytes") or d.get("memory_bytes") or 0) - opts.reserve_ram_bytes
+        if n.max_ram_bytes is not None:
+            budget = min(budget, n.max_ram_bytes)
+        n.budget = max(0, int(budget))
+
+
+# --- placement for one precision -----------------------------------------------------------
+
+def _fits(tab: _Table, n: Node, a: int, b: int, limit: float, batch: int) -> bool:
+    return tab.mem(a, b) <= n.budget and tab.time(n, a, b, batch) <= limit
+
+
+def _greedy(tabs: list[_Table], nodes: list[Node], limit: float, batch: int) -> list[tuple[int, int]] | None:
+    """Each host in order takes as many layers as fit `limit` and its memory; None if not all fit."""
+    L = tabs[0].cost.num_layers
+    pins = [n.layers for n in nodes]
+    out, a = [], 0
+    for k, (n, tab) in enumerate(zip(nodes, tabs)):
+        if pins[k]:
+            pa, pb = pins[k]
+            if pa != a or not _fits(tab, n, pa, pb, limit, batch):
+                return None
+            out.append((pa, pb))
+            a = pb
+            continue
+        stop = next((p[0] for p in pins[k + 1:] if p), L)
+        b = a
+        while b < stop and _fits(tab, n, a, b + 1, limit, batch):
+            b += 1
+        out.append((a, b))
+        a = b
+    return out if a == L else None
+
+
+def _bottleneck(tabs, nodes, ranges, batch) -> float:
+    return max((t.time(n, a, b, batch) for t, n, (a, b) in zip(tabs, nodes, ranges) if b > a), default=0.0)
+
+
+def _throughput(tabs, nodes, batch) -> list[tuple[int, int]] | None:
+    best = _greedy(tabs, nodes, math.inf, batch)
+    if best is None:
+        return None
+    hi = _bottleneck(tabs, nodes, best, batch)
+    lo = 0.0
+    for _ in range(100):
+        if hi - lo <= hi * 1e-12:
+            break
+        mid = (lo + hi) / 2
+        r = _greedy(tabs, nodes, mid, batch)
+        if r is None:
+            lo = mid
+        else:
+            best, hi = r, _bottleneck(tabs, nodes, r, batch)
+    return best
+
+
+def _latency(tabs, nodes, batch, hop_s) -> list[tuple[int, int]] | None:
+    """DP over hosts in order: best[b] = least time covering layers [0, b)."""
+    L = tabs[0].cost.num_layers
+    inf = math.inf
+    best = [0.0] + [inf] * L
+    choice: list[list[int]] = []
+    for n, tab in zip(nodes, tabs):
+        new, pick = best[:], list(range(L + 1))  # pick[b] == b: host unused
+        if n.layers:
+            pa, pb = n.layers
+            new = [inf] * (L + 1)
+            if best[pa] < inf and tab.mem(pa, pb) <= n.budget:
+                new[pb], pick[pb] = best[pa] + tab.time(n, pa, pb, batch) + hop_s, pa
+        else:
+            for a in range(L):
+                if best[a] == inf:
+                    continue
+                for b in range(a + 1, L + 1):
+                    if tab.mem(a, b) > n.budget:
+                        break
+                    t = best[a] + tab.time(n, a, b, batch) + hop_s
+                    if t < new[b]:
+                        new[b], pick[b] = t, a
+        best = new
+        choice.append(pick)
+    if best[L] == inf:
+        return None
+    ranges, b = [], L
+    for pick in reversed(choice):
+        a = pick[b]
+        ranges.append((a, b))
+        b = a
+    return list(reversed(ranges))
+
+
+def _proportional(nodes: list[Node], L: int, weights: list[float]) -> list[tuple[int, int]]:
+    """Largest-remainder split of L layers in proportion to weights."""
+    total = sum(weights) or 1.0
+    exact = [L * w / total for w in weights]
+    counts = [int(x) for x in exact]
+    for k in sorted(range(len(nodes)), key=lambda k: exact[k] - counts[k], reverse=True)[: L - sum(counts)]:
+        counts[k] += 1
+    out, a = [], 0
+    for c in counts:
+        out.append((a, a + c))
+        a += c
+    return out
+
+
+def _place(policy: str, opts: CostOptions, tabs, nodes) -> list[tuple[int, int]] | None:
+    L = tabs[0].cost.num_layers
+    if policy == "manual":
+        ranges = [n.layers for n in nodes]
+        if not all(ranges):
+            missing = [n.host for n in nodes if not n.layers]
+            raise PlanError(f"layerline_policy manual: host(s) {', '.join(missing)} have no layerline_layers pin")
+    elif policy == "ram_balanced":
+        ranges = _proportional(nodes, L, [n.budget for n in nodes])
+    elif policy == "uniform":
+        ranges = _proportional(nodes, L, [1.0] * len(nodes))
+    elif opts.objective == "latency":
+        return _latency(tabs, nodes, opts.batch, opts.hop_s)
+    elif opts.objective == "memory":
+        few = _greedy(tabs, nodes, math.inf, opts.batch)
+        if few is None:
+            return None
+        used = [k for k, (a, b) in enumerate(few) if b > a or nodes[k].layers]
+        sub = _throughput([tabs[k] for k in used], [nodes[k] for k in used], opts.batch)
+        out = [(0, 0)] * len(nodes)
+        for k, r in zip(used, sub or []):
+            out[k] = r
+        return out if sub else few
+    else:
+        return _throughput(tabs, nodes, opts.batch)
+    # fixed splits: check they cover and fit
+    a = 0
+    for n, tab, (ra, rb) in zip(nodes, tabs, ranges):
+        if rb > ra and (ra != a or tab.mem(ra, rb) > n.budget):
+            return None
+        a = rb if rb > ra else a
+    return ranges if a == L else None
+
+
+# --- the plan ---------------------------------------------------------------------------------
+
+def _order(actives: list[Node]) -> list[Node]:
+    """Pipeline order: as given, except pinned hosts are put in the order of their pins."""
+    pinned = sorted((n for n in actives if n.layers), key=lambda n: n.layers)
+    it = iter(pinned)
+    return [next(it) if n.layers else n for n in actives]
+
+
+def _shortfall(cost: ModelCost, opts: CostOptions, rung: str, actives: list[Node]) -> str:
+    kvp = kv_profile(cost, opts, rung)
+    tab = _Table(cost, rung, kvp.bytes_per_token * opts.context * opts.batch)
+    need = tab.mem(0, cost.num_layers)
+    have = sum(n.budget for n in actives)
+    if need > have:
+        return (f"model does not fit: needs {need} bytes at {rung} (weights {tab.weight(0, cost.num_layers)}, "
+                f"KV {need - tab.weight(0, cost.num_layers)} for context {opts.context}) but the active hosts have "
+                f"{have}; {need - have} bytes short. Add a host or memory, lower layerline_objective.context, "
+                f"or add a lower rung to layerline_objective.precision_ladder")
+    biggest = max(tab.mem(i, i + 1) for i in range(cost.num_layers))
+    return (f"model does not fit as split: {need} bytes at {rung} fit the hosts' {have} in total, but no "
+            f"contiguous split in this host order does (largest layer {biggest} bytes, largest host budget "
+            f"{max((n.budget for n in actives), default=0)}); check layerline_layers pins, layerline_policy, "
+            f"or lower layerline_objective.context")
+
+
+def make_plan(nodes: list[Node], cost: ModelCost, opts: CostOptions, policy: str = "auto") -> dict:
+    """The plan (DESIGN's JSON shape) for these nodes, or PlanError naming what to change."""
+    if policy not in POLICIES:
+        raise PlanError(f"layerline_policy: {policy!r} is not one of {', '.join(POLICIES)}")
+    for n in nodes:
+        if n.role not in ROLES:
+            raise PlanError(f"{n.host}: layerline_role {n.role!r} is not one of {', '.join(ROLES)}")
+        if n.precision is not None and n.precision not in PRECISION_BYTES:
+            raise PlanError(f"{n.host}: layerline_precision {n.precision!r} is not one of {', '.join(PRECISION_BYTES)}")
+        if n.layers and n.layers[1] > cost.num_layers:
+            raise PlanError(f"{n.host}: layerline_layers {n.layers[0]}:{n.layers[1]} is past the model's "
+                            f"{cost.num_layers} layers")
+    actives = _order([n for n in nodes if n.role == "active"])
+    if not actives:
+        raise PlanError("inventory: no active hosts (every host is standby or draining)")
+    _prepare([n for n in nodes if n.role != "draining"], opts)
+    ladder = opts.precision_ladder or [cost.stored_precision]
+    for rung in ladder:
+        kvs = {p: kv_profile(cost, opts, p) for p in set([rung] + [n.precision for n in actives if n.precision])}
+        tabs = [_Table(cost, n.precision or rung, kvs[n.precision or rung].bytes_per_token * opts.context * opts.batch)
+                for n in actives]
+        ranges = _place(policy, opts, tabs, actives)
+        if ranges is not None:
+            return _assemble(nodes, actives, tabs, ranges, cost, opts, kvs[rung], rung, policy)
+    raise PlanError(_shortfall(cost, opts, ladder[-1], actives))
+
+
+def _stage(n: Node, tab: _Table, a: int, b: int, role: str, batch: int, standby_for=None) -> dict:
+    return {"host": n.host, "role": role, "layers": [a, b], "device": n.device, "precision": tab.precision,
+            "weight_bytes": tab.weight(a, b), "kv_bytes": (b - a) * tab.kv_per_layer,
+            "mem_budget_bytes": n.budget, "predicted_s": tab.time(n, a, b, batch),
+            "standby_for": standby_for, "endpoint": n.endpoint, "disk_read_bytes_per_s": n.disk_bw}
+
+
+def _assemble(nodes, actives, tabs, ranges, cost, opts, kvp: KvProfile, rung, policy) -> dict:
+    stages = [_stage(n, t, a, b, "active", opts.batch) for n, t, (a, b) in zip(actives, tabs, ranges) if b > a]
+    used = {s["host"] for s in stages}
+    mirrored: set[str] = set()
+    for n in nodes:
+        if n.role != "standby":
+            continue
+        if n.standby_for:
+            principal = next((s for s in stages if s["host"] == n.standby_for), None)
+            if principal is None:
+                raise PlanError(f"{n.host}: layerline_standby_for {n.standby_for!r} is not an active stage "
+                                f"of this plan (active: {', '.join(sorted(used))})")
+        else:
+            principal = next((s for s in stages if s["host"] not in mirrored
+                              and s["weight_bytes"] + s["kv_bytes"] <= n.budget), None)
+            if principal is None:
+                raise PlanError(f"{n.host}: standby fits no unmirrored active stage in its {n.budget} bytes; "
+                                f"set layerline_standby_for or give it more memory")
+        tab = _Table(cost, principal["precision"], tabs[0].kv_per_layer if principal["precision"] == rung
+                     else principal["kv_bytes"] // max(1, principal["layers"][1] - principal["layers"][0]))
+        a, b = principal["layers"]
+        if tab.mem(a, b) > n.budget:
+            raise PlanError(f"{n.host}: standby for {principal['host']} needs {tab.mem(a, b)} bytes but has "
+                            f"{n.budget}; {tab.mem(a, b) - n.budget} bytes short")
+        mirrored.add(principal["host"])
+        stages.append(_stage(n, tab, a, b, "standby", opts.batch, standby_for=principal["host"]))
+    act = [s for s in stages if s["role"] == "active"]
+    bottleneck = max(s["predicted_s"] for s in act)
+    return {
+        "precision": rung, "objective": opts.objective, "policy": policy,
+        "kv": {"context": kvp.context, "dtype": kvp.dtype, "bytes_per_token": kvp.bytes_per_token,
+               "source": kvp.source},
+        "num_layers": cost.num_layers,
+        "stages": stages,
+        "predicted_token_s": sum(s["predicted_s"] for s in act) + opts.hop_s * (len(act) + 1),
+        "bottleneck_s": bottleneck,
+    }
+
+
+def validate_plan(plan: dict) -> None:
+    """Actives cover every layer exactly once, in pipeline order."""
+    a = 0
+    for s in plan["stages"]:
+        if s["role"] != "active":
+            continue
+        if s["layers"][0] != a or s["layers"][1] <= a:
+            raise PlanError(f"plan: stage on {s['host']} holds {s['layers']} but layer {a} is next")
+        a = s["layers"][1]
+    if a != plan["num_layers"]:
+        raise PlanError(f"plan: active stages end at layer {a} of {plan['num_layers']}")
+
+
+# --- the table --------------------------------------------------------------------------------
+
+def _size(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit, div in (("GiB", GiB), ("MiB", 2**20), ("KiB", 1024)):
+        if abs(n) >= div:
+            return f"{n / div:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def _secs(s: float) -> str:
+    return f"{s * 1e3:.2f} ms"
+
+
+def plan_table(plan: dict) -> str:
+    """What each machine ends up holding, with disk speed and predicted stage time."""
+    head = ["host", "role", "layers", "device", "prec", "weights", "kv", "budget", "disk read", "pred/token"]
+    rows = []
+    for s in plan["stages"]:
+        role = s["role"] + (f" ({s['standby_for']})" if s.get("standby_for") else "")
+        disk = s.get("disk_read_bytes_per_s")
+        rows.append([s["host"], role, f"{s['layers'][0]}:{s['layers'][1]}", s["device"], s["precision"],
+                     _size(s["weight_bytes"]), _size(s["kv_bytes"]), _size(s["mem_budget_bytes"]),
+                     f"{_size(disk)}/s" if disk else "not measured", _secs(s["predicted_s"])])
+    widths = [max(len(str(r[i])) for r in [head] + rows) for i in range(len(head))]
+    line = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
+    kv = plan["kv"]
+    out = [line(head), line(["-" * w for w in widths])] + [line(r) for r in rows]
+    out.append(f"precision {plan['precision']}, objective {plan['objective']}, policy {plan.get('policy', 'auto')}, "
+               f"KV {kv['dtype']} x {kv['context']} tokens ({kv['bytes_per_token']} B/token/layer)")
+    out.append(f"predicted token time {_secs(plan['predicted_token_s'])}, bottleneck {_secs(plan['bottleneck_s'])}")
+    return "\n".join(out)

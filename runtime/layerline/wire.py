@@ -1,0 +1,164 @@
+"""The wire: one JSON header + raw tensor frames over ZeroMQ. Never pickle.
+
+A message is [header, frame, frame, ...]. The header names each tensor's dtype and shape and
+how many frames carry it (tensors over 16 MB are split: zmq slows on single huge frames).
+decode() validates every field against bounds before touching a byte of tensor data, so a
+bad message raises WireError (which names the field) and never crashes the receiver.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+
+import torch
+
+from .errors import LayerlineError
+
+PROTOCOL = 1
+CHUNK_BYTES = 16 * 2**20
+MAX_HEADER_BYTES = 64 * 1024
+MAX_TENSORS = 16
+MAX_DIMS = 6
+ID_RE = re.compile(r"^[A-Za-z0-9_.:\-]{1,64}$")
+NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]{0,63}$")
+ENDPOINT_RE = re.compile(r"^tcp://[A-Za-z0-9.\-\[\]:]{1,200}:\d{1,5}$")
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+    "int64": torch.int64, "int32": torch.int32, "int8": torch.int8, "uint8": torch.uint8,
+}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+# Data ops travel the pipeline; control ops go to a worker's control socket.
+DATA_OPS = {"forward", "result", "error", "release"}
+CONTROL_OPS = {"health", "stats", "set_next", "shutdown"}
+OPS = DATA_OPS | CONTROL_OPS | {"ok"}
+
+
+class WireError(LayerlineError):
+    """A message that fails validation; the text names the offending field."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_bytes: int = 2 * 2**30      # all tensor bytes of one message
+    max_elements_dim: int = 2**31   # any one dimension
+
+
+def encode(header: dict, tensors: dict[str, torch.Tensor] | None = None) -> list:
+    """Frames for one message. Tensor frames are zero-copy views of contiguous CPU memory."""
+    tensors = tensors or {}
+    h = dict(header)
+    h.setdefault("v", PROTOCOL)
+    specs, frames = [], []
+    for name, t in tensors.items():
+        if t.dtype not in DTYPE_NAMES:
+            raise WireError(f"tensor {name}: dtype {t.dtype} is not sendable; use one of {sorted(DTYPES)}")
+        t = t.detach().to("cpu").contiguous()
+        # bfloat16 has no numpy dtype; ship its bytes through a same-size integer view
+        raw = t.view(torch.int16) if t.dtype in (torch.bfloat16, torch.float16) else t
+        buf = memoryview(raw.numpy()).cast("B") if t.numel() else memoryview(b"")
+        n = len(buf)
+        chunks = max(1, math.ceil(n / CHUNK_BYTES))
+        for c in range(chunks):
+            frames.append(buf[c * CHUNK_BYTES:(c + 1) * CHUNK_BYTES])
+        specs.append({"name": name, "dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape), "frames": chunks})
+    h["tensors"] = specs
+    head = json.dumps(h, separators=(",", ":")).encode()
+    if len(head) > MAX_HEADER_BYTES:
+        raise WireError(f"header: {len(head)} bytes is over the {MAX_HEADER_BYTES} limit")
+    return [head, *frames]
+
+
+def _buf(frame) -> memoryview:
+    return frame.buffer if hasattr(frame, "buffer") else memoryview(frame)
+
+
+def decode_header(frame) -> dict:
+    raw = _buf(frame)
+    if len(raw) > MAX_HEADER_BYTES:
+        raise WireError(f"header: {len(raw)} bytes is over the {MAX_HEADER_BYTES} limit")
+    try:
+        h = json.loads(bytes(raw))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise WireError(f"header: not valid UTF-8 JSON ({e.__class__.__name__})") from None
+    if not isinstance(h, dict):
+        raise WireError("header: must be a JSON object")
+    if h.get("v") != PROTOCOL:
+        raise WireError(f"header.v: protocol {h.get('v')!r} is not supported; this side speaks {PROTOCOL}")
+    if h.get("op") not in OPS:
+        raise WireError(f"header.op: {str(h.get('op'))[:40]!r} is not a known op")
+    for key in ("id", "seq"):
+        if key in h and not (isinstance(h[key], str) and ID_RE.match(h[key])):
+            raise WireError(f"header.{key}: must be 1-64 characters of [A-Za-z0-9_.:-]")
+    return h
+
+
+def decode(frames: list, limits: Limits = Limits()) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Validated header and tensors (zero-copy over the frames' buffers)."""
+    if not frames:
+        raise WireError("message: empty")
+    h = decode_header(frames[0])
+    specs = h.get("tensors", [])
+    if not isinstance(specs, list) or len(specs) > MAX_TENSORS:
+        raise WireError(f"header.tensors: must be a list of at most {MAX_TENSORS} tensor specs")
+    want = sum(s.get("frames", 0) if isinstance(s, dict) else 0 for s in specs)
+    if want != len(frames) - 1:
+        raise WireError(f"header.tensors: describes {want} frames but the message has {len(frames) - 1}")
+    out: dict[str, torch.Tensor] = {}
+    pos, total = 1, 0
+    for i, s in enumerate(specs):
+        where = f"header.tensors[{i}]"
+        if not isinstance(s, dict):
+            raise WireError(f"{where}: must be an object")
+        name, dtype, shape, nf = s.get("name"), s.get("dtype"), s.get("shape"), s.get("frames")
+        if not (isinstance(name, str) and NAME_RE.match(name)) or name in out:
+            raise WireError(f"{where}.name: must be a unique identifier of at most 64 characters")
+        if dtype not in DTYPES:
+            raise WireError(f"{where}.dtype: {str(dtype)[:20]!r} is not one of {sorted(DTYPES)}")
+        if (not isinstance(shape, list) or len(shape) > MAX_DIMS
+                or not all(type(d) is int and 0 <= d <= limits.max_elements_dim for d in shape)):
+            raise WireError(f"{where}.shape: must be at most {MAX_DIMS} non-negative integers")
+        itemsize = torch.empty((), dtype=DTYPES[dtype]).element_size()
+        nbytes = math.prod(shape) * itemsize
+        total += nbytes
+        if total > limits.max_bytes:
+            raise WireError(f"{where}: message tensors exceed the {limits.max_bytes}-byte limit")
+        if type(nf) is not int or nf != max(1, math.ceil(nbytes / CHUNK_BYTES)):
+            raise WireError(f"{where}.frames: {nf!r} does not match {nbytes} bytes in {CHUNK_BYTES}-byte chunks")
+        bufs = [_buf(f) for f in frames[pos:pos + nf]]
+        pos += nf
+        got = sum(len(b) for b in bufs)
+        if got != nbytes:
+            raise WireError(f"{where}: shape {shape} x {itemsize} bytes = {nbytes}, but its frames hold {got}")
+        if nbytes == 0:
+            out[name] = torch.empty(shape, dtype=DTYPES[dtype])
+            continue
+        if len(bufs) == 1:
+            flat = torch.frombuffer(bufs[0], dtype=torch.uint8)
+        else:  # split tensors are joined once; the price of not sending one huge frame
+            flat = torch.cat([torch.frombuffer(b, dtype=torch.uint8) for b in bufs])
+        out[name] = flat.view(DTYPES[dtype]).view(shape)
+    return h, out
+
+
+def require(header: dict, key: str, kind: type, lo: int | None = None, hi: int | None = None):
+    """One op-specific header field, type- and range-checked."""
+    v = header.get(key)
+    if kind is int:
+        if type(v) is not int or (lo is not None and v < lo) or (hi is not None and v > hi):
+            raise WireError(f"header.{key}: must be an integer in [{lo}, {hi}]")
+    elif kind is str:
+        if not isinstance(v, str) or len(v) > 256:
+            raise WireError(f"header.{key}: must be a string of at most 256 characters")
+    elif not isinstance(v, kind):
+        raise WireError(f"header.{key}: must be a {kind.__name__}")
+    return v
+
+
+def endpoint(value: str, field: str = "endpoint") -> str:
+    if not isinstance(value, str) or not ENDPOINT_RE.match(value):
+        raise WireError(f"{field}: {str(value)[:60]!r} is not a tcp://HOST:PORT address")
+    return value

@@ -1,0 +1,346 @@
+"""The stage process: holds a layer range, takes activations in, sends activations on.
+
+    python -m layerline.worker --checkpoint DIR --layers A:B --device D --precision P
+        --kv-context N --kv-dtype T --rng-seed S --bind ADDR --next ADDR [--first] [--last]
+        --keys DIR [--name HOST] [--ready-file PATH] [--control ADDR] [--threads N]
+    python -m layerline.worker --probe [--checkpoint DIR] [--device D]
+
+Two ROUTER sockets: data at --bind (pipeline traffic, an error reply to a bad message) and
+control at --control (default: the bind port + 1; health, stats, set_next, shutdown), so
+routing can change without a restart. Every message is validated; any failure becomes an
+error message, never a dead worker.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from .errors import LayerlineError
+
+MAX_BATCH = 64
+MAX_SEQS = 64          # live sequences whose KV cache a stage keeps (LRU beyond)
+MAX_REPLY_PEERS = 16   # distinct drivers a last stage keeps sockets to
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m layerline.worker", description=__doc__.split("\n")[0])
+    p.add_argument("--probe", action="store_true", help="print this host's NodeCaps as JSON and exit")
+    p.add_argument("--checkpoint")
+    p.add_argument("--layers", help="A:B, half-open")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--precision", default="fp32")
+    p.add_argument("--kv-context", type=int, default=4096)
+    p.add_argument("--kv-dtype", default=None)
+    p.add_argument("--rng-seed", type=int, default=0)
+    p.add_argument("--bind")
+    p.add_argument("--next", default=None)
+    p.add_argument("--first", action="store_true")
+    p.add_argument("--last", action="store_true")
+    p.add_argument("--keys", default=None, help="dir with this host's CURVE keys (used off loopback)")
+    p.add_argument("--name", default=None, help="name reported in timings and errors")
+    p.add_argument("--ready-file", default=None)
+    p.add_argument("--control", default=None)
+    p.add_argument("--threads", type=int, default=None)
+    a = p.parse_args(argv)
+    if a.probe:
+        return a
+    missing = [f"--{k}" for k in ("checkpoint", "layers", "bind") if not getattr(a, k)]
+    if missing:
+        p.error(f"missing {', '.join(missing)}")
+    if not a.last and not a.next:
+        p.error("--next is required unless --last")
+    try:
+        s, e = (int(x) for x in a.layers.split(":"))
+        assert 0 <= s < e
+    except (ValueError, AssertionError):
+        p.error(f"--layers {a.layers!r}: must be A:B with 0 <= A < B")
+    a.start, a.end = s, e
+    if a.kv_context < 1:
+        p.error("--kv-context must be positive")
+    return a
+
+
+def control_endpoint(bind: str) -> str:
+    host, port = bind.rsplit(":", 1)
+    return f"{host}:{int(port) + 1}"
+
+
+@dataclass
+class Stats:
+    started: float = field(default_factory=time.time)
+    requests: int = 0
+    errors: int = 0
+    rejected: int = 0
+    compute_s: float = 0.0
+
+
+class Worker:
+    def __init__(self, args: argparse.Namespace):
+        import torch
+        import zmq
+
+        from . import wire
+        from .model.loader import load_stage
+
+        self.torch, self.zmq, self.wire = torch, zmq, wire
+        self.args = args
+        self.name = args.name or f"stage{args.start}-{args.end}"
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        torch.manual_seed(args.rng_seed)
+        self.stage = load_stage(args.checkpoint, args.start, args.end, args.first, args.last,
+                                precision=args.precision, device=args.device)
+        self.margs = self.stage.args
+        self.caches: OrderedDict[str, list] = OrderedDict()  # seq -> [StageCache, length]
+        self.stats = Stats()
+        self.ctx = zmq.Context()
+        self.data = self._bound(zmq.ROUTER, args.bind)
+        self.control = self._bound(zmq.ROUTER, args.control or control_endpoint(args.bind))
+        self.next = None
+        self.next_addr = None
+        if args.next:
+            self.set_next(args.next)
+        self.peers: OrderedDict[str, object] = OrderedDict()
+        self.running = True
+
+    def _bound(self, kind, addr):
+        s = self.ctx.socket(kind)
+        s.setsockopt(self.zmq.LINGER, 1000)
+        s.setsockopt(self.zmq.ROUTER_HANDOVER, 1)
+        try:
+            s.bind(addr)
+        except self.zmq.ZMQError as e:
+            raise LayerlineError(f"{self.name}: cannot bind {addr} ({e}); is another worker on this port? "
+                                 "set layerline_port") from None
+        return s
+
+    def set_next(self, addr: str) -> None:
+        addr = self.wire.endpoint(addr, "next")
+        if self.next is not None:
+            self.next.close(linger=1000)
+        s = self.ctx.socket(self.zmq.DEALER)
+        s.setsockopt(self.zmq.LINGER, 1000)
+        s.connect(addr)
+        self.next, self.next_addr = s, addr
+
+    def _peer(self, addr: str):
+        """A DEALER to a driver's result socket (reply_to), kept for reuse."""
+        addr = self.wire.endpoint(addr, "header.reply_to")
+        s = self.peers.pop(addr, None)
+        if s is None:
+            s = self.ctx.socket(self.zmq.DEALER)
+            s.setsockopt(self.zmq.LINGER, 1000)
+            s.connect(addr)
+            while len(self.peers) >= MAX_REPLY_PEERS:
+                self.peers.popitem(last=False)[1].close(linger=0)
+        self.peers[addr] = s
+        return s
+
+    def write_ready(self) -> None:
+        if not self.args.ready_file:
+            return
+        info = {"pid": os.getpid(), "name": self.name, "bind": self.args.bind,
+                "control": self.args.control or control_endpoint(self.args.bind),
+                "layers": [self.args.start, self.args.end], "precision": self.args.precision,
+                "device": self.args.device, "time": time.time()}
+        tmp = self.args.ready_file + ".tmp"
+        os.makedirs(os.path.dirname(os.path.abspath(tmp)), exist_ok=True)
+        with open(tmp, "w") as f:
+            json.dump(info, f)
+        os.replace(tmp, self.args.ready_file)
+
+    # --- data path ---------------------------------------------------------------------------
+
+    def _validate_input(self, h: dict, tensors: dict):
+        wire, torch = self.wire, self.torch
+        key = "input_ids" if self.args.first else "hidden"
+        if set(tensors) != {key}:
+            raise wire.WireError(f"tensors: stage {self.name} takes exactly one tensor named {key!r}")
+        x = tensors[key]
+        if self.args.first:
+            if x.dtype != torch.int64 or x.dim() != 2:
+                raise wire.WireError("input_ids: must be int64 of shape [batch, tokens]")
+            if x.numel() and (int(x.min()) < 0 or int(x.max()) >= self.margs.vocab_size):
+                raise wire.WireError(f"input_ids: token ids must be in [0, {self.margs.vocab_size})")
+        else:
+            if x.dim() != 3 or x.shape[2] != self.margs.hidden_size or not x.dtype.is_floating_point:
+                raise wire.WireError(f"hidden: must be float of shape [batch, tokens, {self.margs.hidden_size}]")
+        b, t = x.shape[0], x.shape[1]
+        if not 1 <= b <= MAX_BATCH or not 1 <= t <= self.args.kv_context:
+            raise wire.WireError(f"shape: batch must be 1..{MAX_BATCH} and tokens 1..{self.args.kv_context}")
+        return x
+
+    def forward(self, h: dict, tensors: dict) -> tuple[dict, dict]:
+        wire, torch = self.wire, self.torch
+        pos = wire.require(h, "pos", int, 0, self.args.kv_context - 1) if "pos" in h else 0
+        use_cache = bool(h.get("cache", False))
+        deadline = h.get("deadline")
+        if deadline is not None and not isinstance(deadline, (int, float)):
+            raise wire.WireError("header.deadline: must be seconds since the epoch")
+        if deadline is not None and time.time() > deadline:
+            raise LayerlineError(f"stage {self.name}: request {h.get('id')} missed its deadline before compute")
+        x = self._validate_input(h, tensors)
+        cache = None
+        if use_cache:
+            seq = wire.require(h, "seq", str)
+            entry = self.caches.get(seq)
+            if pos == 0 or entry is None:
+                if pos != 0:
+                    raise LayerlineError(f"stage {self.name}: seq {seq} is unknown at position {pos}; replay its prefix from 0")
+                while len(self.caches) >= MAX_SEQS:
+                    self.caches.popitem(last=False)
+                entry = [self.stage.new_cache(x.shape[0], self.args.kv_context), 0]
+                self.caches[seq] = entry
+            elif entry[1] != pos:
+                raise LayerlineError(f"stage {self.name}: seq {seq} holds {entry[1]} tokens, got position {pos}; "
+                                     "replay its prefix from 0")
+            if pos + x.shape[1] > self.args.kv_context:
+                raise LayerlineError(f"stage {self.name}: seq {seq} would exceed --kv-context {self.args.kv_context}")
+            self.caches.move_to_end(seq)
+            cache = entry[0]
+        elif pos != 0:
+            raise wire.WireError("header.pos: must be 0 without cache")
+        t0 = time.perf_counter()
+        out = self.stage(x.to(self.args.device), start_pos=pos, cache=cache)
+        if self.args.device != "cpu":
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        if cache is not None:
+            entry[1] = pos + x.shape[1]
+        self.stats.compute_s += dt
+        timings = list(h.get("timings", []))[:64] + [{"stage": self.name, "layers": [self.args.start, self.args.end],
+                                                        "s": dt}]
+        head = {k: h[k] for k in ("id", "seq", "pos", "cache", "reply_to", "deadline") if k in h}
+        head["timings"] = timings
+        if self.args.last:
+            return {**head, "op": "result"}, {"logits": out.to("cpu")}
+        return {**head, "op": "forward"}, {"hidden": out.to("cpu")}
+
+    def handle_data(self, frames: list) -> None:
+        wire = self.wire
+        ident, body = frames[0], frames[1:]
+        h = None
+        try:
+            h, tensors = wire.decode(body)
+            if h["op"] == "release":
+                seq = wire.require(h, "seq", str)
+                self.caches.pop(seq, None)
+                if self.next is not None:
+                    self.next.send_multipart(wire.encode({"op": "release", "seq": seq}), copy=False)
+                return
+            if h["op"] != "forward":
+                raise wire.WireError(f"header.op: {h['op']!r} is not a data op here (forward, release)")
+            if "reply_to" in h:
+                wire.endpoint(h["reply_to"], "header.reply_to")
+            elif self.args.last:
+                raise wire.WireError("header.reply_to: required, the last stage sends results there")
+            self.stats.requests += 1
+            out_h, out_t = self.forward(h, tensors)
+            msg = wire.encode(out_h, out_t)
+            if self.args.last:
+                self._peer(h["reply_to"]).send_multipart(msg, copy=False)
+            else:
+                self.next.send_multipart(msg, copy=False)
+        except wire.WireError as e:
+            self.stats.rejected += 1
+            self._error(ident, h, str(e))
+        except Exception as e:  # noqa: BLE001 - the worker never dies of one request
+            self.stats.errors += 1
+            self._error(ident, h, f"{e.__class__.__name__}: {e}" if not isinstance(e, LayerlineError) else str(e))
+
+    def _error(self, ident, h: dict | None, text: str) -> None:
+        reply = {"op": "error", "stage": self.name, "error": text[:2000]}
+        if h and isinstance(h.get("id"), str):
+            reply["id"] = h["id"]
+        msg = self.wire.encode(reply)
+        self.data.send_multipart([ident, *msg])
+        # the driver waits on its result socket: tell it there too when we know where it is
+        try:
+            if h and "reply_to" in h:
+                self._peer(h["reply_to"]).send_multipart(msg)
+        except Exception:  # noqa: BLE001
+            pass
+
+    # --- control path --------------------------------------------------------------------------
+
+    def handle_control(self, frames: list) -> None:
+        wire = self.wire
+        ident, body = frames[0], frames[1:]
+        try:
+            h, _ = wire.decode(body)
+            op = h["op"]
+            if op == "health":
+                reply = {"op": "ok", "name": self.name, "pid": os.getpid(), "layers": [self.args.start, self.args.end],
+                         "next": self.next_addr, "uptime_s": time.time() - self.stats.started}
+            elif op == "stats":
+                s = self.stats
+                reply = {"op": "ok", "name": self.name, "requests": s.requests, "errors": s.errors,
+                         "rejected": s.rejected, "compute_s": s.compute_s, "sequences": len(self.caches)}
+            elif op == "set_next":
+                self.set_next(wire.require(h, "next", str))
+                reply = {"op": "ok", "name": self.name, "next": self.next_addr}
+            elif op == "shutdown":
+                self.running = False
+                reply = {"op": "ok", "name": self.name}
+            else:
+                raise wire.WireError(f"header.op: {op!r} is not a control op (health, stats, set_next, shutdown)")
+        except Exception as e:  # noqa: BLE001
+            self.stats.rejected += 1
+            reply = {"op": "error", "stage": self.name, "error": str(e)[:2000]}
+        self.control.send_multipart([ident, *wire.encode(reply)])
+
+    def serve(self) -> None:
+        zmq = self.zmq
+        poller = zmq.Poller()
+        poller.register(self.data, zmq.POLLIN)
+        poller.register(self.control, zmq.POLLIN)
+        self.write_ready()
+        while self.running:
+            for sock, _ in poller.poll(500):
+                frames = sock.recv_multipart(copy=False)
+                if len(frames) < 2:
+                    continue
+                (self.handle_data if sock is self.data else self.handle_control)(frames)
+        self.close()
+
+    def close(self) -> None:
+        for s in [self.data, self.control, self.next, *self.peers.values()]:
+            if s is not None:
+                s.close(linger=1000)
+        self.ctx.term()
+        if self.args.ready_file:
+            try:
+                os.unlink(self.args.ready_file)
+            except FileNotFoundError:
+                pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        if args.probe:
+            from .probe import probe
+            print(json.dumps(probe(args.checkpoint, device=args.device)))
+            return 0
+        w = Worker(args)
+
+        def stop(signum, frame):
+            w.running = False
+        signal.signal(signal.SIGTERM, stop)
+        print(f"layerline worker {w.name}: layers {args.start}:{args.end} {args.precision} on {args.device}, "
+              f"serving {args.bind}", flush=True)
+        w.serve()
+        return 0
+    except LayerlineError as e:
+        print(f"layerline worker: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
