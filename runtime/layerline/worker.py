@@ -322,6 +322,9 @@ class Worker:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Idle workers must sleep, not spin: several stages often share one machine's cores, and
+    # OpenMP's default spin-wait burns the cores the busy stage needs. Set before torch loads.
+    os.environ.setdefault("GOMP_SPINCOUNT", "10000")
     args = parse_args(argv)
     try:
         if args.probe:

@@ -1,0 +1,80 @@
+"""deploy.yml on the embedded default inventory, as a user runs it: plan, launch, drive, re-run, teardown."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from helpers import playbook, recap
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def run_vars(tmp_path_factory):
+    """A run of its own: small checkpoint, private state dirs, ports clear of a running demo."""
+    from layerline.checkpoint import write_demo_checkpoint
+    home = tmp_path_factory.mktemp("e2e")
+    ckpt = write_demo_checkpoint(home / "ckpt", layers=6, hidden=256, vocab=2000, dtype="bfloat16", seed=3)
+    extra = json.dumps({"layerline_home": str(home), "layerline_checkpoint": str(ckpt),
+                        "layerline_demo_checkpoint": False, "layerline_port_base": 29400,
+                        "layerline_seq": 12, "layerline_generate": 4})
+    yield home, ["-e", extra]
+    playbook("teardown.yml", "-e", extra, check=False)
+
+
+def _pids(home):
+    out = {}
+    for h in ("w1", "w2", "w3"):
+        ready = home / "state" / h / "ready.json"
+        out[h] = json.loads(ready.read_text())["pid"] if ready.exists() else None
+    return out
+
+
+def test_deploy_drive_idempotent_teardown(run_vars):
+    home, extra = run_vars
+    first = playbook("deploy.yml", *extra)
+    plan = json.loads((home / "plan.json").read_text())
+    actives = [s for s in plan["stages"] if s["role"] == "active"]
+    assert [s["host"] for s in actives] == ["w1", "w2", "w3"], "three workers, in inventory order"
+    assert actives[0]["layers"][0] == 0 and actives[-1]["layers"][1] == plan["num_layers"] == 6
+    # the plan table and the drive report reach the user
+    out = " ".join(first.stdout.split())  # the yaml callback folds long lines
+    assert "pred/token" in out and "predicted token time" in out
+    assert "max |logits - one-process forward|" in out and "matches" in out
+    assert "DOES NOT MATCH" not in out
+    # every worker runs with the plan's precision and layers
+    pids = _pids(home)
+    for s in actives:
+        ready = json.loads((home / "state" / s["host"] / "ready.json").read_text())
+        assert ready["precision"] == s["precision"] == plan["precision"]
+        assert ready["layers"] == s["layers"]
+        os.kill(ready["pid"], 0)
+        argv = json.loads((home / "state" / s["host"] / "argv.json").read_text())
+        assert argv[argv.index("--precision") + 1] == plan["precision"]
+    # nothing changed: nothing restarts, the play reports no change
+    second = playbook("deploy.yml", *extra)
+    counts = recap(second.stdout)
+    assert set(counts) == {"w1", "w2", "w3"}
+    assert all(c["changed"] == 0 and c["failed"] == 0 for c in counts.values()), second.stdout[-3000:]
+    assert _pids(home) == pids
+    # teardown stops every worker
+    playbook("teardown.yml", *extra)
+    for h, pid in pids.items():
+        assert not (home / "state" / h / "ready.json").exists()
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_drive_fails_when_pipeline_disagrees(run_vars):
+    """The drive's check can fail: workers serving other weights than the reference reads."""
+    home, extra = run_vars
+    from layerline.checkpoint import write_demo_checkpoint
+    other = write_demo_checkpoint(home / "other", layers=6, hidden=256, vocab=2000, dtype="bfloat16", seed=4)
+    playbook("deploy.yml", *extra)
+    # drive.yml on its own reads the saved plan; its reference now reads different weights
+    r = playbook("playbooks/drive.yml", *extra, "-e", f"layerline_checkpoint={other}", check=False)
+    assert r.returncode != 0
+    out = " ".join(r.stdout.split())  # the yaml callback folds long lines
+    assert "DOES NOT MATCH" in out and "over the bf16 tolerance" in out
