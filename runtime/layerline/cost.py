@@ -93,6 +93,9 @@ class CostOptions:
                 raise CostError(f"layerline_objective.precision_ladder: {p!r} is not one of {', '.join(PRECISION_BYTES)}")
         if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPE_BYTES:
             raise CostError(f"layerline_objective.kv_dtype: {self.kv_dtype!r} is not one of {', '.join(KV_DTYPE_BYTES)}")
+        kvo = self.kv_bytes_per_layer_token
+        if kvo is not None and (not isinstance(kvo, int) or isinstance(kvo, bool) or kvo < 0):
+            raise CostError(f"layerline_objective.kv_bytes_per_layer_token: {kvo!r} must be a non-negative integer")
         if self.hop_s < 0 or self.reserve_ram_bytes < 0:
             raise CostError("layerline_objective: hop_secs and layerline_reserve_ram_gb must not be negative")
 
@@ -110,10 +113,17 @@ class CostOptions:
               "kv_bytes_per_layer_token": o.get("kv_bytes_per_layer_token"),
               "on_unknown_kv": o.get("on_unknown_kv", "fail"),
               "precision_ladder": list(o.get("precision_ladder") or []),
-              "reserve_ram_bytes": int(float(reserve_ram_gb or 0) * 2**30)}
+              "reserve_ram_bytes": int(_number(reserve_ram_gb or 0, "layerline_reserve_ram_gb") * 2**30)}
         if o.get("hop_secs") is not None:
-            kw["hop_s"] = float(o["hop_secs"])
+            kw["hop_s"] = _number(o["hop_secs"], "layerline_objective.hop_secs")
         return cls(**kw)
+
+
+def _number(v, field: str) -> float:
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        raise CostError(f"{field}: {v!r} must be a number") from None
 
 
 def model_cost(index: CheckpointIndex) -> ModelCost:

@@ -100,7 +100,7 @@ def worker_argv(plan: dict, host: str, hvars: dict, python: str = "python3") -> 
             "--device", s["device"],
             "--precision", s["precision"],
             "--kv-context", str(plan["kv"]["context"]),
-            "--kv-dtype", str(plan["kv"]["dtype"]),
+            "--kv-dtype", str(s.get("kv_dtype") or plan["kv"]["dtype"]),
             "--rng-seed", str(hvars.get("layerline_rng_seed", 0)),
             "--bind", f"tcp://{bind_host}:{port}",
             "--name", host,

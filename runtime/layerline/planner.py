@@ -57,6 +57,7 @@ class _Table:
     cost: ModelCost
     precision: str
     kv_per_layer: int                    # bytes for one layer's KV window (context x batch)
+    kv_dtype: str = ""
     wsum: list[int] = field(default_factory=list)
     fsum: list[float] = field(default_factory=list)
 
@@ -148,6 +149,11 @@ def _greedy(tabs: list[_Table], nodes: list[Node], limit: float, batch: int) -> 
     """Each host in order takes as many layers as fit `limit` and its memory; None if not all fit."""
     L = tabs[0].cost.num_layers
     pins = [n.layers for n in nodes]
+    stops, nxt = [L] * len(nodes), L  # where the next pinned range starts, per host
+    for k in range(len(nodes) - 1, -1, -1):
+        stops[k] = nxt
+        if pins[k]:
+            nxt = pins[k][0]
     out, a = [], 0
     for k, (n, tab) in enumerate(zip(nodes, tabs)):
         if pins[k]:
@@ -157,8 +163,7 @@ def _greedy(tabs: list[_Table], nodes: list[Node], limit: float, batch: int) -> 
             out.append((pa, pb))
             a = pb
             continue
-        stop = next((p[0] for p in pins[k + 1:] if p), L)
-        b = a
+        b, stop = a, stops[k]
         while b < stop and _fits(tab, n, a, b + 1, limit, batch):
             b += 1
         out.append((a, b))
@@ -223,6 +228,32 @@ def _latency(tabs, nodes, batch, hop_s) -> list[tuple[int, int]] | None:
     return list(reversed(ranges))
 
 
+def _fewest(tabs, nodes) -> list[int] | None:
+    """Indices of the fewest hosts (in order, any may be skipped) whose memory covers every layer."""
+    L = tabs[0].cost.num_layers
+    inf = math.inf
+    best: list[float] = [0] + [inf] * L
+    sets: list[tuple] = [()] + [()] * L
+    for k, (n, tab) in enumerate(zip(nodes, tabs)):
+        new, nsets = best[:], sets[:]
+        if n.layers:  # a pinned host is always used, for its range
+            pa, pb = n.layers
+            new, nsets = [inf] * (L + 1), [()] * (L + 1)
+            if best[pa] < inf and tab.mem(pa, pb) <= n.budget:
+                new[pb], nsets[pb] = best[pa] + 1, sets[pa] + (k,)
+        else:
+            for a in range(L):
+                if best[a] == inf:
+                    continue
+                for b in range(a + 1, L + 1):
+                    if tab.mem(a, b) > n.budget:
+                        break
+                    if best[a] + 1 < new[b]:
+                        new[b], nsets[b] = best[a] + 1, sets[a] + (k,)
+        best, sets = new, nsets
+    return list(sets[L]) if best[L] < inf else None
+
+
 def _proportional(nodes: list[Node], L: int, weights: list[float]) -> list[tuple[int, int]]:
     """Largest-remainder split of L layers in proportion to weights."""
     total = sum(weights) or 1.0
@@ -244,6 +275,10 @@ def _place(policy: str, opts: CostOptions, tabs, nodes) -> list[tuple[int, int]]
         if not all(ranges):
             missing = [n.host for n in nodes if not n.layers]
             raise PlanError(f"layerline_policy manual: host(s) {', '.join(missing)} have no layerline_layers pin")
+    elif policy in ("ram_balanced", "uniform") and any(n.layers for n in nodes):
+        pinned = [n.host for n in nodes if n.layers]
+        raise PlanError(f"layerline_policy {policy}: splits every layer itself, but {', '.join(pinned)} pin "
+                        "layerline_layers; use policy auto or manual with pins")
     elif policy == "ram_balanced":
         ranges = _proportional(nodes, L, [n.budget for n in nodes])
     elif policy == "uniform":
@@ -251,15 +286,14 @@ def _place(policy: str, opts: CostOptions, tabs, nodes) -> list[tuple[int, int]]
     elif opts.objective == "latency":
         return _latency(tabs, nodes, opts.batch, opts.hop_s)
     elif opts.objective == "memory":
-        few = _greedy(tabs, nodes, math.inf, opts.batch)
-        if few is None:
+        used = _fewest(tabs, nodes)
+        if used is None:
             return None
-        used = [k for k, (a, b) in enumerate(few) if b > a or nodes[k].layers]
         sub = _throughput([tabs[k] for k in used], [nodes[k] for k in used], opts.batch)
         out = [(0, 0)] * len(nodes)
         for k, r in zip(used, sub or []):
             out[k] = r
-        return out if sub else few
+        return out if sub else None
     else:
         return _throughput(tabs, nodes, opts.batch)
     # fixed splits: check they cover and fit
@@ -316,8 +350,8 @@ def make_plan(nodes: list[Node], cost: ModelCost, opts: CostOptions, policy: str
     ladder = opts.precision_ladder or [cost.stored_precision]
     for rung in ladder:
         kvs = {p: kv_profile(cost, opts, p) for p in set([rung] + [n.precision for n in actives if n.precision])}
-        tabs = [_Table(cost, n.precision or rung, kvs[n.precision or rung].bytes_per_token * opts.context * opts.batch)
-                for n in actives]
+        tabs = [_Table(cost, n.precision or rung, kvs[n.precision or rung].bytes_per_token * opts.context * opts.batch,
+                       kvs[n.precision or rung].dtype) for n in actives]
         ranges = _place(policy, opts, tabs, actives)
         if ranges is not None:
             return _assemble(nodes, actives, tabs, ranges, cost, opts, kvs[rung], rung, policy)
@@ -326,38 +360,39 @@ def make_plan(nodes: list[Node], cost: ModelCost, opts: CostOptions, policy: str
 
 def _stage(n: Node, tab: _Table, a: int, b: int, role: str, batch: int, standby_for=None) -> dict:
     return {"host": n.host, "role": role, "layers": [a, b], "device": n.device, "precision": tab.precision,
-            "weight_bytes": tab.weight(a, b), "kv_bytes": (b - a) * tab.kv_per_layer,
+            "weight_bytes": tab.weight(a, b), "kv_bytes": (b - a) * tab.kv_per_layer, "kv_dtype": tab.kv_dtype,
             "mem_budget_bytes": n.budget, "predicted_s": tab.time(n, a, b, batch),
             "standby_for": standby_for, "endpoint": n.endpoint, "disk_read_bytes_per_s": n.disk_bw}
 
 
 def _assemble(nodes, actives, tabs, ranges, cost, opts, kvp: KvProfile, rung, policy) -> dict:
     stages = [_stage(n, t, a, b, "active", opts.batch) for n, t, (a, b) in zip(actives, tabs, ranges) if b > a]
-    used = {s["host"] for s in stages}
-    mirrored: set[str] = set()
+    act = list(stages)  # principals are active stages only, never another standby
+    tab_of = {n.host: t for n, t in zip(actives, tabs)}
+    used = {s["host"] for s in act}
+    mirrored: dict[str, int] = {}
     for n in nodes:
         if n.role != "standby":
             continue
         if n.standby_for:
-            principal = next((s for s in stages if s["host"] == n.standby_for), None)
+            principal = next((s for s in act if s["host"] == n.standby_for), None)
             if principal is None:
                 raise PlanError(f"{n.host}: layerline_standby_for {n.standby_for!r} is not an active stage "
                                 f"of this plan (active: {', '.join(sorted(used))})")
         else:
-            principal = next((s for s in stages if s["host"] not in mirrored
-                              and s["weight_bytes"] + s["kv_bytes"] <= n.budget), None)
+            # the least-mirrored active stage that fits, first in pipeline order
+            fits = [s for s in act if s["weight_bytes"] + s["kv_bytes"] <= n.budget]
+            principal = min(fits, key=lambda s: mirrored.get(s["host"], 0), default=None)
             if principal is None:
-                raise PlanError(f"{n.host}: standby fits no unmirrored active stage in its {n.budget} bytes; "
+                raise PlanError(f"{n.host}: standby fits no active stage in its {n.budget} bytes; "
                                 f"set layerline_standby_for or give it more memory")
-        tab = _Table(cost, principal["precision"], tabs[0].kv_per_layer if principal["precision"] == rung
-                     else principal["kv_bytes"] // max(1, principal["layers"][1] - principal["layers"][0]))
+        tab = tab_of[principal["host"]]  # a mirror: same layers, precision and KV as its principal
         a, b = principal["layers"]
         if tab.mem(a, b) > n.budget:
             raise PlanError(f"{n.host}: standby for {principal['host']} needs {tab.mem(a, b)} bytes but has "
                             f"{n.budget}; {tab.mem(a, b) - n.budget} bytes short")
-        mirrored.add(principal["host"])
+        mirrored[principal["host"]] = mirrored.get(principal["host"], 0) + 1
         stages.append(_stage(n, tab, a, b, "standby", opts.batch, standby_for=principal["host"]))
-    act = [s for s in stages if s["role"] == "active"]
     bottleneck = max(s["predicted_s"] for s in act)
     return {
         "precision": rung, "objective": opts.objective, "policy": policy,

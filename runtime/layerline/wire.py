@@ -10,11 +10,15 @@ from __future__ import annotations
 import json
 import math
 import re
+import warnings
 from dataclasses import dataclass
 
 import torch
 
 from .errors import LayerlineError
+
+# zmq frames are read-only; tensors built over them are never written in place
+warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
 PROTOCOL = 1
 CHUNK_BYTES = 16 * 2**20
@@ -82,13 +86,13 @@ def decode_header(frame) -> dict:
         raise WireError(f"header: {len(raw)} bytes is over the {MAX_HEADER_BYTES} limit")
     try:
         h = json.loads(bytes(raw))
-    except (ValueError, UnicodeDecodeError) as e:
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise WireError(f"header: not valid UTF-8 JSON ({e.__class__.__name__})") from None
     if not isinstance(h, dict):
         raise WireError("header: must be a JSON object")
-    if h.get("v") != PROTOCOL:
+    if type(h.get("v")) is not int or h["v"] != PROTOCOL:
         raise WireError(f"header.v: protocol {h.get('v')!r} is not supported; this side speaks {PROTOCOL}")
-    if h.get("op") not in OPS:
+    if not isinstance(h.get("op"), str) or h["op"] not in OPS:
         raise WireError(f"header.op: {str(h.get('op'))[:40]!r} is not a known op")
     for key in ("id", "seq"):
         if key in h and not (isinstance(h[key], str) and ID_RE.match(h[key])):
@@ -104,7 +108,12 @@ def decode(frames: list, limits: Limits = Limits()) -> tuple[dict, dict[str, tor
     specs = h.get("tensors", [])
     if not isinstance(specs, list) or len(specs) > MAX_TENSORS:
         raise WireError(f"header.tensors: must be a list of at most {MAX_TENSORS} tensor specs")
-    want = sum(s.get("frames", 0) if isinstance(s, dict) else 0 for s in specs)
+    for i, s in enumerate(specs):
+        if not isinstance(s, dict):
+            raise WireError(f"header.tensors[{i}]: must be an object")
+        if type(s.get("frames")) is not int or not 1 <= s["frames"] <= 2**20:
+            raise WireError(f"header.tensors[{i}].frames: must be a positive integer")
+    want = sum(s["frames"] for s in specs)
     if want != len(frames) - 1:
         raise WireError(f"header.tensors: describes {want} frames but the message has {len(frames) - 1}")
     out: dict[str, torch.Tensor] = {}
@@ -116,7 +125,7 @@ def decode(frames: list, limits: Limits = Limits()) -> tuple[dict, dict[str, tor
         name, dtype, shape, nf = s.get("name"), s.get("dtype"), s.get("shape"), s.get("frames")
         if not (isinstance(name, str) and NAME_RE.match(name)) or name in out:
             raise WireError(f"{where}.name: must be a unique identifier of at most 64 characters")
-        if dtype not in DTYPES:
+        if not isinstance(dtype, str) or dtype not in DTYPES:
             raise WireError(f"{where}.dtype: {str(dtype)[:20]!r} is not one of {sorted(DTYPES)}")
         if (not isinstance(shape, list) or len(shape) > MAX_DIMS
                 or not all(type(d) is int and 0 <= d <= limits.max_elements_dim for d in shape)):
@@ -159,6 +168,6 @@ def require(header: dict, key: str, kind: type, lo: int | None = None, hi: int |
 
 
 def endpoint(value: str, field: str = "endpoint") -> str:
-    if not isinstance(value, str) or not ENDPOINT_RE.match(value):
+    if not isinstance(value, str) or not ENDPOINT_RE.fullmatch(value):
         raise WireError(f"{field}: {str(value)[:60]!r} is not a tcp://HOST:PORT address")
     return value

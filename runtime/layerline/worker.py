@@ -122,11 +122,15 @@ class Worker:
 
     def set_next(self, addr: str) -> None:
         addr = self.wire.endpoint(addr, "next")
-        if self.next is not None:
-            self.next.close(linger=1000)
         s = self.ctx.socket(self.zmq.DEALER)
         s.setsockopt(self.zmq.LINGER, 1000)
-        s.connect(addr)
+        try:
+            s.connect(addr)
+        except self.zmq.ZMQError as e:  # keep the old route
+            s.close(linger=0)
+            raise self.wire.WireError(f"next: cannot connect to {addr} ({e})") from None
+        if self.next is not None:
+            self.next.close(linger=1000)
         self.next, self.next_addr = s, addr
 
     def _peer(self, addr: str):

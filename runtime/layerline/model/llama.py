@@ -1,4 +1,4 @@
-"""Llama-family decoder layers (Llama 2/3, Mistral, Qwen2), one pipeline *stage* at a time.
+"""Llama-family decoder layers (Llama 2/3, Mistral, Qwen2, Mixtral), one pipeline *stage* at a time.
 
 gpt-fast style: a dataclass of model args, the KV cache as a module, nothing the forward does
 not need. A `Stage` holds a contiguous, half-open layer range [start, end) of the model, plus the
@@ -12,6 +12,16 @@ one KV head together instead of copying K/V per query head.
 
 Submodule names mirror HF's, so a stage's state_dict key is the HF tensor name without the
 leading "model." (layers are keyed by their global index): see `hf_name`.
+
+Family differences: Qwen2 biases q/k/v; Mistral (and Mixtral, and Qwen2 with use_sliding_window)
+attend over a sliding window of the last `sliding_window` positions: a query at position p sees
+keys p-W+1..p. The KV cache still holds every position, and each window layer reads only the
+last W keys of it, so decoding past the window costs O(W). Mixtral replaces the MLP with a
+sparse mixture of experts (`moe.SparseMoE`, experts behind an `ExpertStore`).
+
+Precision int8 (weight-only): every Linear weight, the token embedding and the LM head are held as
+int8 with a float32 scale per output row (`quant`); norms, biases, the Mixtral router, the
+activations and the KV cache are bf16.
 """
 from __future__ import annotations
 
@@ -24,10 +34,14 @@ from torch import nn
 
 from ..checkpoint import CheckpointError
 from ..errors import LayerlineError
+from .moe import ExpertStore, SparseMoE
+from .quant import Int8Embedding, make_linear
 
-PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# precision name -> the dtype activations, norms and the KV cache compute in
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.bfloat16}
+QUANTIZED = ("int8",)  # precisions whose weights are held quantized (weight-only)
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "mixtral")
 _ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -83,10 +97,23 @@ class ModelArgs:
     attention_bias: bool  # bias on q/k/v projections
     tie_word_embeddings: bool
     o_proj_bias: bool = False  # Llama's attention_bias also biases o_proj; Qwen2 biases q/k/v only
+    model_type: str = "llama"
+    sliding_window: int | None = None  # attention window (Mistral, Mixtral, Qwen2 with use_sliding_window)
+    window_layers: tuple[int, ...] | None = None  # layers that use the window; None: all of them
+    num_experts: int = 0  # Mixtral: num_local_experts (0: a dense MLP)
+    experts_per_tok: int = 0  # Mixtral: num_experts_per_tok
+
+    def window(self, layer: int) -> int | None:
+        """The attention window of `layer`, or None for full causal attention."""
+        if self.sliding_window is None:
+            return None
+        if self.window_layers is not None and layer not in self.window_layers:
+            return None
+        return self.sliding_window
 
     @classmethod
     def from_config(cls, cfg: dict) -> "ModelArgs":
-        """Model args from a Hugging Face config.json dict (Llama, Mistral, Qwen2).
+        """Model args from a Hugging Face config.json dict (Llama, Mistral, Qwen2, Mixtral).
 
         Missing or invalid keys raise CheckpointError naming the config.json key.
         """
@@ -99,9 +126,7 @@ class ModelArgs:
         act = cfg.get("hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise _cfg_err("hidden_act", f"{act!r} is not supported; only SwiGLU (silu) MLPs are")
-        if model_type == "qwen2" and cfg.get("use_sliding_window"):
-            raise _cfg_err("use_sliding_window", "true is not supported; only full attention is")
-        if cfg.get("mlp_bias"):
+        if model_type == "llama" and cfg.get("mlp_bias"):
             raise _cfg_err("mlp_bias", "true is not supported; only bias-free MLPs are")
         hidden = _pos_int(cfg, "hidden_size")
         heads = _pos_int(cfg, "num_attention_heads")
@@ -151,13 +176,47 @@ class ModelArgs:
                                        "must be larger than low_freq_factor; fix config.json")
 
         qwen2 = model_type == "qwen2"
-        # Qwen2 always biases q/k/v (transformers ignores attention_bias there); Llama/Mistral by the key
-        attention_bias = True if qwen2 else _bool(cfg, "attention_bias", False)
+        # Qwen2 always biases q/k/v (transformers ignores attention_bias there); Mistral and Mixtral
+        # never do (transformers hard-codes bias=False); Llama by the key
+        if qwen2:
+            attention_bias = True
+        elif model_type in ("mistral", "mixtral"):
+            attention_bias = False
+        else:
+            attention_bias = _bool(cfg, "attention_bias", False)
+        n_layers = _pos_int(cfg, "num_hidden_layers")
+
+        window, window_layers = None, None
+        if model_type in ("mistral", "mixtral"):
+            if cfg.get("sliding_window") is not None:
+                window = _pos_int(cfg, "sliding_window")
+        elif qwen2 and _bool(cfg, "use_sliding_window", False):
+            window = _pos_int(cfg, "sliding_window")
+            types = cfg.get("layer_types")
+            if types is None:  # transformers' default: window from layer max_window_layers on
+                first = cfg.get("max_window_layers", 28)
+                if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+                    raise _cfg_err("max_window_layers", f"{first!r} is not a non-negative integer; fix config.json")
+                window_layers = tuple(range(first, n_layers))
+            else:
+                if (not isinstance(types, list) or len(types) != n_layers
+                        or any(t not in ("full_attention", "sliding_attention") for t in types)):
+                    raise _cfg_err("layer_types", f"must list full_attention or sliding_attention for each of "
+                                                  f"the {n_layers} layers; fix config.json")
+                window_layers = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+
+        experts = per_tok = 0
+        if model_type == "mixtral":
+            experts = _pos_int(cfg, "num_local_experts", 8)
+            per_tok = _pos_int(cfg, "num_experts_per_tok", 2)
+            if per_tok > experts:
+                raise _cfg_err("num_experts_per_tok", f"{per_tok} is more than num_local_experts {experts}; "
+                                                      "fix config.json")
         return cls(
             vocab_size=_pos_int(cfg, "vocab_size"),
             hidden_size=hidden,
             intermediate_size=_pos_int(cfg, "intermediate_size"),
-            num_layers=_pos_int(cfg, "num_hidden_layers"),
+            num_layers=n_layers,
             num_heads=heads,
             num_kv_heads=kv_heads,
             head_dim=head_dim,
@@ -168,6 +227,11 @@ class ModelArgs:
             attention_bias=attention_bias,
             tie_word_embeddings=_bool(cfg, "tie_word_embeddings", False),
             o_proj_bias=attention_bias and not qwen2,
+            model_type=model_type,
+            sliding_window=window,
+            window_layers=window_layers,
+            num_experts=experts,
+            experts_per_tok=per_tok,
         )
 
 
@@ -258,18 +322,19 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs, dtype: torch.dtype):
+    def __init__(self, args: ModelArgs, dtype: torch.dtype, int8: bool = False):
         super().__init__()
         h, hd = args.hidden_size, args.head_dim
         self.n_heads, self.n_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, hd
         self.scale = hd ** -0.5
-        self.q_proj = nn.Linear(h, args.num_heads * hd, bias=args.attention_bias, dtype=dtype)
-        self.k_proj = nn.Linear(h, args.num_kv_heads * hd, bias=args.attention_bias, dtype=dtype)
-        self.v_proj = nn.Linear(h, args.num_kv_heads * hd, bias=args.attention_bias, dtype=dtype)
-        self.o_proj = nn.Linear(args.num_heads * hd, h, bias=args.o_proj_bias, dtype=dtype)
+        self.q_proj = make_linear(h, args.num_heads * hd, args.attention_bias, dtype, int8)
+        self.k_proj = make_linear(h, args.num_kv_heads * hd, args.attention_bias, dtype, int8)
+        self.v_proj = make_linear(h, args.num_kv_heads * hd, args.attention_bias, dtype, int8)
+        self.o_proj = make_linear(args.num_heads * hd, h, args.o_proj_bias, dtype, int8)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
-                start_pos: int, kv: KVCache | None) -> torch.Tensor:
+                start_pos: int, kv: KVCache | None, lo: int = 0) -> torch.Tensor:
+        """`mask` [t, s - lo] (True: may attend) over keys lo..s-1; None when every key is visible."""
         b, t, _ = x.shape
         nh, nkv, hd = self.n_heads, self.n_kv_heads, self.head_dim
         q = self.q_proj(x).view(b, t, nh, hd).transpose(1, 2)
@@ -279,6 +344,8 @@ class Attention(nn.Module):
         k = k * cos + rotate_half(k) * sin
         if kv is not None:
             k, v = kv.update(start_pos, k, v)
+        if lo:  # a sliding window: only the last keys are visible to these queries
+            k, v = k[:, :, lo:], v[:, :, lo:]
         s = k.shape[2]
         g = nh // nkv
         # GQA without copying K/V: query head j*g + r uses kv head j (HF's repeat_kv order), so fold
@@ -295,28 +362,37 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, args: ModelArgs, dtype: torch.dtype):
+    def __init__(self, args: ModelArgs, dtype: torch.dtype, int8: bool = False):
         super().__init__()
         h, i = args.hidden_size, args.intermediate_size
-        self.gate_proj = nn.Linear(h, i, bias=False, dtype=dtype)
-        self.up_proj = nn.Linear(h, i, bias=False, dtype=dtype)
-        self.down_proj = nn.Linear(i, h, bias=False, dtype=dtype)
+        self.gate_proj = make_linear(h, i, False, dtype, int8)
+        self.up_proj = make_linear(h, i, False, dtype, int8)
+        self.down_proj = make_linear(i, h, False, dtype, int8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs, dtype: torch.dtype):
+    def __init__(self, args: ModelArgs, dtype: torch.dtype, layer: int = 0, int8: bool = False,
+                 resident_experts: bool = True):
         super().__init__()
+        self.layer = layer
+        self.window = args.window(layer)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
-        self.self_attn = Attention(args, dtype)
+        self.self_attn = Attention(args, dtype, int8)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
-        self.mlp = MLP(args, dtype)
+        if args.num_experts:
+            self.block_sparse_moe = SparseMoE(layer, args.hidden_size, args.intermediate_size, args.num_experts,
+                                              args.experts_per_tok, dtype, int8, resident_experts)
+            self.ffn = self.block_sparse_moe
+        else:
+            self.mlp = MLP(args, dtype, int8)
+            self.ffn = self.mlp
 
-    def forward(self, x, cos, sin, mask, start_pos, kv):
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, start_pos, kv)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, x, cos, sin, mask, start_pos, kv, lo=0):
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, start_pos, kv, lo)
+        return h + self.ffn(self.post_attention_layernorm(h))
 
 
 def hf_name(key: str, args: ModelArgs) -> str:
@@ -326,26 +402,69 @@ def hf_name(key: str, args: ModelArgs) -> str:
     return "model." + key
 
 
-class Stage(nn.Module):
-    """Layers [start, end) of the model; the embedding if `first`; final norm + LM head if `last`."""
+def _masks(start_pos: int, t: int, windows: set, device) -> dict:
+    """Per attention window (None: full causal): (lo, mask over keys lo..start_pos+t-1 or None)."""
+    s = start_pos + t
+    out = {}
+    q = torch.arange(start_pos, s, device=device)[:, None]
+    for w in windows:
+        if w is None:
+            # key s' is visible to query t' when s' <= start_pos + t'; one new token sees everything
+            out[w] = (0, torch.ones(t, s, dtype=torch.bool, device=device).tril(start_pos) if t > 1 else None)
+            continue
+        lo = max(0, start_pos + 1 - w)  # the first key the first new query may see
+        if t == 1:  # one query, keys lo..start_pos: all inside its window
+            out[w] = (lo, None)
+            continue
+        k = torch.arange(lo, s, device=device)[None, :]
+        out[w] = (lo, (k <= q) & (k > q - w))
+    return out
 
-    def __init__(self, args: ModelArgs, start: int, end: int, first: bool, last: bool, dtype: torch.dtype):
+
+class Stage(nn.Module):
+    """Layers [start, end) of the model; the embedding if `first`; final norm + LM head if `last`.
+
+    `int8`: hold the weights as int8 + per-row scales (`dtype` is then the compute dtype, bf16).
+    `resident_experts`: False builds Mixtral's MoE blocks without experts; attach an
+    `ExpertStore` with `set_expert_store` before running.
+    """
+
+    def __init__(self, args: ModelArgs, start: int, end: int, first: bool, last: bool, dtype: torch.dtype,
+                 *, int8: bool = False, resident_experts: bool = True):
         super().__init__()
         if not 0 <= start < end <= args.num_layers:
             raise LayerlineError(f"--layers {start}:{end}: not a non-empty range inside the model's "
                                  f"0:{args.num_layers}; choose A:B with 0 <= A < B <= {args.num_layers}")
         self.args, self.start, self.end = args, start, end
-        self.first, self.last, self.dtype = first, last, dtype
+        self.first, self.last, self.dtype, self.int8 = first, last, dtype, int8
         if first:
-            self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size, dtype=dtype)
+            if int8:
+                self.embed_tokens = Int8Embedding(args.vocab_size, args.hidden_size, dtype)
+            else:
+                self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size, dtype=dtype)
         # keyed by global layer index, so state_dict keys read as the checkpoint's names
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(args, dtype) for i in range(start, end)})
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(args, dtype, i, int8, resident_experts)
+                                     for i in range(start, end)})
         if last:
             self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
-            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False, dtype=dtype)
+            self.lm_head = make_linear(args.hidden_size, args.vocab_size, False, dtype, int8)
             if first and args.tie_word_embeddings:
-                self.lm_head.weight = self.embed_tokens.weight
+                self.tie_head()
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
+
+    def tie_head(self) -> None:
+        """Make the LM head share the embedding's tensors (tied embeddings, first and last stage)."""
+        if self.int8:
+            self.lm_head.weight = self.embed_tokens.weight
+            self.lm_head.scale = self.embed_tokens.scale
+        else:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def set_expert_store(self, store: ExpertStore | None) -> None:
+        """Serve every MoE layer's experts from `store` (None: back to the resident experts)."""
+        for layer in self.layers.values():
+            if isinstance(layer.ffn, SparseMoE):
+                layer.ffn.store = store
 
     @property
     def device(self) -> torch.device:
@@ -404,12 +523,13 @@ class Stage(nn.Module):
         freqs = pos[:, None].float() * self.inv_freq[None, :].float()
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos().to(h.dtype), emb.sin().to(h.dtype)
-        # key s' is visible to query t' when s' <= start_pos + t'; one new token sees everything
-        mask = torch.ones(t, s, dtype=torch.bool, device=self.device).tril(start_pos) if t > 1 else None
+        layers = list(self.layers.values())
+        masks = _masks(start_pos, t, {layer.window for layer in layers}, self.device)
 
-        kvs = cache.layers if cache is not None else [None] * len(self.layers)
-        for layer, kv in zip(self.layers.values(), kvs):
-            h = layer(h, cos, sin, mask, start_pos, kv)
+        kvs = cache.layers if cache is not None else [None] * len(layers)
+        for layer, kv in zip(layers, kvs):
+            lo, mask = masks[layer.window]
+            h = layer(h, cos, sin, mask, start_pos, kv, lo)
         if cache is not None:
             cache.length = s
         if not self.last:

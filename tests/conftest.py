@@ -1,0 +1,21 @@
+"""Shared fixtures for the layerline tests."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+# A small Llama-family demo model: fast to write, load and run on a busy CPU.
+SMALL_CKPT = dict(layers=4, hidden=128, vocab=500, dtype="float32", seed=0)
+
+
+@pytest.fixture(scope="session")
+def small_ckpt(tmp_path_factory) -> Path:
+    """A deterministic 4-layer demo checkpoint (hidden 128, vocab 500, float32), made once per session.
+
+    Its shape is in `SMALL_CKPT`; read config.json for anything else (heads, head_dim, ...).
+    """
+    from layerline.checkpoint import write_demo_checkpoint
+
+    out = tmp_path_factory.mktemp("small_ckpt") / "ckpt"
+    return Path(write_demo_checkpoint(out, **SMALL_CKPT))

@@ -1,0 +1,211 @@
+"""layerline.deploy: inventory variables -> planner nodes -> each host's worker argv (DESIGN's flags)."""
+from __future__ import annotations
+
+import pytest
+
+from layerline.cost import KV_DTYPE_BYTES, ModelCost
+from layerline.deploy import node_from_vars, plan_for_hosts, worker_argv
+from layerline.errors import LayerlineError
+from layerline.planner import PlanError
+
+GiB = 2**30
+BOOL_FLAGS = {"--first", "--last"}
+
+
+def caps(hostname: str, ram: int = 64 * GiB, gpu: bool = False) -> dict:
+    devices = [{"name": "cpu", "kind": "cpu", "memory_bytes": ram, "memory_free_bytes": ram,
+                "flops_per_s": 1e12, "mem_bw_bytes_per_s": 5e10}]
+    if gpu:
+        devices.append({"name": "cuda:0", "kind": "cuda", "memory_bytes": 24 * GiB, "memory_free_bytes": 20 * GiB,
+                        "flops_per_s": 1e14, "mem_bw_bytes_per_s": 9e11})
+    return {"addr": "127.0.0.1", "hostname": hostname, "os": "linux", "cores": 8, "ram_total_bytes": ram,
+            "ram_available_bytes": ram, "disk_free_bytes": 10**12, "disk_read_bytes_per_s": None,
+            "devices": devices, "probe_seconds": 0.2}
+
+
+COST = ModelCost(num_layers=12, stored_precision="bf16", dense_params=[2 * 10**6] * 12, expert_params=[0] * 12,
+                 rows=[3000] * 12, embed_params=10**6, head_params=10**6 + 256, kv_width=256, hidden_size=256,
+                 vocab_size=4000)
+OBJ = {"context": 1024, "precision_ladder": ["bf16"]}
+
+
+def hv(name: str, port: int, addr: str | None = None, **kw) -> dict:
+    d = {"layerline_port": port, "layerline_checkpoint": "/srv/ckpt", "layerline_rng_seed": 1234,
+         "layerline_state_dir": f"/var/lib/layerline-{name}", "layerline_caps": caps(f"m-{name}")}
+    if addr:
+        d["ansible_host"] = addr
+    else:
+        d["ansible_connection"] = "local"
+    d.update(kw)
+    return d
+
+
+def parse(argv: list[str]) -> dict:
+    """--flag value pairs and bare boolean flags; every flag at most once."""
+    assert argv[1:3] == ["-m", "layerline.worker"]
+    out, i = {}, 3
+    while i < len(argv):
+        flag = argv[i]
+        assert flag.startswith("--") and flag not in out, argv
+        if flag in BOOL_FLAGS:
+            out[flag] = True
+            i += 1
+        else:
+            out[flag] = argv[i + 1]
+            i += 2
+    return out
+
+
+@pytest.fixture
+def inventory() -> dict:
+    """Actives a, b, c with a standby and a draining host sitting between them in inventory order."""
+    return {
+        "a": hv("a", 9100, "10.0.0.1", layerline_layers="0:3"),
+        "s": hv("s", 9100, "10.0.0.9", layerline_role="standby", layerline_standby_for="b"),
+        "d": hv("d", 9100, "10.0.0.8", layerline_role="draining"),
+        "b": hv("b", 9200, "10.0.0.2", layerline_layers="3:8", layerline_precision="int8"),
+        "c": hv("c", 9300, "10.0.0.3", layerline_layers="8:12"),
+    }
+
+
+def test_argv_flags_follow_the_plan(inventory):
+    plan = plan_for_hosts(inventory, COST.to_dict(), OBJ)
+    stages = {s["host"]: s for s in plan["stages"]}
+    assert set(stages) == {"a", "s", "b", "c"}
+    ends = {"a": "tcp://10.0.0.1:9100", "b": "tcp://10.0.0.2:9200", "c": "tcp://10.0.0.3:9300",
+            "s": "tcp://10.0.0.9:9100"}
+    nxt = {"a": ends["b"], "b": ends["c"], "s": ends["c"], "c": None}
+    for host, st in stages.items():
+        argv = worker_argv(plan, host, inventory[host], python="/opt/venv/bin/python")
+        assert argv[0] == "/opt/venv/bin/python"
+        f = parse(argv)
+        assert f["--checkpoint"] == "/srv/ckpt"
+        assert f["--layers"] == f"{st['layers'][0]}:{st['layers'][1]}"
+        assert f["--device"] == st["device"] == "cpu"
+        assert f["--precision"] == st["precision"]
+        assert f["--kv-context"] == "1024"
+        assert f["--kv-dtype"] == st["kv_dtype"]
+        assert f["--rng-seed"] == "1234"
+        assert f["--bind"] == ends[host]
+        assert f["--keys"].startswith(f"/var/lib/layerline-{host}")
+        assert f.get("--next") == nxt[host], host
+        assert f.get("--first", False) == (st["layers"][0] == 0)
+        assert f.get("--last", False) == (st["layers"][1] == 12)
+    # the pinned precision reaches the worker, and the standby runs its principal's
+    assert parse(worker_argv(plan, "b", inventory["b"]))["--precision"] == "int8"
+    assert parse(worker_argv(plan, "s", inventory["s"]))["--precision"] == "int8"
+    assert parse(worker_argv(plan, "s", inventory["s"]))["--layers"] == "3:8"
+    assert parse(worker_argv(plan, "a", inventory["a"]))["--precision"] == "bf16"
+
+
+def test_next_hop_by_name_not_position():
+    """The same hosts in another inventory order: each still points at its true successor."""
+    inv = {
+        "s1": hv("s1", 9400, "10.1.0.9", layerline_role="standby"),
+        "x": hv("x", 9100, "10.1.0.1", layerline_layers="0:4"),
+        "dr": hv("dr", 9500, "10.1.0.8", layerline_role="draining"),
+        "y": hv("y", 9200, "10.1.0.2", layerline_layers="4:9"),
+        "s2": hv("s2", 9600, "10.1.0.7", layerline_role="standby", layerline_standby_for="y"),
+        "z": hv("z", 9300, "10.1.0.3", layerline_layers="9:12"),
+    }
+    plan = plan_for_hosts(inv, COST, OBJ)
+    act = [s for s in plan["stages"] if s["role"] == "active"]
+    assert [s["host"] for s in act] == ["x", "y", "z"]
+    succ = {act[k]["host"]: act[k + 1]["endpoint"] for k in range(len(act) - 1)}
+    for s in plan["stages"]:
+        f = parse(worker_argv(plan, s["host"], inv[s["host"]]))
+        principal = s["standby_for"] or s["host"]
+        assert f.get("--next") == succ.get(principal), s["host"]
+        assert "--last" in f if s["layers"][1] == 12 else "--last" not in f
+    assert sum("--first" in parse(worker_argv(plan, s["host"], inv[s["host"]])) for s in act) == 1
+
+
+def test_local_connection_binds_loopback_and_defaults():
+    inv = {"w1": hv("w1", 9100), "w2": hv("w2", 9102)}
+    for v in inv.values():
+        del v["layerline_rng_seed"], v["layerline_state_dir"]
+    plan = plan_for_hosts(inv, COST, {"context": 64, "kv_dtype": "fp32"}, policy="uniform")
+    f1, f2 = (parse(worker_argv(plan, h, inv[h])) for h in ("w1", "w2"))
+    assert (f1["--bind"], f2["--bind"]) == ("tcp://127.0.0.1:9100", "tcp://127.0.0.1:9102")
+    assert f1["--next"] == "tcp://127.0.0.1:9102" and "--next" not in f2
+    assert f1["--kv-dtype"] == f2["--kv-dtype"] == "fp32" and f1["--kv-context"] == "64"
+    assert f1["--rng-seed"] == "0"
+    assert f1["--layers"] == "0:6" and f2["--layers"] == "6:12"
+
+
+def test_kv_dtype_matches_what_the_stage_was_costed_at(inventory):
+    plan = plan_for_hosts(inventory, COST, OBJ)
+    for s in plan["stages"]:
+        f = parse(worker_argv(plan, s["host"], inventory[s["host"]]))
+        n_layers = s["layers"][1] - s["layers"][0]
+        worker_kv = COST.kv_width * KV_DTYPE_BYTES[f["--kv-dtype"]] * int(f["--kv-context"]) * n_layers
+        assert worker_kv == s["kv_bytes"], s["host"]
+
+
+# --- errors ------------------------------------------------------------------------------------------
+
+def test_host_not_in_plan(inventory):
+    plan = plan_for_hosts(inventory, COST, OBJ)
+    for host in ("d", "nowhere"):
+        with pytest.raises(LayerlineError) as ei:
+            worker_argv(plan, host, inventory.get(host, {}))
+        assert host in str(ei.value) and "\n" not in str(ei.value)
+
+
+def test_missing_checkpoint_var(inventory):
+    plan = plan_for_hosts(inventory, COST, OBJ)
+    del inventory["a"]["layerline_checkpoint"]
+    with pytest.raises(LayerlineError, match="layerline_checkpoint"):
+        worker_argv(plan, "a", inventory["a"])
+
+
+def test_missing_caps():
+    with pytest.raises(LayerlineError) as ei:
+        node_from_vars("w9", {"layerline_port": 9100}, None)
+    assert "w9" in str(ei.value) and "probe" in str(ei.value)
+    inv = {"w1": hv("w1", 9100), "w2": hv("w2", 9102)}
+    del inv["w2"]["layerline_caps"]
+    with pytest.raises(LayerlineError) as ei:
+        plan_for_hosts(inv, COST, OBJ)
+    assert "w2" in str(ei.value)
+
+
+@pytest.mark.parametrize("port", ["abc", 0, -1, 65535, 70000, "91.5"])
+def test_bad_port(port):
+    with pytest.raises(LayerlineError) as ei:
+        node_from_vars("w1", hv("w1", port), caps("m"))
+    msg = str(ei.value)
+    assert "layerline_port" in msg and "w1" in msg and "\n" not in msg
+
+
+def test_node_from_vars_fields():
+    n = node_from_vars("g", hv("g", 9100, "10.2.0.5", layerline_device="cuda+cpu", layerline_layers="2:5",
+                                layerline_precision="int8", layerline_role="standby",
+                                layerline_standby_for="h", layerline_max_ram_gb=1.5), caps("m", gpu=True))
+    assert (n.host, n.device, n.layers, n.precision, n.role, n.standby_for) == \
+        ("g", "cuda:0", (2, 5), "int8", "standby", "h")
+    assert n.max_ram_bytes == int(1.5 * GiB)
+    assert n.endpoint == "tcp://10.2.0.5:9100"
+    d = node_from_vars("h", {"ansible_connection": "local"}, caps("m"))
+    assert (d.device, d.role, d.layers, d.endpoint) == ("cpu", "active", None, "tcp://127.0.0.1:9100")
+
+
+@pytest.mark.parametrize("value", ["2-5", "5:2", "a:b", "3"])
+def test_bad_layers_pin(value):
+    with pytest.raises(PlanError) as ei:
+        node_from_vars("w1", hv("w1", 9100, layerline_layers=value), caps("m"))
+    assert "layerline_layers" in str(ei.value) and "w1" in str(ei.value)
+
+
+def test_bad_max_ram():
+    with pytest.raises(LayerlineError, match="layerline_max_ram_gb"):
+        node_from_vars("w1", hv("w1", 9100, layerline_max_ram_gb="lots"), caps("m"))
+
+
+def test_bad_objective_surfaces_as_one_line():
+    inv = {"w1": hv("w1", 9100)}
+    with pytest.raises(LayerlineError) as ei:
+        plan_for_hosts(inv, COST, {"optimize": "speed"})
+    assert "layerline_objective.optimize" in str(ei.value)
+    with pytest.raises(PlanError, match="inventory"):
+        plan_for_hosts({}, COST, OBJ)

@@ -1,0 +1,579 @@
+"""layerline.planner: placement properties over random clusters and models.
+
+The expectations use an independent restatement of the cost model (bytes and time per
+stage, memory budgets) written here from the plan contract, plus brute force over every
+ordered contiguous split on small instances.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import re
+
+import pytest
+from hypothesis import HealthCheck, assume, example, given, settings
+from hypothesis import strategies as st
+
+from layerline.cost import CostOptions, ModelCost
+from layerline.errors import LayerlineError
+from layerline.planner import Node, PlanError, make_plan, plan_table, validate_plan
+
+PB = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 1.0}
+KVB = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1}
+REL = 1e-9
+
+FAST = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SMALL = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+# --- an independent statement of the cost model --------------------------------------------------
+
+def w_bytes(mc: ModelCost, prec: str, a: int, b: int) -> int:
+    """Weights a stage [a, b) holds: its layers, the embedding if first, the head if last."""
+    L = mc.num_layers
+    w = 0
+    for i in range(a, b):
+        w += int((mc.dense_params[i] + mc.expert_params[i]) * PB[prec])
+        if prec == "int8":
+            w += mc.rows[i] * 4          # one fp32 scale per output channel
+    edge = 0.0
+    if a == 0:
+        edge += mc.embed_params * PB[prec]
+    if b == L:
+        edge += mc.head_params * PB[prec]
+        if mc.tied_embeddings and a != 0:
+            edge += mc.embed_params * PB[prec]
+    return w + int(edge)
+
+
+def kv_layer(mc: ModelCost, opts: CostOptions, prec: str) -> int:
+    """KV bytes one layer reserves: bytes/token x context x batch."""
+    if opts.kv_bytes_per_layer_token is not None:
+        per = opts.kv_bytes_per_layer_token
+    else:
+        per = (mc.kv_width or 0) * KVB[opts.kv_dtype or prec]
+    return per * opts.context * opts.batch
+
+
+def mem(mc, opts, prec, a, b) -> int:
+    return w_bytes(mc, prec, a, b) + (b - a) * kv_layer(mc, opts, prec)
+
+
+def s_time(mc: ModelCost, prec: str, flops: float, bw: float, a: int, b: int, batch: int) -> float:
+    """Decode step time: the larger of compute and weight reads (active experts only)."""
+    L = mc.num_layers
+    act = sum(mc.active_params(i) for i in range(a, b))
+    fl = 2.0 * act
+    rd = act * PB[prec]
+    if b == L:
+        fl += 2.0 * mc.vocab_size * mc.hidden_size
+        rd += (mc.head_params + (mc.embed_params if mc.tied_embeddings else 0)) * PB[prec]
+    return max(fl * batch / flops, rd / bw)
+
+
+def budgets(specs: list[dict], reserve: int = 0) -> list[int]:
+    """Each host's budget: its machine's available RAM split among the hosts on it."""
+    share: dict = {}
+    for s in specs:
+        if s.get("role", "active") != "draining":
+            key = (s["hostname"], s["ram_total"])
+            share[key] = share.get(key, 0) + 1
+    out = []
+    for s in specs:
+        b = s["ram"] // share.get((s["hostname"], s["ram_total"]), 1) - reserve
+        if s.get("max_ram") is not None:
+            b = min(b, s["max_ram"])
+        out.append(max(0, b))
+    return out
+
+
+def caps(spec: dict) -> dict:
+    return {"addr": "127.0.0.1", "hostname": spec["hostname"], "os": "linux", "cores": 4,
+            "ram_total_bytes": spec["ram_total"], "ram_available_bytes": spec["ram"],
+            "disk_free_bytes": 10**12, "disk_read_bytes_per_s": spec.get("disk"),
+            "devices": [{"name": "cpu", "kind": "cpu", "memory_bytes": spec["ram_total"],
+                         "memory_free_bytes": spec["ram"], "flops_per_s": spec["flops"],
+                         "mem_bw_bytes_per_s": spec["bw"]}],
+            "probe_seconds": 0.1}
+
+
+def spec(name: str, ram: int, flops: float = 1e12, bw: float = 1e11, **kw) -> dict:
+    d = {"host": name, "hostname": f"machine-{name}", "ram": int(ram), "ram_total": 2 * int(ram) + 7,
+         "flops": float(flops), "bw": float(bw)}
+    d.update(kw)
+    return d
+
+
+def nodes_of(specs: list[dict]) -> list[Node]:
+    """Fresh Node objects (make_plan fills in budgets, so never reuse them across plans)."""
+    out = []
+    for s in specs:
+        out.append(Node(host=s["host"], caps=caps(s), role=s.get("role", "active"), layers=s.get("layers"),
+                        precision=s.get("precision"), standby_for=s.get("standby_for"),
+                        max_ram_bytes=s.get("max_ram"), endpoint=f"tcp://127.0.0.1:{9100 + 2 * len(out)}"))
+    return out
+
+
+def plan(specs, mc, opts, policy="auto") -> dict:
+    return make_plan(nodes_of(specs), mc, opts, policy)
+
+
+def actives(p: dict) -> list[dict]:
+    return [s for s in p["stages"] if s["role"] == "active"]
+
+
+def close(x: float, y: float) -> bool:
+    return math.isclose(x, y, rel_tol=REL, abs_tol=1e-300)
+
+
+def splits(L: int, n: int):
+    """Every ordered contiguous split of L layers over n hosts (hosts may get zero layers)."""
+    for cuts in itertools.combinations_with_replacement(range(L + 1), n - 1):
+        edges = (0,) + cuts + (L,)
+        yield [(edges[k], edges[k + 1]) for k in range(n)]
+
+
+def brute(specs, mc, opts, prec):
+    """(min bottleneck, min sum-of-times + hop per used stage, min hosts used) over fitting splits."""
+    bud = budgets(specs, opts.reserve_ram_bytes)
+    best_b = best_l = math.inf
+    best_n = math.inf
+    for sp in splits(mc.num_layers, len(specs)):
+        used = [(k, a, b) for k, (a, b) in enumerate(sp) if b > a]
+        if any(mem(mc, opts, prec, a, b) > bud[k] for k, a, b in used):
+            continue
+        times = [s_time(mc, prec, specs[k]["flops"], specs[k]["bw"], a, b, opts.batch) for k, a, b in used]
+        best_b = min(best_b, max(times))
+        best_l = min(best_l, sum(times) + opts.hop_s * len(used))
+        best_n = min(best_n, len(used))
+    return best_b, best_l, best_n
+
+
+# --- strategies -------------------------------------------------------------------------------------
+
+@st.composite
+def models(draw, max_layers: int = 40) -> ModelCost:
+    L = draw(st.integers(1, max_layers))
+    dense = draw(st.lists(st.integers(10**4, 2 * 10**8), min_size=L, max_size=L))
+    if draw(st.booleans()):
+        E, k = draw(st.sampled_from([4, 8, 16])), draw(st.integers(1, 2))
+        expert = draw(st.lists(st.integers(0, 6 * 10**8), min_size=L, max_size=L))
+    else:
+        E, k, expert = 0, 0, [0] * L
+    hidden = draw(st.sampled_from([256, 1024, 4096]))
+    vocab = draw(st.integers(1000, 150_000))
+    tied = draw(st.booleans())
+    rows = [d // draw(st.integers(100, 5000)) + 1 for d in dense]
+    return ModelCost(num_layers=L, stored_precision=draw(st.sampled_from(["bf16", "fp32"])),
+                     dense_params=dense, expert_params=expert, rows=rows, embed_params=vocab * hidden,
+                     head_params=hidden + (0 if tied else vocab * hidden), num_experts=E, experts_per_token=k,
+                     kv_width=draw(st.sampled_from([128, 512, 2048])), hidden_size=hidden, vocab_size=vocab,
+                     tied_embeddings=tied)
+
+
+@st.composite
+def options(draw, objective=None) -> CostOptions:
+    return CostOptions(objective=objective or draw(st.sampled_from(["throughput", "latency", "memory"])),
+                       context=draw(st.integers(1, 8192)), batch=draw(st.integers(1, 4)),
+                       kv_dtype=draw(st.sampled_from([None, "bf16", "int8", "fp32"])),
+                       hop_s=draw(st.sampled_from([0.0, 0.0005, 0.01])))
+
+
+@st.composite
+def cluster(draw, mc: ModelCost, opts: CostOptions, max_nodes: int = 8, lo: float = 0.9, hi: float = 4.0,
+            min_nodes: int = 1):
+    """min_nodes..max_nodes hosts whose RAM adds up to lo..hi times the whole model's need (split
+    unevenly), with random speeds."""
+    total = mem(mc, opts, mc.stored_precision, 0, mc.num_layers) * draw(st.floats(lo, hi))
+    n = draw(st.integers(min_nodes, max_nodes))
+    w = draw(st.lists(st.floats(0.05, 1.0), min_size=n, max_size=n))
+    return [spec(f"w{k}", int(total * w[k] / sum(w)) + 1,
+                 flops=1e12 * draw(st.floats(1.0, 10.0)), bw=1e11 * draw(st.floats(1.0, 10.0)))
+            for k in range(n)]
+
+
+@st.composite
+def instances(draw, max_layers=40, max_nodes=8, objective=None, lo=0.9, hi=4.0, min_nodes=1):
+    mc = draw(models(max_layers))
+    opts = draw(options(objective))
+    return mc, opts, draw(cluster(mc, opts, max_nodes, lo, hi, min_nodes))
+
+
+def check_plan(p: dict, specs: list[dict], mc: ModelCost, opts: CostOptions) -> None:
+    """Every invariant a returned plan must satisfy, against the independent cost model."""
+    validate_plan(p)
+    json.dumps(p)
+    act = actives(p)
+    assert act, "a plan has at least one active stage"
+    covered = [i for s in act for i in range(*s["layers"])]
+    assert covered == list(range(mc.num_layers)), "actives cover every layer exactly once, in order"
+    order = [s["host"] for s in specs if s.get("role", "active") == "active"]
+    assert [s["host"] for s in act] == [h for h in order if h in {s["host"] for s in act}], "pipeline order"
+    assert p["num_layers"] == mc.num_layers
+    bud = dict(zip([s["host"] for s in specs], budgets(specs, opts.reserve_ram_bytes)))
+    by_host = {s["host"]: s for s in specs}
+    for s in p["stages"]:
+        a, b = s["layers"]
+        assert b > a
+        assert s["mem_budget_bytes"] == bud[s["host"]]
+        assert s["weight_bytes"] + s["kv_bytes"] <= s["mem_budget_bytes"], f"{s['host']} over its budget"
+        assert s["weight_bytes"] == w_bytes(mc, s["precision"], a, b)
+        assert s["kv_bytes"] == (b - a) * kv_layer(mc, opts, s["precision"])
+        h = by_host[s["host"]]
+        assert close(s["predicted_s"], s_time(mc, s["precision"], h["flops"], h["bw"], a, b, opts.batch))
+    assert p["bottleneck_s"] == max(s["predicted_s"] for s in act)
+    assert p["predicted_token_s"] >= sum(s["predicted_s"] for s in act)
+    assert p["kv"]["context"] == opts.context
+    assert p["kv"]["dtype"] == (opts.kv_dtype or p["precision"])
+
+
+# --- properties ---------------------------------------------------------------------------------------
+
+@FAST
+@given(inst=instances(), policy=st.sampled_from(["auto", "ram_balanced", "uniform"]))
+def test_any_returned_plan_is_valid(inst, policy):
+    mc, opts, specs = inst
+    try:
+        p = plan(specs, mc, opts, policy)
+    except PlanError as e:
+        assert "\n" not in str(e)
+        return
+    check_plan(p, specs, mc, opts)
+    assert p["precision"] == mc.stored_precision
+    if policy in ("ram_balanced", "uniform"):
+        # fixed splits: layer counts within one of the exact proportional share
+        w = budgets(specs) if policy == "ram_balanced" else [1] * len(specs)
+        counts = {s["host"]: s["layers"][1] - s["layers"][0] for s in actives(p)}
+        for s, wk in zip(specs, w):
+            assert abs(counts.get(s["host"], 0) - mc.num_layers * wk / sum(w)) < 1
+
+
+@FAST
+@given(inst=instances(objective="throughput", lo=1.0, hi=4.0, min_nodes=2))
+def test_auto_throughput_beats_fixed_policies(inst):
+    mc, opts, specs = inst
+    results = {}
+    for policy in ("auto", "ram_balanced", "uniform"):
+        try:
+            results[policy] = plan(specs, mc, opts, policy)
+        except PlanError:
+            results[policy] = None
+    for other in ("ram_balanced", "uniform"):
+        if results[other] is None:
+            continue
+        assert results["auto"] is not None, f"{other} found a plan, auto did not"
+        assert results["auto"]["bottleneck_s"] <= results[other]["bottleneck_s"] * (1 + REL)
+
+
+def _brute_check(mc, opts, specs):
+    prec = mc.stored_precision
+    best_b, best_l, best_n = brute(specs, mc, opts, prec)
+    try:
+        p = plan(specs, mc, opts)
+    except PlanError:
+        assert best_b == math.inf, "make_plan found no plan but a fitting split exists"
+        return None, best_n
+    assert best_b < math.inf, "make_plan returned a plan but no split fits"
+    check_plan(p, specs, mc, opts)
+    act = actives(p)
+    if opts.objective == "throughput":
+        assert close(p["bottleneck_s"], best_b)
+    elif opts.objective == "latency":
+        total = sum(s["predicted_s"] for s in act) + opts.hop_s * len(act)
+        assert close(total, best_l)
+        assert close(p["predicted_token_s"], best_l + opts.hop_s)
+    return p, best_n
+
+
+@SMALL
+@given(inst=instances(max_layers=8, max_nodes=4, objective="throughput", lo=1.2, hi=6.0, min_nodes=2))
+def test_throughput_equals_brute_force(inst):
+    _brute_check(*inst)
+
+
+@SMALL
+@given(inst=instances(max_layers=8, max_nodes=4, objective="latency", lo=1.2, hi=6.0, min_nodes=2))
+def test_latency_equals_brute_force(inst):
+    _brute_check(*inst)
+
+
+@SMALL
+@given(inst=instances(max_layers=8, max_nodes=4, objective="memory", lo=1.2, hi=6.0, min_nodes=2))
+def test_memory_feasible_iff_brute_force(inst):
+    _brute_check(*inst)
+
+
+_MC4 = ModelCost(num_layers=4, stored_precision="bf16", dense_params=[1000] * 4, expert_params=[0] * 4,
+                 rows=[10] * 4, embed_params=0, head_params=0, kv_width=0, hidden_size=0, vocab_size=0)
+
+
+@SMALL
+@example(inst=(_MC4, CostOptions(objective="memory", kv_bytes_per_layer_token=0),
+               [spec("small", 2100), spec("big", 10**6)]))
+@given(inst=instances(max_layers=8, max_nodes=4, objective="memory", lo=1.2, hi=6.0, min_nodes=2))
+def test_memory_uses_fewest_hosts(inst):
+    p, best_n = _brute_check(*inst)
+    if p is not None:
+        assert len(actives(p)) == best_n
+
+
+# --- precision ladder -------------------------------------------------------------------------------
+
+LADDERS = [["bf16", "int8"], ["fp32", "bf16", "int8"], ["fp32", "int8"], ["bf16"], ["int8"]]
+
+
+@SMALL
+@given(mc=models(max_layers=8), ladder=st.sampled_from(LADDERS), data=st.data())
+def test_ladder_steps_down_only_as_needed(mc, ladder, data):
+    opts = CostOptions(objective=data.draw(st.sampled_from(["throughput", "latency", "memory"])),
+                       context=data.draw(st.integers(1, 4096)), precision_ladder=ladder)
+    # RAM between a fraction of the int8 need and more than the fp32 need
+    lo_need = mem(mc, opts, "int8", 0, mc.num_layers)
+    hi_need = mem(mc, opts, "fp32", 0, mc.num_layers)
+    n = data.draw(st.integers(1, 3))
+    specs = [spec(f"w{k}", data.draw(st.integers(lo_need // (2 * n), hi_need + 1))) for k in range(n)]
+    feasible = [r for r in ladder if brute(specs, mc, opts, r)[0] < math.inf]
+    try:
+        p = plan(specs, mc, opts)
+    except PlanError as e:
+        assert not feasible, f"fits at {feasible[0]} but make_plan failed: {e}"
+        return
+    assert feasible and p["precision"] == feasible[0]
+    assert {s["precision"] for s in p["stages"]} == {feasible[0]}
+    check_plan(p, specs, mc, opts)
+
+
+def test_ladder_bf16_stays_bf16_and_int8_only_when_needed():
+    mc = ModelCost(num_layers=6, stored_precision="bf16", dense_params=[10**6] * 6, expert_params=[0] * 6,
+                   rows=[1000] * 6, embed_params=10**5, head_params=10**5, kv_width=64, hidden_size=64,
+                   vocab_size=1000)
+    opts = CostOptions(context=128, precision_ladder=["bf16", "int8"])
+    need_bf16, need_int8 = mem(mc, opts, "bf16", 0, 6), mem(mc, opts, "int8", 0, 6)
+    assert need_int8 < need_bf16
+    assert plan([spec("a", need_bf16)], mc, opts)["precision"] == "bf16"
+    assert plan([spec("a", need_bf16 * 10)], mc, opts)["precision"] == "bf16"
+    p = plan([spec("a", need_bf16 - 1)], mc, opts)
+    assert p["precision"] == "int8" and p["stages"][0]["precision"] == "int8"
+    assert p["kv"]["dtype"] == "int8"
+    with pytest.raises(PlanError, match="int8"):
+        plan([spec("a", need_int8 - 1)], mc, opts)
+
+
+# --- unfit models --------------------------------------------------------------------------------
+
+@FAST
+@given(mc=models(), ladder=st.sampled_from([[], ["bf16", "int8"], ["fp32"]]), data=st.data())
+def test_unfit_says_how_many_bytes_short(mc, ladder, data):
+    opts = CostOptions(context=data.draw(st.integers(1, 8192)), precision_ladder=ladder,
+                       reserve_ram_bytes=data.draw(st.sampled_from([0, 1000])))
+    rung = (ladder or [mc.stored_precision])[-1]
+    need = mem(mc, opts, rung, 0, mc.num_layers)
+    n = data.draw(st.integers(1, 4))
+    specs = [spec(f"w{k}", int(need * data.draw(st.floats(0.0, 0.95)) / n)) for k in range(n)]
+    have = sum(budgets(specs, opts.reserve_ram_bytes))
+    assert need > have
+    with pytest.raises(PlanError) as ei:
+        plan(specs, mc, opts)
+    msg = str(ei.value)
+    assert "\n" not in msg
+    m = re.search(r"(\d+) bytes short", msg)
+    assert m, msg
+    assert int(m.group(1)) == need - have
+    assert rung in msg
+
+
+# --- standbys ------------------------------------------------------------------------------------
+
+def _mc(L=8, **kw) -> ModelCost:
+    d = dict(num_layers=L, stored_precision="bf16", dense_params=[10**6] * L, expert_params=[0] * L,
+             rows=[2000] * L, embed_params=5 * 10**5, head_params=5 * 10**5 + 64, kv_width=128,
+             hidden_size=64, vocab_size=8000)
+    d.update(kw)
+    return ModelCost(**d)
+
+
+BIG = 10**9
+OPTS = CostOptions(context=256)
+
+
+def test_standby_for_mirrors_principal_layers_and_precision():
+    mc = _mc()
+    specs = [spec("a", BIG, layers=(0, 3)), spec("b", BIG, layers=(3, 8), precision="int8"),
+             spec("s", BIG, role="standby", standby_for="b"), spec("t", BIG, role="standby", standby_for="a")]
+    p = plan(specs, mc, OPTS)
+    check_plan(p, specs, mc, OPTS)
+    st_ = {s["host"]: s for s in p["stages"]}
+    assert st_["b"]["precision"] == "int8" and st_["a"]["precision"] == "bf16"
+    for sb, pr in (("s", "b"), ("t", "a")):
+        assert st_[sb]["role"] == "standby" and st_[sb]["standby_for"] == pr
+        for k in ("layers", "precision", "weight_bytes", "kv_bytes"):
+            assert st_[sb][k] == st_[pr][k], k
+    assert [s["host"] for s in actives(p)] == ["a", "b"]
+
+
+@FAST
+@given(inst=instances(max_layers=12, max_nodes=4, lo=1.0, hi=4.0), n_standby=st.integers(1, 3), data=st.data())
+def test_auto_standbys_mirror_distinct_actives(inst, n_standby, data):
+    mc, opts, specs = inst
+    try:
+        base = plan(specs, mc, opts)
+    except PlanError:
+        return
+    n_act = len(actives(base))
+    assume(n_standby <= n_act)
+    standbys = [spec(f"s{k}", 10 * mem(mc, opts, "fp32", 0, mc.num_layers) + BIG, role="standby")
+                for k in range(n_standby)]
+    p = plan(specs + standbys, mc, opts)
+    check_plan(p, specs + standbys, mc, opts)
+    act = {s["host"]: s for s in actives(p)}
+    principals = []
+    for s in p["stages"]:
+        if s["role"] == "standby":
+            assert s["standby_for"] in act
+            principals.append(s["standby_for"])
+            assert s["layers"] == act[s["standby_for"]]["layers"]
+            assert s["precision"] == act[s["standby_for"]]["precision"]
+    assert len(principals) == n_standby == len(set(principals))
+
+
+@pytest.mark.parametrize("target", ["nowhere", "d"])
+def test_standby_for_non_active_host_is_an_error(target):
+    specs = [spec("a", BIG), spec("d", BIG, role="draining"), spec("s", BIG, role="standby", standby_for=target)]
+    with pytest.raises(PlanError) as ei:
+        plan(specs, _mc(), OPTS)
+    assert "s" in str(ei.value) and target in str(ei.value) and "\n" not in str(ei.value)
+
+
+def test_standby_for_another_standby_is_an_error():
+    specs = [spec("a", BIG), spec("s1", BIG, role="standby", standby_for="a"),
+             spec("s2", BIG, role="standby", standby_for="s1")]
+    with pytest.raises(PlanError):
+        plan(specs, _mc(), OPTS)
+
+
+def test_auto_standby_never_mirrors_a_standby():
+    specs = [spec("a", BIG), spec("s1", BIG, role="standby"), spec("s2", BIG, role="standby")]
+    try:
+        p = plan(specs, _mc(), OPTS)
+    except PlanError:
+        return
+    act = {s["host"] for s in actives(p)}
+    assert all(s["standby_for"] in act for s in p["stages"] if s["role"] == "standby")
+
+
+def test_standby_too_small_says_bytes_short():
+    mc = _mc()
+    need = mem(mc, OPTS, "bf16", 0, 8)
+    specs = [spec("a", BIG), spec("s", need - 123, role="standby", standby_for="a")]
+    with pytest.raises(PlanError) as ei:
+        plan(specs, mc, OPTS)
+    assert re.search(r"\b123 bytes short", str(ei.value)), str(ei.value)
+
+
+# --- pins --------------------------------------------------------------------------------------
+
+@FAST
+@given(mc=models(max_layers=20), objective=st.sampled_from(["throughput", "latency", "memory"]), data=st.data())
+def test_pins_honoured(mc, objective, data):
+    opts = CostOptions(objective=objective, context=data.draw(st.integers(1, 2048)))
+    n = data.draw(st.integers(1, 6))
+    sp = data.draw(st.sampled_from(list(itertools.islice(splits(mc.num_layers, n), 200))))
+    pinned = {k: sp[k] for k in range(n) if sp[k][1] > sp[k][0] and data.draw(st.booleans())}
+    ample = 2 * mem(mc, opts, mc.stored_precision, 0, mc.num_layers)
+    specs = [spec(f"w{k}", ample, flops=data.draw(st.floats(1e10, 1e13)), layers=pinned.get(k)) for k in range(n)]
+    p = plan(specs, mc, opts)  # the split the pins came from fits: a plan must exist
+    check_plan(p, specs, mc, opts)
+    got = {s["host"]: tuple(s["layers"]) for s in actives(p)}
+    for k, r in pinned.items():
+        assert got[f"w{k}"] == r
+
+
+def test_pins_set_pipeline_order():
+    specs = [spec("late", BIG, layers=(5, 8)), spec("free", BIG), spec("early", BIG, layers=(0, 2))]
+    p = plan(specs, _mc(), OPTS)
+    validate_plan(p)
+    got = {s["host"]: s["layers"] for s in actives(p)}
+    assert got["early"] == [0, 2] and got["late"] == [5, 8] and got["free"] == [2, 5]
+
+
+def test_manual_policy():
+    specs = [spec("a", BIG, layers=(0, 5)), spec("b", BIG, layers=(5, 8))]
+    p = plan(specs, _mc(), OPTS, "manual")
+    assert [s["layers"] for s in actives(p)] == [[0, 5], [5, 8]]
+    with pytest.raises(PlanError, match="b"):
+        plan([spec("a", BIG, layers=(0, 5)), spec("b", BIG)], _mc(), OPTS, "manual")
+
+
+def test_pin_past_the_model_is_an_error():
+    with pytest.raises(PlanError, match="w0"):
+        plan([spec("w0", BIG, layers=(0, 9))], _mc(), OPTS)
+
+
+@pytest.mark.parametrize("policy", ["ram_balanced", "uniform"])
+def test_pins_refused_by_fixed_policies(policy):
+    """Fixed splits would silently override a pin: the planner refuses and says what to use."""
+    specs = [spec("a", BIG, layers=(0, 1)), spec("b", BIG)]
+    with pytest.raises(PlanError, match=f"layerline_policy {policy}.*a pin layerline_layers"):
+        plan(specs, _mc(), OPTS, policy)
+
+
+def test_bad_policy_role_precision():
+    with pytest.raises(PlanError, match="layerline_policy"):
+        plan([spec("a", BIG)], _mc(), OPTS, "fastest")
+    with pytest.raises(PlanError, match="layerline_role"):
+        plan([spec("a", BIG, role="spare")], _mc(), OPTS)
+    with pytest.raises(PlanError, match="layerline_precision"):
+        plan([spec("a", BIG, precision="fp8")], _mc(), OPTS)
+    with pytest.raises(PlanError, match="no active"):
+        plan([spec("a", BIG, role="standby")], _mc(), OPTS)
+    assert issubclass(PlanError, LayerlineError)
+
+
+# --- shared machines -------------------------------------------------------------------------------
+
+def test_hosts_on_one_machine_split_its_ram():
+    ram = 3 * 10**9
+    box = dict(hostname="box", ram_total=4 * 10**9)
+    specs = [spec("a", ram, **box), spec("b", ram, **box), spec("c", ram, **box),
+             spec("other", ram, hostname="box", ram_total=5 * 10**9),   # same name, other machine
+             spec("solo", ram)]
+    p = plan(specs, _mc(), CostOptions(context=256, reserve_ram_bytes=1000), "uniform")
+    got = {s["host"]: s["mem_budget_bytes"] for s in p["stages"]}
+    assert got == {"a": ram // 3 - 1000, "b": ram // 3 - 1000, "c": ram // 3 - 1000,
+                   "other": ram - 1000, "solo": ram - 1000}
+    assert sum(got[h] for h in "abc") <= ram
+
+
+def test_shared_machine_budget_decides_fit():
+    mc = _mc()
+    need = mem(mc, OPTS, "bf16", 0, 8)
+    box = dict(hostname="box", ram_total=10**10)
+    # alone on the machine, one host holds the whole model
+    assert len(actives(plan([spec("a", need + 1, **box)], mc, OPTS))) == 1
+    # two hosts on that machine get half each, and no split of this model fits two halves
+    shared = [spec("a", need + 1, **box), spec("b", need + 1, **box)]
+    assert budgets(shared) == [(need + 1) // 2] * 2
+    assert brute(shared, mc, OPTS, "bf16")[0] == math.inf
+    with pytest.raises(PlanError):
+        plan(shared, mc, OPTS)
+    # the same two on separate machines: fits
+    apart = [spec("a", need + 1), spec("b", need + 1)]
+    check_plan(plan(apart, mc, OPTS), apart, mc, OPTS)
+
+
+# --- plan_table -------------------------------------------------------------------------------------
+
+def test_plan_table_lists_every_host_and_unmeasured_disk():
+    specs = [spec("alpha", BIG, disk=None), spec("beta", BIG, disk=5 * 10**8, layers=(4, 8)),
+             spec("gamma", BIG, role="standby", standby_for="beta", disk=0)]
+    p = plan(specs, _mc(), OPTS)
+    table = plan_table(p)
+    rows = {line.split()[0]: line for line in table.splitlines() if line.split()}
+    for s in specs:
+        assert s["host"] in rows, f"{s['host']} missing from table"
+    assert "not measured" in rows["alpha"]
+    assert "not measured" not in rows["beta"] and "MiB/s" in rows["beta"]
+    assert "not measured" in rows["gamma"]          # 0 is not a measurement either
+    assert "standby" in rows["gamma"] and "beta" in rows["gamma"]
+    assert "bf16" in table

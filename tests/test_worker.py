@@ -1,0 +1,480 @@
+"""layerline.worker as real processes: the pipeline's numbers, its control socket, and its
+refusal to die of bad input.
+
+A two-stage pipeline of the small demo checkpoint is started once for the module (plus one
+spare last stage for re-routing, shutdown and dead-stage tests); raw messages go to the data
+sockets through a zmq DEALER, the way a misbehaving peer would send them.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+import zmq
+
+from layerline import wire
+from layerline.cli import _free_ports, local_stages, stop_local
+from layerline.driver import DriveError, Pipeline, control, greedy_generate
+from layerline.model.loader import load_stage
+
+KV = 128        # --kv-context: small caches, quick to allocate
+LAYERS = 4      # the small_ckpt fixture's layers
+VOCAB = 500
+HIDDEN = 128
+ATOL = 1e-5
+
+
+def control_of(endpoint: str) -> str:
+    host, port = endpoint.rsplit(":", 1)
+    return f"{host}:{int(port) + 1}"
+
+
+def wait_for(path: str, proc: subprocess.Popen, timeout: float = 120.0) -> None:
+    deadline = time.time() + timeout
+    while not os.path.exists(path):
+        assert proc.poll() is None, f"worker exited with {proc.returncode}"
+        assert time.time() < deadline, f"{path} did not appear"
+        time.sleep(0.05)
+
+
+# --- fixtures -----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def stages(small_ckpt, request):
+    """Two local workers: stage0 = layers 0:2 (first), stage1 = layers 2:4 (last)."""
+    procs, first, tmp = local_stages(str(small_ckpt), 2, "fp32", kv_context=KV, threads=1)
+
+    def stop():
+        stop_local(procs)
+        shutil.rmtree(tmp, ignore_errors=True)
+        # SIGTERM (what stop_local sends) is a clean stop: exit status 0, not a kill
+        assert [p.returncode for p in procs] == [0, 0]
+    request.addfinalizer(stop)
+    info = [json.load(open(os.path.join(tmp, f"ready{i}.json"))) for i in range(2)]
+    assert info[0]["bind"] == first
+    return SimpleNamespace(procs=procs, first=first, tmp=tmp, info=info,
+                           data=[i["bind"] for i in info], control=[control_of(i["bind"]) for i in info])
+
+
+@pytest.fixture(scope="module")
+def pipe(stages, request):
+    p = Pipeline(stages.first, timeout_s=30.0)
+    request.addfinalizer(lambda: (p.close(), p.ctx.term()))
+    return p
+
+
+@pytest.fixture(scope="module")
+def reference(small_ckpt):
+    """The whole model in this process: the numbers the pipeline must reproduce."""
+    return load_stage(str(small_ckpt), 0, LAYERS, True, True, "fp32")
+
+
+@pytest.fixture(scope="module")
+def spare(small_ckpt, stages, request):
+    """A third worker equal to stage1 (layers 2:4, last), for set_next, shutdown and dead-stage tests."""
+    (port,) = _free_ports(1)
+    bind = f"tcp://127.0.0.1:{port}"
+    ready = os.path.join(stages.tmp, "ready-spare.json")
+    log = open(os.path.join(stages.tmp, "spare.log"), "w")
+    proc = subprocess.Popen([sys.executable, "-m", "layerline.worker", "--checkpoint", str(small_ckpt),
+                             "--layers", f"2:{LAYERS}", "--precision", "fp32", "--kv-context", str(KV),
+                             "--bind", bind, "--name", "spare", "--ready-file", ready, "--last",
+                             "--threads", "1"],
+                            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    request.addfinalizer(lambda: (stop_local([proc]), log.close()))
+    wait_for(ready, proc)
+    return SimpleNamespace(proc=proc, data=bind, control=control_of(bind), ready=ready)
+
+
+@pytest.fixture
+def restore_routing(stages):
+    """Whatever a test does to stage0's next hop, point it back at stage1 afterwards."""
+    yield
+    control(stages.control[0], "set_next", next=stages.data[1])
+
+
+@pytest.fixture
+def dealer():
+    """send(endpoint, frames) -> the decoded reply header (and tensors), over a fresh DEALER."""
+    ctx = zmq.Context()
+    socks = []
+
+    def send(endpoint, frames, timeout_s=10.0):
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(endpoint)
+        socks.append(s)
+        s.send_multipart(frames)
+        assert s.poll(timeout_s * 1000), f"no reply from {endpoint} within {timeout_s} s"
+        return wire.decode(s.recv_multipart())
+
+    yield send
+    for s in socks:
+        s.close(0)
+    ctx.term()
+
+
+def ids_(*shape, seed=0):
+    return torch.randint(0, VOCAB, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def stats(endpoint):
+    return control(endpoint, "stats")
+
+
+# --- numbers ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("shape", [(1, 1), (1, 9), (3, 5)])
+def test_pipeline_forward_equals_one_process_forward(pipe, reference, stages, shape):
+    ids = ids_(*shape, seed=sum(shape))
+    r = pipe.forward(ids)
+    ref = reference(ids)
+    assert r.logits.shape == (*shape, VOCAB) and r.logits.dtype == torch.float32
+    assert torch.allclose(r.logits, ref, rtol=0, atol=ATOL), float((r.logits - ref).abs().max())
+    assert [t["stage"] for t in r.timings] == ["stage0", "stage1"]
+    assert [t["layers"] for t in r.timings] == [[0, 2], [2, 4]]
+    assert all(isinstance(t["s"], float) and t["s"] >= 0 for t in r.timings)
+    assert r.wall_s >= sum(t["s"] for t in r.timings) and r.hop_s >= 0
+
+
+def test_one_dimensional_ids_are_one_batch(pipe, reference):
+    ids = ids_(6, seed=3)
+    r = pipe.forward(ids)
+    assert torch.allclose(r.logits, reference(ids[None]), rtol=0, atol=ATOL)
+
+
+def in_process_greedy(stage, prompt, n):
+    cache = stage.new_cache(1, KV)
+    logits = stage(torch.tensor([prompt]), 0, cache)
+    out, steps, pos = [], [logits], len(prompt)
+    for _ in range(n):
+        tok = int(logits[0, -1].argmax())
+        out.append(tok)
+        if len(out) == n:
+            break
+        logits = stage(torch.tensor([[tok]]), pos, cache)
+        steps.append(logits)
+        pos += 1
+    return out, steps
+
+
+def test_greedy_generate_equals_in_process_kv_cache_decoding(pipe, reference, stages):
+    prompt = [3, 17, 42, 99, 7, 250, 1]
+    before = [stats(c)["sequences"] for c in stages.control]
+    toks, steps = greedy_generate(pipe, prompt, 8, seq="greedy-1")
+    want, ref_steps = in_process_greedy(reference, prompt, 8)
+    assert toks == want
+    assert len(steps) == len(ref_steps) == 8
+    for got, ref in zip(steps, ref_steps):
+        assert torch.allclose(got.logits, ref, rtol=0, atol=ATOL)
+        assert [t["stage"] for t in got.timings] == ["stage0", "stage1"]
+    # the cache path is also equal to a full recompute of prompt + generated tokens
+    full = reference(torch.tensor([prompt + toks[:-1]]))
+    assert torch.allclose(steps[-1].logits[0, -1], full[0, -1], rtol=0, atol=1e-4)
+    # greedy_generate releases the sequence on every stage (release is fire-and-forget)
+    deadline = time.time() + 5
+    while [stats(c)["sequences"] for c in stages.control] != before:
+        assert time.time() < deadline, "release did not free the sequence's KV caches"
+        time.sleep(0.05)
+
+
+def test_kv_cache_positions_are_enforced(pipe, stages):
+    seq = "pos-check"
+    try:
+        pipe.forward(ids_(1, 4), seq=seq, pos=0, cache=True)
+        with pytest.raises(DriveError, match=r"stage stage0: seq pos-check holds 4 tokens, got position 6"):
+            pipe.forward(ids_(1, 1), seq=seq, pos=6, cache=True)
+        pipe.forward(ids_(1, 1), seq=seq, pos=4, cache=True)  # the sequence is still usable
+        with pytest.raises(DriveError, match=r"would exceed --kv-context"):
+            pipe.forward(ids_(1, KV - 4), seq=seq, pos=5, cache=True)
+    finally:
+        pipe.release(seq)
+
+
+def test_error_at_a_later_stage_reaches_the_driver_by_name(pipe, stages):
+    """stage1 alone forgets the sequence: the driver hears it from stage1 through reply_to."""
+    seq = "forgotten"
+    try:
+        pipe.forward(ids_(1, 3), seq=seq, pos=0, cache=True)
+        dealer_sock = zmq.Context.instance().socket(zmq.DEALER)
+        dealer_sock.setsockopt(zmq.LINGER, 1000)
+        dealer_sock.connect(stages.data[1])
+        dealer_sock.send_multipart(wire.encode({"op": "release", "seq": seq}))
+        dealer_sock.close()
+        deadline = time.time() + 5
+        while stats(stages.control[1])["sequences"]:
+            assert time.time() < deadline
+            time.sleep(0.05)
+        with pytest.raises(DriveError, match=r"^stage stage1: stage stage1: seq forgotten is unknown at position 3"):
+            pipe.forward(ids_(1, 1), seq=seq, pos=3, cache=True)
+    finally:
+        pipe.release(seq)
+
+
+# --- bad input never kills a worker -------------------------------------------------------------
+
+def H(**fields) -> dict:
+    return {"op": "forward", "id": "bad-1", **fields}
+
+
+def raw_header(h: dict, *frames) -> list:
+    return [json.dumps({"v": wire.PROTOCOL, **h}).encode(), *frames]
+
+
+GOOD_IDS = {"input_ids": torch.tensor([[1, 2, 3]])}
+
+def bad_inputs(reply_to: str) -> dict:
+    """case -> (stage index, frames, text the error must contain, counter it goes to)."""
+    return {
+        "garbage frames": (0, [b"\x00\xffnot json at all", b"\x01\x02"], "header: not valid", "rejected"),
+        "empty header": (0, [b""], "header", "rejected"),
+        "pickle": (0, [b"\x80\x04\x95\x05\x00\x00\x00\x00\x00\x00\x00}\x94."], "header", "rejected"),
+        "json array header": (0, [b"[]"], "header: must be a JSON object", "rejected"),
+        "wrong protocol": (0, raw_header({"v": 99, "op": "forward"}), "header.v", "rejected"),
+        "bad dtype": (0, raw_header(H(tensors=[{"name": "input_ids", "dtype": "complex128", "shape": [1, 3],
+                                                "frames": 1}]), b"\0" * 48), "header.tensors[0].dtype", "rejected"),
+        "bytes do not match shape": (0, raw_header(H(tensors=[{"name": "input_ids", "dtype": "int64",
+                                                               "shape": [1, 3], "frames": 1}]), b"\0" * 23),
+                                     "header.tensors[0]", "rejected"),
+        "huge declared shape": (0, raw_header(H(tensors=[{"name": "input_ids", "dtype": "int64",
+                                                          "shape": [2**31, 2**31], "frames": 1}]), b"\0" * 8),
+                                "header.tensors[0]", "rejected"),
+        "huge shape with matching frame count": (0, raw_header(H(tensors=[{"name": "input_ids", "dtype": "int64",
+                                                                           "shape": [64, 2**20], "frames": 32}]),
+                                                               *[b""] * 32), "header.tensors[0]", "rejected"),
+        "too many dims": (0, raw_header(H(tensors=[{"name": "input_ids", "dtype": "int64",
+                                                    "shape": [1] * 7, "frames": 1}]), b"\0" * 8),
+                          "header.tensors[0].shape", "rejected"),
+        "wrong tensor name": (0, wire.encode(H(), {"hidden": torch.zeros(1, 3, HIDDEN)}),
+                              "stage stage0 takes exactly one tensor named 'input_ids'", "rejected"),
+        "two tensors": (0, wire.encode(H(), {**GOOD_IDS, "extra": torch.zeros(1)}), "tensors: stage stage0", "rejected"),
+        "no tensors": (0, wire.encode(H()), "tensors: stage stage0", "rejected"),
+        "float ids": (0, wire.encode(H(), {"input_ids": torch.zeros(1, 3)}), "input_ids: must be int64", "rejected"),
+        "ids of 3 dims": (0, wire.encode(H(), {"input_ids": torch.zeros(1, 3, 1, dtype=torch.int64)}),
+                          "input_ids: must be int64 of shape [batch, tokens]", "rejected"),
+        "ids of 0 dims": (0, wire.encode(H(), {"input_ids": torch.tensor(5)}), "input_ids", "rejected"),
+        "token id = vocab": (0, wire.encode(H(), {"input_ids": torch.tensor([[1, VOCAB]])}),
+                             f"input_ids: token ids must be in [0, {VOCAB})", "rejected"),
+        "negative token id": (0, wire.encode(H(), {"input_ids": torch.tensor([[-1, 2]])}),
+                              f"input_ids: token ids must be in [0, {VOCAB})", "rejected"),
+        "no tokens": (0, wire.encode(H(), {"input_ids": torch.zeros(1, 0, dtype=torch.int64)}), "shape: batch",
+                      "rejected"),
+        "batch too large": (0, wire.encode(H(), {"input_ids": torch.zeros(65, 1, dtype=torch.int64)}),
+                            "shape: batch must be 1..64", "rejected"),
+        "tokens over kv context": (0, wire.encode(H(), {"input_ids": torch.zeros(1, KV + 1, dtype=torch.int64)}),
+                                   f"tokens 1..{KV}", "rejected"),
+        "pos > 0 for an unknown seq": (0, wire.encode(H(pos=3, cache=True, seq="ghost"), GOOD_IDS),
+                                       "stage stage0: seq ghost is unknown at position 3", "errors"),
+        "pos > 0 without cache": (0, wire.encode(H(pos=2), GOOD_IDS), "header.pos: must be 0 without cache",
+                                  "rejected"),
+        "pos beyond kv context": (0, wire.encode(H(pos=KV, cache=True, seq="s"), GOOD_IDS), "header.pos", "rejected"),
+        "pos not an int": (0, wire.encode(H(pos="0"), GOOD_IDS), "header.pos", "rejected"),
+        "cache without seq": (0, wire.encode(H(cache=True), GOOD_IDS), "header.seq", "rejected"),
+        "bad seq": (0, wire.encode(H(cache=True, seq="a/b"), GOOD_IDS), "header.seq", "rejected"),
+        "bad reply_to": (0, wire.encode(H(reply_to="http://evil.example/x"), GOOD_IDS), "header.reply_to", "rejected"),
+        "reply_to not a string": (0, wire.encode(H(reply_to=["tcp://127.0.0.1:1"]), GOOD_IDS), "header.reply_to",
+                                  "rejected"),
+        "bad deadline": (0, wire.encode(H(deadline="tomorrow"), GOOD_IDS), "header.deadline", "rejected"),
+        "control op on the data socket": (0, wire.encode({"op": "shutdown", "id": "bad-1"}), "header.op", "rejected"),
+        "result op on the data socket": (0, wire.encode({"op": "result", "id": "bad-1"}), "header.op", "rejected"),
+        "release without seq": (0, wire.encode({"op": "release", "id": "bad-1"}), "header.seq", "rejected"),
+        "hidden of the wrong width": (1, wire.encode(H(reply_to=reply_to),
+                                                     {"hidden": torch.zeros(1, 3, HIDDEN // 2)}),
+                                      f"hidden: must be float of shape [batch, tokens, {HIDDEN}]", "rejected"),
+        "integer hidden": (1, wire.encode(H(reply_to=reply_to),
+                                          {"hidden": torch.zeros(1, 3, HIDDEN, dtype=torch.int32)}),
+                           "hidden: must be float", "rejected"),
+        "token ids to a middle stage": (1, wire.encode(H(reply_to=reply_to), GOOD_IDS),
+                                        "stage stage1 takes exactly one tensor named 'hidden'", "rejected"),
+        "last stage without reply_to": (1, wire.encode(H(), {"hidden": torch.zeros(1, 3, HIDDEN)}),
+                                        "header.reply_to: required", "rejected"),
+    }
+
+
+def test_bad_input_gets_error_replies_and_never_kills_a_worker(stages, pipe, reference, dealer):
+    before = [stats(c) for c in stages.control]
+    expected = [{"rejected": 0, "errors": 0} for _ in stages.control]
+    # the last stage also sends its errors to reply_to: the pipeline's socket, which drops unknown ids
+    for case, (i, frames, text, counter) in bad_inputs(pipe.reply_to).items():
+        h, tensors = dealer(stages.data[i], frames)
+        assert h["op"] == "error", case
+        assert h["stage"] == f"stage{i}", case
+        assert text in h["error"], f"{case}: {h['error']!r} lacks {text!r}"
+        assert len(h["error"]) <= 2000 and tensors == {}, case
+        if h.get("id") is not None:
+            assert h["id"] == "bad-1", case
+        expected[i][counter] += 1
+        assert all(p.poll() is None for p in stages.procs), f"{case} killed a worker"
+    for i, c in enumerate(stages.control):
+        health = control(c, "health", timeout_s=5)
+        assert health["op"] == "ok" and health["name"] == f"stage{i}" and health["pid"] == stages.procs[i].pid
+        after = stats(c)
+        for counter in ("rejected", "errors"):
+            assert after[counter] - before[i][counter] == expected[i][counter], (i, counter)
+        assert after["requests"] >= before[i]["requests"]
+    # and a good forward still goes through, with the right numbers
+    ids = ids_(2, 4, seed=11)
+    assert torch.allclose(pipe.forward(ids).logits, reference(ids), rtol=0, atol=ATOL)
+
+
+def test_driver_hears_a_rejection_by_stage_name(pipe):
+    with pytest.raises(DriveError, match=rf"^stage stage0: input_ids: token ids must be in \[0, {VOCAB}\)"):
+        pipe.forward(torch.tensor([[1, VOCAB + 7]]))
+    with pytest.raises(DriveError, match=r"^stage stage0: stage stage0: seq nothing is unknown at position 5"):
+        pipe.forward(ids_(1, 1), seq="nothing", pos=5, cache=True)
+    assert pipe.forward(ids_(1, 2)).logits.shape == (1, 2, VOCAB)
+
+
+def test_a_flood_of_garbage_is_survived(stages, pipe):
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(stages.first)
+    try:
+        for k in range(300):
+            s.send_multipart([os.urandom(k % 50), os.urandom(k % 7)][: 1 + k % 2])
+        got = 0
+        while got < 300 and s.poll(5000):
+            h, _ = wire.decode(s.recv_multipart())
+            assert h["op"] == "error" and h["stage"] == "stage0"
+            got += 1
+        assert got == 300
+    finally:
+        s.close(0)
+    assert control(stages.control[0], "health")["op"] == "ok"
+    assert pipe.forward(ids_(1, 2)).logits.shape == (1, 2, VOCAB)
+
+
+def test_unhashable_op_is_rejected_naming_the_field(stages, dealer):
+    before = stats(stages.control[0])
+    h, _ = dealer(stages.data[0], raw_header({"op": ["forward"], "id": "bad-1"}))
+    assert h["op"] == "error" and h["stage"] == "stage0"
+    assert control(stages.control[0], "health")["op"] == "ok"
+    assert "header.op" in h["error"]
+    assert stats(stages.control[0])["rejected"] == before["rejected"] + 1
+
+
+# --- deadlines ----------------------------------------------------------------------------------
+
+def test_a_request_past_its_deadline_is_reported_by_stage_name(stages, dealer):
+    past = time.time() - 1
+    h, _ = dealer(stages.data[0], wire.encode(H(id="late-0", deadline=past), GOOD_IDS))
+    assert h["op"] == "error" and h["stage"] == "stage0" and h["id"] == "late-0"
+    assert h["error"] == "stage stage0: request late-0 missed its deadline before compute"
+
+    # at the last stage, the error also goes to the driver's reply_to socket
+    ctx = zmq.Context.instance()
+    results = ctx.socket(zmq.ROUTER)
+    results.setsockopt(zmq.LINGER, 0)
+    port = results.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        h, _ = dealer(stages.data[1], wire.encode(H(id="late-1", deadline=past, reply_to=f"tcp://127.0.0.1:{port}"),
+                                                  {"hidden": torch.zeros(1, 2, HIDDEN)}))
+        assert h["op"] == "error" and h["stage"] == "stage1" and "late-1 missed its deadline" in h["error"]
+        assert results.poll(5000), "no error at reply_to"
+        h2, _ = wire.decode(results.recv_multipart()[1:])
+        assert h2["op"] == "error" and h2["stage"] == "stage1" and h2["id"] == "late-1"
+    finally:
+        results.close(0)
+
+
+# --- control ------------------------------------------------------------------------------------
+
+def test_health_and_stats(stages, pipe):
+    for i, c in enumerate(stages.control):
+        h = control(c, "health")
+        assert h["op"] == "ok" and h["name"] == f"stage{i}"
+        assert h["pid"] == stages.procs[i].pid == stages.info[i]["pid"]
+        assert h["layers"] == [2 * i, 2 * i + 2] and h["uptime_s"] > 0
+        assert h["next"] == (stages.data[1] if i == 0 else None)
+    before = [stats(c) for c in stages.control]
+    pipe.forward(ids_(1, 3))
+    for i, c in enumerate(stages.control):
+        s = stats(c)
+        assert set(s) >= {"requests", "errors", "rejected", "compute_s", "sequences"}
+        assert s["requests"] == before[i]["requests"] + 1
+        assert s["compute_s"] > before[i]["compute_s"]
+
+
+def test_bad_control_requests_get_error_replies(stages):
+    c = stages.control[0]
+    rejected = stats(c)["rejected"]
+    with pytest.raises(DriveError, match=r"header\.op: 'forward' is not a control op"):
+        control(c, "forward")
+    with pytest.raises(DriveError, match=r"header\.next: must be a string"):
+        control(c, "set_next")
+    with pytest.raises(DriveError, match=r"next: 'udp://127.0.0.1:1' is not a tcp://HOST:PORT"):
+        control(c, "set_next", next="udp://127.0.0.1:1")
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(c)
+    try:
+        s.send_multipart([b"\xff garbage"])
+        assert s.poll(5000)
+        h, _ = wire.decode(s.recv_multipart())
+        assert h["op"] == "error" and h["stage"] == "stage0" and "header" in h["error"]
+    finally:
+        s.close(0)
+    assert stats(c)["rejected"] == rejected + 4
+    assert control(c, "health")["next"] == stages.data[1]
+
+
+def test_set_next_reroutes_traffic(stages, pipe, reference, spare, restore_routing):
+    r = control(stages.control[0], "set_next", next=spare.data)
+    assert r["op"] == "ok" and r["next"] == spare.data
+    assert control(stages.control[0], "health")["next"] == spare.data
+    s1, sp = stats(stages.control[1])["requests"], stats(spare.control)["requests"]
+    ids = ids_(2, 3, seed=5)
+    res = pipe.forward(ids)
+    assert [t["stage"] for t in res.timings] == ["stage0", "spare"]
+    assert torch.allclose(res.logits, reference(ids), rtol=0, atol=ATOL)
+    assert stats(spare.control)["requests"] == sp + 1
+    assert stats(stages.control[1])["requests"] == s1
+    # and back
+    control(stages.control[0], "set_next", next=stages.data[1])
+    assert [t["stage"] for t in pipe.forward(ids).timings] == ["stage0", "stage1"]
+    assert stats(spare.control)["requests"] == sp + 1
+
+
+def test_failed_set_next_keeps_the_old_route(stages, pipe, restore_routing):
+    with pytest.raises(DriveError):
+        control(stages.control[0], "set_next", next="tcp://-:5")
+    assert control(stages.control[0], "health")["next"] == stages.data[1]
+    pipe.forward(ids_(1, 2))
+
+
+def test_shutdown_exits_zero_and_removes_the_ready_file(spare):
+    if spare.proc.poll() is not None:
+        pytest.skip("the spare worker is already gone")
+    assert os.path.exists(spare.ready)
+    r = control(spare.control, "shutdown")
+    assert r["op"] == "ok" and r["name"] == "spare"
+    assert spare.proc.wait(15) == 0
+    assert not os.path.exists(spare.ready)
+
+
+def test_dead_last_stage_makes_forward_raise_within_its_timeout(stages, spare, restore_routing):
+    if spare.proc.poll() is None:
+        spare.proc.send_signal(signal.SIGKILL)
+        spare.proc.wait(10)
+    control(stages.control[0], "set_next", next=spare.data)
+    with Pipeline(stages.first, timeout_s=1.5) as p:
+        t0 = time.perf_counter()
+        with pytest.raises(DriveError, match=r"no result within"):
+            p.forward(ids_(1, 2))
+        assert time.perf_counter() - t0 < 1.5 + 2.0
+    p.ctx.term()
+    # stage0 itself stayed up and, re-pointed, serves again
+    assert control(stages.control[0], "health")["op"] == "ok"
+    control(stages.control[0], "set_next", next=stages.data[1])
+    with Pipeline(stages.first, timeout_s=30) as p:
+        assert [t["stage"] for t in p.forward(ids_(1, 2)).timings] == ["stage0", "stage1"]
+    p.ctx.term()
