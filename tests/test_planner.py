@@ -577,3 +577,43 @@ def test_plan_table_lists_every_host_and_unmeasured_disk():
     assert "not measured" in rows["gamma"]          # 0 is not a measurement either
     assert "standby" in rows["gamma"] and "beta" in rows["gamma"]
     assert "bf16" in table
+
+
+# --- experts paged from disk -------------------------------------------------------------------------
+
+def _moe(layers=4, dense=1000, experts=8000, n_exp=8, top=2) -> ModelCost:
+    return ModelCost(num_layers=layers, stored_precision="bf16", dense_params=[dense] * layers,
+                     expert_params=[experts] * layers, rows=[10] * layers, embed_params=500, head_params=500,
+                     num_experts=n_exp, experts_per_token=top, kv_width=8, hidden_size=4, vocab_size=100)
+
+
+def test_experts_paged_only_from_a_measured_disk():
+    mc, opts = _moe(), CostOptions(context=16)
+    full = mem(mc, opts, "bf16", 0, 4)
+    dense_only = full - 4 * 8000 * 2
+    ram = (full + dense_only) // 2  # too small for every expert, big enough for the dense part
+    with pytest.raises(PlanError, match="bytes short"):
+        plan([spec("a", ram)], mc, opts)  # disk not measured: never costed as if it were
+    p = plan([spec("a", ram, disk=1e8)], mc, opts)
+    (s,) = actives(p)
+    assert s["experts_paged"] and s["expert_cache_bytes"] > 0
+    assert s["weight_bytes"] + s["kv_bytes"] + s["expert_cache_bytes"] == s["mem_budget_bytes"]
+    # disk time: active expert bytes per token, scaled by the share the cache misses
+    active_expert_bytes = 4 * 8000 * 2 / 8 * 2
+    miss = 1 - s["expert_cache_bytes"] / (4 * 8000 * 2)
+    assert close(s["disk_s"], active_expert_bytes * miss / 1e8)
+    assert close(s["predicted_s"], s_time(mc, "bf16", 1e12, 1e11, 0, 4, 1) + s["disk_s"])
+    assert "experts from disk" in plan_table(p)
+    # a faster disk is a faster stage; enough RAM means no paging at all
+    faster = actives(plan([spec("a", ram, disk=1e9)], mc, opts))[0]
+    assert faster["predicted_s"] < s["predicted_s"]
+    roomy = actives(plan([spec("a", full, disk=1e8)], mc, opts))[0]
+    assert not roomy["experts_paged"] and roomy["disk_s"] == 0
+
+
+def test_planner_prefers_resident_experts_over_a_slow_disk():
+    """Two hosts: one small with a slow disk, one roomy. Throughput keeps the experts in RAM."""
+    mc, opts = _moe(), CostOptions(context=16)
+    full = mem(mc, opts, "bf16", 0, 4)
+    p = plan([spec("small", full // 3, disk=1e6), spec("big", full)], mc, opts)
+    assert not any(s["experts_paged"] for s in actives(p))

@@ -62,18 +62,49 @@ class _Table:
     fsum: list[float] = field(default_factory=list)
 
     def __post_init__(self):
-        self.wsum, self.fsum = [0], [0.0]
-        for i in range(self.cost.num_layers):
-            self.wsum.append(self.wsum[-1] + weight_bytes(self.cost, i, self.precision))
-            # bytes read per token: dense + the active experts' share
-            self.fsum.append(self.fsum[-1] + 2.0 * self.cost.active_params(i))
+        c, p = self.cost, self.precision
+        self.wsum, self.fsum, self.dsum, self.esum = [0], [0.0], [0], [0.0]
+        for i in range(c.num_layers):
+            self.wsum.append(self.wsum[-1] + weight_bytes(c, i, p))
+            self.dsum.append(self.dsum[-1] + weight_bytes(c, i, p, experts=False))
+            # FLOPs per token: dense + the active experts' share
+            self.fsum.append(self.fsum[-1] + 2.0 * c.active_params(i))
+            # expert bytes one token reads
+            self.esum.append(self.esum[-1] + (c.active_params(i) - c.dense_params[i]) * PRECISION_BYTES[p])
+        # a paged stage keeps at least one layer's active experts resident
+        self.min_cache = max((self.esum[i + 1] - self.esum[i] for i in range(c.num_layers)), default=0.0)
 
     def weight(self, a: int, b: int) -> int:
         L = self.cost.num_layers
         return self.wsum[b] - self.wsum[a] + edge_bytes(self.cost, self.precision, a == 0, b == L)
 
     def mem(self, a: int, b: int) -> int:
+        """Bytes with every weight resident."""
         return self.weight(a, b) + (b - a) * self.kv_per_layer
+
+    def paged_mem(self, a: int, b: int) -> int:
+        """Bytes when routed experts are read from disk: dense weights, KV, and the expert cache floor."""
+        L = self.cost.num_layers
+        dense = self.dsum[b] - self.dsum[a] + edge_bytes(self.cost, self.precision, a == 0, b == L)
+        return int(dense + (b - a) * self.kv_per_layer + self.min_cache)
+
+    def paged(self, node: Node, a: int, b: int) -> bool:
+        """True when the stage fits only by paging its experts (never on an unmeasured disk)."""
+        return (self.mem(a, b) > node.budget and node.disk_bw is not None
+                and self.wsum[b] - self.wsum[a] > self.dsum[b] - self.dsum[a]
+                and self.paged_mem(a, b) <= node.budget)
+
+    def fits(self, node: Node, a: int, b: int) -> bool:
+        return self.mem(a, b) <= node.budget or self.paged(node, a, b)
+
+    def disk_time(self, node: Node, a: int, b: int) -> float:
+        """Expert bytes a token reads from disk: the share the LRU cache misses (uniform routing)."""
+        if not self.paged(node, a, b):
+            return 0.0
+        experts = (self.wsum[b] - self.wsum[a]) - (self.dsum[b] - self.dsum[a])
+        cache = node.budget - (self.paged_mem(a, b) - self.min_cache)
+        miss = max(0.0, 1.0 - cache / experts)
+        return (self.esum[b] - self.esum[a]) * miss / node.disk_bw
 
     def time(self, node: Node, a: int, b: int, batch: int) -> float:
         L = self.cost.num_layers
@@ -84,7 +115,7 @@ class _Table:
             read += self.cost.head_params * PRECISION_BYTES[self.precision]
             if self.cost.tied_embeddings:
                 read += self.cost.embed_params * PRECISION_BYTES[self.precision]
-        return max(flops / node.flops, read / node.mem_bw)
+        return max(flops / node.flops, read / node.mem_bw) + self.disk_time(node, a, b) * batch
 
 
 def parse_layers(value, host: str) -> tuple[int, int] | None:
@@ -142,7 +173,7 @@ def _prepare(nodes: list[Node], opts: CostOptions) -> None:
 # --- placement for one precision -----------------------------------------------------------
 
 def _fits(tab: _Table, n: Node, a: int, b: int, limit: float, batch: int) -> bool:
-    return tab.mem(a, b) <= n.budget and tab.time(n, a, b, batch) <= limit
+    return tab.fits(n, a, b) and tab.time(n, a, b, batch) <= limit
 
 
 def _greedy(tabs: list[_Table], nodes: list[Node], limit: float, batch: int) -> list[tuple[int, int]] | None:
@@ -204,14 +235,14 @@ def _latency(tabs, nodes, batch, hop_s) -> list[tuple[int, int]] | None:
         if n.layers:
             pa, pb = n.layers
             new = [inf] * (L + 1)
-            if best[pa] < inf and tab.mem(pa, pb) <= n.budget:
+            if best[pa] < inf and tab.fits(n, pa, pb):
                 new[pb], pick[pb] = best[pa] + tab.time(n, pa, pb, batch) + hop_s, pa
         else:
             for a in range(L):
                 if best[a] == inf:
                     continue
                 for b in range(a + 1, L + 1):
-                    if tab.mem(a, b) > n.budget:
+                    if not tab.fits(n, a, b):
                         break
                     t = best[a] + tab.time(n, a, b, batch) + hop_s
                     if t < new[b]:
@@ -239,14 +270,14 @@ def _fewest(tabs, nodes) -> list[int] | None:
         if n.layers:  # a pinned host is always used, for its range
             pa, pb = n.layers
             new, nsets = [inf] * (L + 1), [()] * (L + 1)
-            if best[pa] < inf and tab.mem(pa, pb) <= n.budget:
+            if best[pa] < inf and tab.fits(n, pa, pb):
                 new[pb], nsets[pb] = best[pa] + 1, sets[pa] + (k,)
         else:
             for a in range(L):
                 if best[a] == inf:
                     continue
                 for b in range(a + 1, L + 1):
-                    if tab.mem(a, b) > n.budget:
+                    if not tab.fits(n, a, b):
                         break
                     if best[a] + 1 < new[b]:
                         new[b], nsets[b] = best[a] + 1, sets[a] + (k,)
@@ -299,7 +330,7 @@ def _place(policy: str, opts: CostOptions, tabs, nodes) -> list[tuple[int, int]]
     # fixed splits: check they cover and fit
     a = 0
     for n, tab, (ra, rb) in zip(nodes, tabs, ranges):
-        if rb > ra and (ra != a or tab.mem(ra, rb) > n.budget):
+        if rb > ra and (ra != a or not tab.fits(n, ra, rb)):
             return None
         a = rb if rb > ra else a
     return ranges if a == L else None
@@ -359,9 +390,14 @@ def make_plan(nodes: list[Node], cost: ModelCost, opts: CostOptions, policy: str
 
 
 def _stage(n: Node, tab: _Table, a: int, b: int, role: str, batch: int, standby_for=None) -> dict:
+    paged = tab.paged(n, a, b)
+    kv = (b - a) * tab.kv_per_layer
+    weights = tab.paged_mem(a, b) - kv - int(tab.min_cache) if paged else tab.weight(a, b)
     return {"host": n.host, "role": role, "layers": [a, b], "device": n.device, "precision": tab.precision,
-            "weight_bytes": tab.weight(a, b), "kv_bytes": (b - a) * tab.kv_per_layer, "kv_dtype": tab.kv_dtype,
+            "weight_bytes": weights, "kv_bytes": kv, "kv_dtype": tab.kv_dtype,
             "mem_budget_bytes": n.budget, "predicted_s": tab.time(n, a, b, batch),
+            "experts_paged": paged, "expert_cache_bytes": n.budget - weights - kv if paged else 0,
+            "disk_s": tab.disk_time(n, a, b) * batch,
             "standby_for": standby_for, "endpoint": n.endpoint, "disk_read_bytes_per_s": n.disk_bw}
 
 
@@ -381,14 +417,14 @@ def _assemble(nodes, actives, tabs, ranges, cost, opts, kvp: KvProfile, rung, po
                                 f"of this plan (active: {', '.join(sorted(used))})")
         else:
             # the least-mirrored active stage that fits, first in pipeline order
-            fits = [s for s in act if s["weight_bytes"] + s["kv_bytes"] <= n.budget]
+            fits = [s for s in act if tab_of[s["host"]].fits(n, *s["layers"])]
             principal = min(fits, key=lambda s: mirrored.get(s["host"], 0), default=None)
             if principal is None:
                 raise PlanError(f"{n.host}: standby fits no active stage in its {n.budget} bytes; "
                                 f"set layerline_standby_for or give it more memory")
         tab = tab_of[principal["host"]]  # a mirror: same layers, precision and KV as its principal
         a, b = principal["layers"]
-        if tab.mem(a, b) > n.budget:
+        if not tab.fits(n, a, b):
             raise PlanError(f"{n.host}: standby for {principal['host']} needs {tab.mem(a, b)} bytes but has "
                             f"{n.budget}; {tab.mem(a, b) - n.budget} bytes short")
         mirrored[principal["host"]] = mirrored.get(principal["host"], 0) + 1
@@ -440,9 +476,11 @@ def plan_table(plan: dict) -> str:
     for s in plan["stages"]:
         role = s["role"] + (f" ({s['standby_for']})" if s.get("standby_for") else "")
         disk = s.get("disk_read_bytes_per_s")
+        weights = _size(s["weight_bytes"]) + (" +experts from disk" if s.get("experts_paged") else "")
+        pred = _secs(s["predicted_s"]) + (f" (disk {_secs(s['disk_s'])})" if s.get("disk_s") else "")
         rows.append([s["host"], role, f"{s['layers'][0]}:{s['layers'][1]}", s["device"], s["precision"],
-                     _size(s["weight_bytes"]), _size(s["kv_bytes"]), _size(s["mem_budget_bytes"]),
-                     f"{_size(disk)}/s" if disk else "not measured", _secs(s["predicted_s"])])
+                     weights, _size(s["kv_bytes"]), _size(s["mem_budget_bytes"]),
+                     f"{_size(disk)}/s" if disk else "not measured", pred])
     widths = [max(len(str(r[i])) for r in [head] + rows) for i in range(len(head))]
     line = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
     kv = plan["kv"]

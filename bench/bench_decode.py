@@ -1,0 +1,169 @@
+"""Decode speed, as ratios against baselines measured in the same run.
+
+    .venv/bin/python bench/bench_decode.py [--checkpoint DIR] [--prompt 128] [--new 64]
+
+(a) one stage, in process, batch 1: layerline's decoder vs transformers generate, same
+    checkpoint and dtype;
+(b) three local worker processes vs one, one sequence, through the real wire;
+(d) the per-hop cost of layerline's wire (validated header + frames, both ways) vs a raw
+    ZeroMQ round trip of the same bytes.
+Absolute times on these machines are noisy; the ratios are what to read.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+os.environ.setdefault("GOMP_SPINCOUNT", "10000")
+
+import torch  # noqa: E402
+
+
+def ensure_demo(path: Path) -> Path:
+    from layerline.checkpoint import write_demo_checkpoint
+    return write_demo_checkpoint(path)
+
+
+def ours_one_stage(ckpt: str, prompt: torch.Tensor, new: int, precision: str) -> float:
+    """Decode tokens/s of one Stage holding every layer, with its KV cache."""
+    from layerline.checkpoint import read_index
+    from layerline.model.loader import load_stage
+    stage = load_stage(ckpt, 0, read_index(ckpt).num_layers, True, True, precision=precision)
+    best = 0.0
+    for _ in range(2):
+        cache = stage.new_cache(1, prompt.shape[1] + new + 1)
+        logits = stage(prompt, start_pos=0, cache=cache)
+        tok = logits[:, -1:].argmax(-1)
+        t0 = time.perf_counter()
+        for i in range(new):
+            logits = stage(tok, start_pos=prompt.shape[1] + i, cache=cache)
+            tok = logits[:, -1:].argmax(-1)
+        best = max(best, new / (time.perf_counter() - t0))
+    return best
+
+
+def transformers_generate(ckpt: str, prompt: torch.Tensor, new: int, dtype: torch.dtype) -> float:
+    """Decode tokens/s of transformers generate (greedy, static length), prefill time taken out."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype)
+    model.eval()
+
+    def run(n):
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                           eos_token_id=None, pad_token_id=0)
+        return time.perf_counter() - t0
+    run(2)
+    best = 0.0
+    for _ in range(2):
+        t1, tn = run(1), run(new + 1)
+        best = max(best, new / max(1e-9, tn - t1))
+    return best
+
+
+def local_pipeline(ckpt: str, stages: int, prompt: list[int], new: int, precision: str) -> float:
+    from layerline.cli import local_stages, stop_local
+    from layerline.driver import Pipeline, greedy_generate
+    procs, first, _ = local_stages(ckpt, stages, precision)
+    try:
+        with Pipeline(first) as pipe:
+            greedy_generate(pipe, prompt[:8], 4, seq="warm")
+            best = 0.0
+            for k in range(2):
+                _, steps = greedy_generate(pipe, prompt, new, seq=f"b{k}")
+                decode = steps[1:]
+                best = max(best, len(decode) / sum(s.wall_s for s in decode))
+            return best
+    finally:
+        stop_local(procs)
+
+
+def hop_overhead(nbytes: int = 2048, n: int = 2000) -> tuple[float, float]:
+    """Median round trip: raw zmq bytes echo vs layerline wire (encode, validate, rebuild) echo."""
+    import threading
+
+    import zmq
+
+    from layerline import wire
+    ctx = zmq.Context()
+    results = {}
+    for mode in ("raw", "wire"):
+        srv = ctx.socket(zmq.ROUTER)
+        port = srv.bind_to_random_port("tcp://127.0.0.1")
+        stop = threading.Event()
+
+        def echo(srv=srv, mode=mode):
+            while not stop.is_set():
+                if not srv.poll(100):
+                    continue
+                frames = srv.recv_multipart(copy=False)
+                if mode == "raw":
+                    srv.send_multipart(frames, copy=False)
+                else:
+                    h, t = wire.decode(frames[1:])
+                    srv.send_multipart([frames[0], *wire.encode(h, t)], copy=False)
+        th = threading.Thread(target=echo, daemon=True)
+        th.start()
+        cli = ctx.socket(zmq.DEALER)
+        cli.connect(f"tcp://127.0.0.1:{port}")
+        x = torch.zeros(1, 1, nbytes // 2, dtype=torch.bfloat16)
+        payload = bytes(nbytes)
+        times = []
+        for i in range(n):
+            t0 = time.perf_counter()
+            if mode == "raw":
+                cli.send_multipart([b"{}", payload])
+                cli.recv_multipart()
+            else:
+                cli.send_multipart(wire.encode({"op": "forward", "id": f"r{i}"}, {"hidden": x}), copy=False)
+                wire.decode(cli.recv_multipart(copy=False))
+            times.append(time.perf_counter() - t0)
+        stop.set()
+        th.join()
+        cli.close(0)
+        srv.close(0)
+        results[mode] = statistics.median(times[n // 10:])
+    ctx.term()
+    return results["raw"], results["wire"]
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--checkpoint", default=str(ROOT / ".cache" / "demo-llama"))
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--precision", default="bf16")
+    a = ap.parse_args(argv)
+    ckpt = str(ensure_demo(Path(a.checkpoint)))
+    torch.manual_seed(0)
+    import json
+    vocab = json.loads((Path(ckpt) / "config.json").read_text())["vocab_size"]
+    prompt = torch.randint(0, vocab, (1, a.prompt))
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[a.precision]
+    out = {}
+    print(f"decode benchmark: {ckpt}, {a.precision}, prompt {a.prompt}, {a.new} new tokens, "
+          f"{torch.get_num_threads()} threads", flush=True)
+    hf = transformers_generate(ckpt, prompt, a.new, dtype)
+    one = ours_one_stage(ckpt, prompt, a.new, a.precision)
+    out["a"] = {"transformers_tok_s": hf, "layerline_tok_s": one, "ratio": one / hf}
+    print(f"(a) one stage vs transformers generate: {one:.1f} vs {hf:.1f} tokens/s = {one / hf:.2f}x (goal 2.0x)",
+          flush=True)
+    p1 = local_pipeline(ckpt, 1, prompt[0].tolist(), a.new, a.precision)
+    p3 = local_pipeline(ckpt, 3, prompt[0].tolist(), a.new, a.precision)
+    out["b"] = {"one_stage_tok_s": p1, "three_stage_tok_s": p3, "ratio": p3 / p1}
+    print(f"(b) three local stages vs one: {p3:.1f} vs {p1:.1f} tokens/s = {p3 / p1:.2f}x (goal 0.9x)", flush=True)
+    raw, wired = hop_overhead()
+    out["d"] = {"raw_rtt_s": raw, "wire_rtt_s": wired, "ratio": wired / raw}
+    print(f"(d) wire round trip vs raw zmq, 2 KiB: {wired * 1e3:.3f} vs {raw * 1e3:.3f} ms = {wired / raw:.2f}x "
+          f"(goal 1.5x)", flush=True)
+    return out
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
