@@ -385,10 +385,13 @@ class DecoderLayer(nn.Module):
         if args.num_experts:
             self.block_sparse_moe = SparseMoE(layer, args.hidden_size, args.intermediate_size, args.num_experts,
                                               args.experts_per_tok, dtype, int8, resident_experts)
-            self.ffn = self.block_sparse_moe
         else:
             self.mlp = MLP(args, dtype, int8)
-            self.ffn = self.mlp
+
+    @property
+    def ffn(self) -> nn.Module:
+        """The feed-forward part: `mlp`, or Mixtral's `block_sparse_moe`."""
+        return self._modules.get("block_sparse_moe") or self._modules["mlp"]
 
     def forward(self, x, cos, sin, mask, start_pos, kv, lo=0):
         h = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, start_pos, kv, lo)
@@ -441,7 +444,10 @@ class Stage(nn.Module):
             if int8:
                 self.embed_tokens = Int8Embedding(args.vocab_size, args.hidden_size, dtype)
             else:
-                self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size, dtype=dtype)
+                # _weight skips nn.Embedding's normal_ init, which on the meta device costs seconds of
+                # one-time imports (torch._refs); the loader assigns the real weight anyway
+                self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size, dtype=dtype,
+                                                 _weight=torch.zeros(args.vocab_size, args.hidden_size, dtype=dtype))
         # keyed by global layer index, so state_dict keys read as the checkpoint's names
         self.layers = nn.ModuleDict({str(i): DecoderLayer(args, dtype, i, int8, resident_experts)
                                      for i in range(start, end)})
@@ -451,6 +457,7 @@ class Stage(nn.Module):
             if first and args.tie_word_embeddings:
                 self.tie_head()
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
+        self.expert_store: ExpertStore | None = None  # set by the loader when experts are paged
 
     def tie_head(self) -> None:
         """Make the LM head share the embedding's tensors (tied embeddings, first and last stage)."""

@@ -3,6 +3,11 @@
 The stage is built on the meta device (no memory), its tensors are read file by file with
 safetensors.safe_open, cast to the precision's dtype one at a time, and assigned in place
 (load_state_dict(assign=True)), so peak memory is the stage's weights plus one tensor.
+
+Precision int8 quantizes each Linear weight (and the embedding / LM head) right after reading
+it, so the float copy of only one tensor exists at a time. Mixtral's experts are either loaded
+with the stage (default) or, given `expert_cache_bytes`, left on disk and served by an
+`LRUExpertStore` that reads them when routed to.
 """
 from __future__ import annotations
 
@@ -14,17 +19,25 @@ from safetensors import safe_open
 
 from ..checkpoint import CheckpointError, CheckpointIndex, read_index
 from ..errors import LayerlineError
-from .llama import PRECISIONS, ModelArgs, Stage, hf_name
+from .llama import PRECISIONS, QUANTIZED, ModelArgs, Stage, hf_name
+from .moe import LRUExpertStore
+from .quant import quantize_rows
 
 _PRECISION_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
 _FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
 
 
-def resolve_precision(precision: str) -> torch.dtype:
+def precision_name(precision: str) -> str:
+    """The canonical precision name (fp32 | bf16 | fp16 | int8) of a name or alias."""
     p = _PRECISION_ALIASES.get(precision, precision)
     if p not in PRECISIONS:
         raise LayerlineError(f"--precision {precision}: unknown; choose one of {', '.join(PRECISIONS)}")
-    return PRECISIONS[p]
+    return p
+
+
+def resolve_precision(precision: str) -> torch.dtype:
+    """The dtype a stage of this precision computes in (bf16 for int8, whose weights are int8)."""
+    return PRECISIONS[precision_name(precision)]
 
 
 def _check_range(args: ModelArgs, start: int, end: int, first: bool, last: bool) -> None:
@@ -42,10 +55,11 @@ def _check_range(args: ModelArgs, start: int, end: int, first: bool, last: bool)
                               f"drop --last or end the range at {n}")
 
 
-def _expected(args: ModelArgs, start: int, end: int, first: bool, last: bool) -> dict[str, tuple[str, tuple]]:
-    """Stage state_dict key -> (checkpoint tensor name, shape), from a meta-device stage."""
+def _expected(args: ModelArgs, start: int, end: int, first: bool, last: bool,
+              resident_experts: bool = True) -> dict[str, tuple[str, tuple]]:
+    """Stage state_dict key -> (checkpoint tensor name, shape), from a float meta-device stage."""
     with torch.device("meta"):
-        stage = Stage(args, start, end, first, last, torch.float32)
+        stage = Stage(args, start, end, first, last, torch.float32, resident_experts=resident_experts)
     return {k: (hf_name(k, args), tuple(t.shape)) for k, t in stage.state_dict(keep_vars=True).items()}
 
 
@@ -66,9 +80,20 @@ def stage_tensor_names(index: CheckpointIndex, start: int, end: int, first: bool
 
 
 def load_stage(ckpt_dir: str, start: int, end: int, first: bool, last: bool,
-               precision: str = "fp32", device: str = "cpu") -> Stage:
-    """Build the stage for layers [start, end) from `ckpt_dir`, reading only its tensors."""
-    dtype = resolve_precision(precision)
+               precision: str = "fp32", device: str = "cpu", *,
+               expert_cache_bytes: int | None = None) -> Stage:
+    """Build the stage for layers [start, end) from `ckpt_dir`, reading only its tensors.
+
+    precision: fp32 | bf16 | fp16 | int8 (weight-only int8, per-row scales, bf16 compute).
+    expert_cache_bytes (MoE models only): None loads every expert of the stage's layers; a number
+    leaves experts on disk and serves them through an LRUExpertStore holding at most that many
+    bytes (`stage.expert_store`, with hit/miss/bytes_read counters in `.stats`).
+    """
+    pname = precision_name(precision)
+    dtype = PRECISIONS[pname]
+    int8 = pname in QUANTIZED
+    if expert_cache_bytes is not None and (isinstance(expert_cache_bytes, bool) or expert_cache_bytes < 0):
+        raise LayerlineError(f"expert cache of {expert_cache_bytes!r} bytes: give a non-negative byte count")
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError, ValueError):
@@ -82,7 +107,13 @@ def load_stage(ckpt_dir: str, start: int, end: int, first: bool, last: bool,
     index = read_index(ckpt_dir)
     args = ModelArgs.from_config(index.config)
     _check_range(args, start, end, first, last)
-    expected = _expected(args, start, end, first, last)
+    paged = expert_cache_bytes is not None and args.num_experts > 0
+    expected = _expected(args, start, end, first, last, resident_experts=not paged)
+    with torch.device("meta"):
+        stage = Stage(args, start, end, first, last, dtype, int8=int8, resident_experts=not paged)
+    meta_state = stage.state_dict(keep_vars=True)
+    # checkpoint tensors held as int8 (+ scale): those whose stage tensor is int8
+    quantized = {expected[k][0] for k, t in meta_state.items() if t.dtype == torch.int8}
 
     by_file: dict[str, list[str]] = defaultdict(list)
     for key, (name, shape) in expected.items():
@@ -100,23 +131,33 @@ def load_stage(ckpt_dir: str, start: int, end: int, first: bool, last: bool,
             by_file[entry.file].append(name)
 
     loaded: dict[str, torch.Tensor] = {}
+    scales: dict[str, torch.Tensor] = {}
     load_dev = "cpu" if dev.type == "cpu" else str(dev)
     for fname, names in by_file.items():
         path = Path(ckpt_dir) / fname
         try:
             with safe_open(str(path), framework="pt", device=load_dev) as f:
                 for name in names:
-                    loaded[name] = f.get_tensor(name).to(dtype)
+                    if name in quantized:
+                        loaded[name], scales[name] = quantize_rows(f.get_tensor(name))
+                    else:
+                        loaded[name] = f.get_tensor(name).to(dtype)
         except (OSError, RuntimeError, ValueError) as e:
             msg = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise CheckpointError(f"{path}: cannot read tensors ({msg}); the file may be truncated, "
                                   "re-download it") from e
 
-    with torch.device("meta"):
-        stage = Stage(args, start, end, first, last, dtype)
-    state = {key: loaded[name] for key, (name, _shape) in expected.items()}
+    state = {}
+    for key, (name, _shape) in expected.items():
+        state[key] = loaded[name]
+        if name in quantized:
+            state[key[: -len("weight")] + "scale"] = scales[name]
     stage.load_state_dict(state, strict=True, assign=True)
     if first and last and args.tie_word_embeddings:
-        stage.lm_head.weight = stage.embed_tokens.weight
+        stage.tie_head()
     stage.inv_freq = stage.inv_freq.to(dev)
+    if paged:
+        stage.expert_store = LRUExpertStore(ckpt_dir, index, dtype, int8, expert_cache_bytes, dev,
+                                            layers=range(start, end), num_experts=args.num_experts)
+        stage.set_expert_store(stage.expert_store)
     return stage.eval()

@@ -154,10 +154,11 @@ class LRUExpertStore:
                 _, (_, old) = self._cache.popitem(last=False)
                 self.stats.resident_bytes -= old
                 self.stats.evictions += 1
-            self._cache[key] = (tuple(mods), nbytes)
+            projs = tuple(mods)
+            self._cache[key] = (projs, nbytes)
             self.stats.resident_bytes += nbytes
             self.stats.peak_bytes = max(self.stats.peak_bytes, self.stats.resident_bytes)
-            return tuple(mods)  # type: ignore[return-value]
+            return projs  # type: ignore[return-value]
 
     def cached(self) -> list[tuple[int, int]]:
         """(layer, expert) keys in the cache, least recently used first."""

@@ -37,7 +37,8 @@ def _kernel_ok(x: torch.Tensor) -> bool:
             and x.dtype in (torch.bfloat16, torch.float32, torch.float16))
 
 
-def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ (q * scale[:, None]).T (+ bias), result in x's dtype."""
     shape = x.shape
     if _kernel_ok(x):
