@@ -175,12 +175,14 @@ def test_kv_unknown_fail():
     assert "\n" not in msg and "kv_bytes_per_layer_token" in msg and "on_unknown_kv" in msg
 
 
-@pytest.mark.parametrize("prec,kv_dtype,width", [("bf16", None, 2), ("fp32", None, 4), ("int8", None, 1),
-                                                 ("bf16", "fp32", 4), ("fp32", "int8", 1)])
+# int8 is weight-only: its KV cache stays bf16
+@pytest.mark.parametrize("prec,kv_dtype,width", [("bf16", None, 2), ("fp32", None, 4), ("int8", None, 2),
+                                                 ("bf16", "fp32", 4), ("fp32", "fp16", 2)])
 def test_kv_unknown_assume_and_ignore(prec, kv_dtype, width):
     mc = _no_kv_cost(hidden=64)
     k = kv_profile(mc, CostOptions(on_unknown_kv="assume", context=100, kv_dtype=kv_dtype), prec)
-    assert (k.bytes_per_token, k.source, k.context, k.dtype) == (2 * 64 * width, "assumed", 100, kv_dtype or prec)
+    want_dtype = kv_dtype or ("bf16" if prec == "int8" else prec)
+    assert (k.bytes_per_token, k.source, k.context, k.dtype) == (2 * 64 * width, "assumed", 100, want_dtype)
     k = kv_profile(mc, CostOptions(on_unknown_kv="ignore", kv_dtype=kv_dtype), prec)
     assert (k.bytes_per_token, k.source) == (0, "ignored")
 
@@ -191,7 +193,7 @@ def test_kv_override_wins(demo):
         assert (k.bytes_per_token, k.source) == (1234, "override")
 
 
-@pytest.mark.parametrize("prec,kv_dtype,width", [("bf16", None, 2), ("int8", None, 1), ("bf16", "fp32", 4)])
+@pytest.mark.parametrize("prec,kv_dtype,width", [("bf16", None, 2), ("int8", None, 2), ("bf16", "fp32", 4)])
 def test_kv_from_index(demo, prec, kv_dtype, width):
     cfg = json.loads((demo / "config.json").read_text())
     mc = model_cost(read_index(demo))
@@ -212,10 +214,10 @@ def test_model_cost_dict_round_trip(demo):
 
 def test_from_vars_maps_design_names():
     o = CostOptions.from_vars({"optimize": "latency", "context": 512, "batch": 2, "hop_secs": 0.002,
-                               "kv_dtype": "int8", "kv_bytes_per_layer_token": 64, "on_unknown_kv": "assume",
+                               "kv_dtype": "fp16", "kv_bytes_per_layer_token": 64, "on_unknown_kv": "assume",
                                "precision_ladder": ["bf16", "int8"]}, reserve_ram_gb=1.5)
     assert (o.objective, o.context, o.batch, o.hop_s, o.kv_dtype, o.kv_bytes_per_layer_token, o.on_unknown_kv,
-            o.precision_ladder, o.reserve_ram_bytes) == ("latency", 512, 2, 0.002, "int8", 64, "assume",
+            o.precision_ladder, o.reserve_ram_bytes) == ("latency", 512, 2, 0.002, "fp16", 64, "assume",
                                                          ["bf16", "int8"], int(1.5 * 2**30))
     d = CostOptions.from_vars(None)
     assert (d.objective, d.context, d.batch, d.on_unknown_kv, d.precision_ladder, d.reserve_ram_bytes) == \

@@ -52,7 +52,7 @@ def kv_layer(mc: ModelCost, opts: CostOptions, prec: str) -> int:
     if opts.kv_bytes_per_layer_token is not None:
         per = opts.kv_bytes_per_layer_token
     else:
-        per = (mc.kv_width or 0) * KVB[opts.kv_dtype or prec]
+        per = (mc.kv_width or 0) * KVB[opts.kv_dtype or ("bf16" if prec == "int8" else prec)]  # int8 keeps a bf16 KV
     return per * opts.context * opts.batch
 
 
@@ -176,7 +176,7 @@ def models(draw, max_layers: int = 40) -> ModelCost:
 def options(draw, objective=None) -> CostOptions:
     return CostOptions(objective=objective or draw(st.sampled_from(["throughput", "latency", "memory"])),
                        context=draw(st.integers(1, 8192)), batch=draw(st.integers(1, 4)),
-                       kv_dtype=draw(st.sampled_from([None, "bf16", "int8", "fp32"])),
+                       kv_dtype=draw(st.sampled_from([None, "bf16", "fp16", "fp32"])),
                        hop_s=draw(st.sampled_from([0.0, 0.0005, 0.01])))
 
 
@@ -225,7 +225,7 @@ def check_plan(p: dict, specs: list[dict], mc: ModelCost, opts: CostOptions) -> 
     assert p["bottleneck_s"] == max(s["predicted_s"] for s in act)
     assert p["predicted_token_s"] >= sum(s["predicted_s"] for s in act)
     assert p["kv"]["context"] == opts.context
-    assert p["kv"]["dtype"] == (opts.kv_dtype or p["precision"])
+    assert p["kv"]["dtype"] == (opts.kv_dtype or ("bf16" if p["precision"] == "int8" else p["precision"]))
 
 
 # --- properties ---------------------------------------------------------------------------------------
@@ -355,7 +355,7 @@ def test_ladder_bf16_stays_bf16_and_int8_only_when_needed():
     assert plan([spec("a", need_bf16 * 10)], mc, opts)["precision"] == "bf16"
     p = plan([spec("a", need_bf16 - 1)], mc, opts)
     assert p["precision"] == "int8" and p["stages"][0]["precision"] == "int8"
-    assert p["kv"]["dtype"] == "int8"
+    assert p["kv"]["dtype"] == "bf16"  # int8 is weight-only
     with pytest.raises(PlanError, match="int8"):
         plan([spec("a", need_int8 - 1)], mc, opts)
 

@@ -15,7 +15,7 @@ from .errors import LayerlineError
 # Bytes per parameter at each precision a worker may run. int8 carries one fp32 scale per
 # output channel; that overhead is charged per layer from its row count.
 PRECISION_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 1.0}
-KV_DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "int8": 1}
+KV_DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
 STORED_PRECISION = {"F32": "fp32", "BF16": "bf16", "F16": "fp16", "I8": "int8"}
 EXPERT_RE = re.compile(r"\.(?:block_sparse_moe|mlp)\.experts\.\d+\.|\.ffn_(?:gate|up|down)_exps\.")
 OBJECTIVES = ("throughput", "latency", "memory")
@@ -168,7 +168,8 @@ def model_cost(index: CheckpointIndex) -> ModelCost:
 
 def kv_profile(cost: ModelCost, opts: CostOptions, precision: str) -> KvProfile:
     """KV bytes per token per layer after the options' override and unknown-handling."""
-    dtype = opts.kv_dtype or precision
+    # int8 is weight-only: its stages keep the KV cache in bf16
+    dtype = opts.kv_dtype or ("bf16" if precision == "int8" else precision)
     if opts.kv_bytes_per_layer_token is not None:
         return KvProfile(opts.context, dtype, int(opts.kv_bytes_per_layer_token), "override")
     if cost.kv_width:
