@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -84,7 +85,8 @@ def cmd_drive(a) -> int:
     cfg = json.loads(open(os.path.join(a.checkpoint, "config.json")).read())
     g = torch.Generator().manual_seed(a.seed)
     ids = torch.randint(0, int(cfg["vocab_size"]), (1, a.seq), generator=g)
-    with Pipeline(a.first, reply_host=a.reply_host, timeout_s=a.timeout) as pipe:
+    with Pipeline(a.first, reply_host=a.reply_host, timeout_s=a.timeout, keys_dir=a.keys, first_key=a.first_key,
+                  curve=a.curve) as pipe:
         pipe.forward(ids[:, :1])  # warm the path (connections, first allocations)
         r = pipe.forward(ids)
         result = {"tokens": a.seq, "stages": r.timings, "wall_s": r.wall_s, "hop_s": r.hop_s,
@@ -128,8 +130,24 @@ def _free_ports(n: int) -> list[int]:
     return out
 
 
-def local_stages(checkpoint: str, n: int, precision: str, kv_context: int = 4096, threads: int | None = None):
-    """Start n workers on this machine (no Ansible); yields (procs, first endpoint, tmpdir)."""
+def local_keys(tmp: str, n: int) -> str:
+    """Fresh CURVE keys for n local stages (stage0..) and the driver: tmp/keys/{store,stageI,controller}."""
+    from . import keys
+    root = os.path.join(tmp, "keys")
+    names = [f"stage{i}" for i in range(n)]
+    keys.make_store(os.path.join(root, "store"), names)
+    for name in [*names, keys.CONTROLLER]:
+        keys.install(os.path.join(root, "store"), name, os.path.join(root, name), [*names, keys.CONTROLLER])
+    return root
+
+
+def local_stages(checkpoint: str, n: int, precision: str, kv_context: int = 4096, threads: int | None = None,
+                 curve: str = "auto"):
+    """Start n workers on this machine (no Ansible); yields (procs, first endpoint, tmpdir).
+
+    With curve="on" every socket runs CURVE with fresh keys under tmpdir/keys (the driver's
+    keys dir is tmpdir/keys/controller, stage 0's name "stage0").
+    """
     from .checkpoint import read_index
     L = read_index(checkpoint).num_layers
     if not 1 <= n <= L:
@@ -137,6 +155,7 @@ def local_stages(checkpoint: str, n: int, precision: str, kv_context: int = 4096
     bounds = [round(i * L / n) for i in range(n + 1)]
     ports = _free_ports(n)
     tmp = tempfile.mkdtemp(prefix="layerline-local-")
+    keys_root = local_keys(tmp, n) if curve == "on" else None
     procs = []
     for i in range(n):
         argv = [sys.executable, "-m", "layerline.worker", "--checkpoint", checkpoint,
@@ -145,6 +164,9 @@ def local_stages(checkpoint: str, n: int, precision: str, kv_context: int = 4096
                 "--name", f"stage{i}", "--ready-file", os.path.join(tmp, f"ready{i}.json")]
         if threads:
             argv += ["--threads", str(threads)]
+        if keys_root:
+            argv += ["--curve", "on", "--keys", os.path.join(keys_root, f"stage{i}")]
+            argv += [] if i == n - 1 else ["--next-key", f"stage{i + 1}"]
         argv += ["--first"] if i == 0 else []
         argv += ["--last"] if i == n - 1 else ["--next", f"tcp://127.0.0.1:{ports[i + 1]}"]
         procs.append(subprocess.Popen(argv, stdout=open(os.path.join(tmp, f"worker{i}.log"), "w"),
@@ -179,14 +201,16 @@ def cmd_generate(a) -> int:
         raise LayerlineError(f"--input-ids {a.input_ids!r}: must be comma-separated integers") from None
     if not prompt:
         raise LayerlineError("--input-ids: give at least one token id")
-    procs, first, _ = local_stages(a.checkpoint, a.local_stages, a.precision, threads=a.threads)
+    procs, first, tmp = local_stages(a.checkpoint, a.local_stages, a.precision, threads=a.threads, curve=a.curve)
     try:
-        with Pipeline(first) as pipe:
+        keys_dir = os.path.join(tmp, "keys", "controller") if a.curve == "on" else None
+        with Pipeline(first, keys_dir=keys_dir, first_key="stage0", curve=a.curve) as pipe:
             t0 = time.perf_counter()
             toks, steps = greedy_generate(pipe, prompt, a.max_new_tokens)
             dt = time.perf_counter() - t0
     finally:
         stop_local(procs)
+        shutil.rmtree(os.path.join(tmp, "keys"), ignore_errors=True)  # throwaway keys, secrets included
     n = len(steps[0].timings)
     stage_s = [sum(s.timings[i]["s"] for s in steps) for i in range(n)]
     decode = steps[1:]
@@ -238,7 +262,14 @@ def build_parser() -> argparse.ArgumentParser:
     dr.add_argument("--precision", default="fp32")
     dr.add_argument("--reference", action="store_true", help="compare with a one-process forward")
     dr.add_argument("--generate", type=int, default=0, help="also generate this many tokens greedily")
-    dr.add_argument("--reply-host", default="127.0.0.1")
+    dr.add_argument("--reply-host", default="127.0.0.1",
+                    help="an address of this machine the last stage can reach (its result socket binds there)")
+    dr.add_argument("--keys", default=None,
+                    help="the controller's CURVE keys dir (made by playbooks/keys.yml; needed off loopback)")
+    dr.add_argument("--first-key", default=None,
+                    help="stage 0's host name in KEYS/peers/ (or a .key file, or its z85 public key)")
+    dr.add_argument("--curve", default="auto", choices=["auto", "on"],
+                    help="auto: CURVE on each socket whose address is not loopback; on: on every socket")
     dr.add_argument("--timeout", type=float, default=120.0)
     dr.add_argument("--json", action="store_true")
     dr.set_defaults(fn=cmd_drive)
@@ -250,6 +281,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-new-tokens", type=int, default=16)
     g.add_argument("--precision", default="bf16")
     g.add_argument("--threads", type=int, default=None)
+    g.add_argument("--curve", default="auto", choices=["auto", "on"],
+                   help="on: run every local socket with CURVE, with fresh throwaway keys")
     g.add_argument("--json", action="store_true")
     g.set_defaults(fn=cmd_generate)
     return p

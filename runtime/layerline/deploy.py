@@ -109,6 +109,15 @@ def worker_argv(plan: dict, host: str, hvars: dict, python: str = "python3") -> 
     nxt = next_endpoint(plan, s)
     if nxt:
         argv += ["--next", nxt]
+        # whose public key the next hop must hold under CURVE: its host name in KEYS/peers/
+        end = s["layers"][1]
+        nxt_host = next(t["host"] for t in plan["stages"] if t["role"] == "active" and t["layers"][0] == end)
+        argv += ["--next-key", str(nxt_host)]
+    curve = hvars.get("layerline_curve")
+    if curve not in (None, "", "auto"):
+        if curve not in ("on",):
+            raise LayerlineError(f"{host}: layerline_curve {curve!r} must be auto (CURVE off loopback) or on")
+        argv += ["--curve", str(curve)]
     if s["layers"][0] == 0:
         argv.append("--first")
     if s["layers"][1] == plan["num_layers"]:

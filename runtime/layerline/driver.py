@@ -3,6 +3,11 @@
 The driver binds one result socket (reply_to) and names it in every request, so the last
 stage answers whoever asked. Each request carries an id and a deadline; stages append their
 compute time to the header, so one result tells where the time went.
+
+Off loopback (or with curve="on") both of the driver's sockets run CURVE with the
+controller's keys dir (keys_dir; `layerline drive --keys DIR`): the DEALER to stage 0 trusts
+only the first stage's public key (first_key: its host name in DIR/peers/), and the result
+socket lets in only the public keys in DIR/allowed/ (the workers').
 """
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 import zmq
 
+from . import keys as keymod
 from . import wire
 from .errors import LayerlineError
 
@@ -40,24 +46,52 @@ class Pipeline:
     reply_host: str = "127.0.0.1"  # an address of this machine the last stage can reach
     timeout_s: float = 120.0
     ctx: zmq.Context = field(default_factory=zmq.Context)
+    keys_dir: str | None = None    # the controller's keys dir (needed when CURVE is on)
+    first_key: str | None = None   # stage 0's host name in keys_dir/peers/ (or a .key file, or z85)
+    curve: str = "auto"            # auto: CURVE on each socket whose address is not loopback; on: always
 
     def __post_init__(self):
         wire.endpoint(self.first, "first stage endpoint")
         self._ids = itertools.count()
-        self.to_first = self.ctx.socket(zmq.DEALER)
-        self.to_first.setsockopt(zmq.LINGER, 0)
-        self.to_first.connect(self.first)
-        self.results = self.ctx.socket(zmq.ROUTER)
-        self.results.setsockopt(zmq.LINGER, 0)
-        port = self.results.bind_to_random_port(f"tcp://{self.reply_host}")
+        self.auth = None
+        self.to_first = self.results = None
+        to_curve = keymod.curve_on(self.curve, self.first)
+        res_curve = keymod.curve_on(self.curve, f"tcp://{self.reply_host}:0")
+        self.keys = None
+        if to_curve or res_curve:
+            why = ("curve on" if self.curve == "on" else
+                   f"{'the first stage ' + self.first if to_curve else 'the reply host ' + self.reply_host} "
+                   "is not loopback, so CURVE is on")
+            self.keys = keymod.load_host_keys(self.keys_dir, "--keys", why)
+        try:
+            self.to_first = self.ctx.socket(zmq.DEALER)
+            self.to_first.setsockopt(zmq.LINGER, 0)
+            if to_curve:
+                keymod.connect_curve(self.to_first, self.keys, self.keys.server_key(self.first_key, "--first-key"))
+            self.to_first.connect(self.first)
+            if res_curve:  # the ZAP handler before the CURVE server binds
+                self.auth = keymod.Allowlist(self.ctx, self.keys.allowed)
+            self.results = self.ctx.socket(zmq.ROUTER)
+            self.results.setsockopt(zmq.LINGER, 0)
+            if res_curve:
+                keymod.serve_curve(self.results, self.keys)
+            port = self.results.bind_to_random_port(f"tcp://{self.reply_host}")
+        except BaseException:
+            self.close()
+            raise
         self.reply_to = f"tcp://{self.reply_host}:{port}"
+        self.curve_sockets = (to_curve, res_curve)  # (to stage 0, result socket)
         self.poller = zmq.Poller()
         self.poller.register(self.to_first, zmq.POLLIN)
         self.poller.register(self.results, zmq.POLLIN)
 
     def close(self) -> None:
-        self.to_first.close(0)
-        self.results.close(0)
+        for s in (self.to_first, self.results):
+            if s is not None:
+                s.close(0)
+        if self.auth is not None:
+            self.auth.stop()
+            self.auth = None
 
     def __enter__(self):
         return self
@@ -100,11 +134,24 @@ class Pipeline:
         self.to_first.send_multipart(wire.encode({"op": "release", "seq": seq}))
 
 
-def control(endpoint: str, op: str, timeout_s: float = 5.0, ctx: zmq.Context | None = None, **fields) -> dict:
-    """One request to a worker's control socket (health, stats, set_next, shutdown)."""
+def control(endpoint: str, op: str, timeout_s: float = 5.0, ctx: zmq.Context | None = None, *,
+            keys_dir: str | None = None, peer: str | None = None, curve: str = "auto", **fields) -> dict:
+    """One request to a worker's control socket (health, stats, set_next, shutdown).
+
+    Under CURVE (off loopback, or curve="on") it speaks as the holder of keys_dir's keypair
+    (the controller's) to the worker whose host name `peer` is (keys_dir/peers/PEER.key).
+    """
+    wire.endpoint(endpoint, "control endpoint")
+    server = hk = None
+    if keymod.curve_on(curve, endpoint):
+        why = "curve on" if curve == "on" else f"control endpoint {endpoint} is not loopback, so CURVE is on"
+        hk = keymod.load_host_keys(keys_dir, "--keys", why)
+        server = hk.server_key(peer, "peer")
     ctx = ctx or zmq.Context.instance()
     s = ctx.socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
+    if server is not None:
+        keymod.connect_curve(s, hk, server)
     s.connect(endpoint)
     try:
         s.send_multipart(wire.encode({"op": op, **fields}))

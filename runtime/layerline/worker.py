@@ -2,13 +2,21 @@
 
     python -m layerline.worker --checkpoint DIR --layers A:B --device D --precision P
         --kv-context N --kv-dtype T --rng-seed S --bind ADDR --next ADDR [--first] [--last]
-        --keys DIR [--name HOST] [--ready-file PATH] [--control ADDR] [--threads N]
+        --keys DIR [--next-key HOST] [--curve auto|on] [--name HOST] [--ready-file PATH]
+        [--control ADDR] [--threads N]
     python -m layerline.worker --probe [--checkpoint DIR] [--device D]
 
 Two ROUTER sockets: data at --bind (pipeline traffic, an error reply to a bad message) and
 control at --control (default: the bind port + 1; health, stats, set_next, shutdown), so
 routing can change without a restart. Every message is validated; any failure becomes an
 error message, never a dead worker.
+
+CURVE (layerline.keys): every socket whose address is not loopback (--curve auto), or every
+socket (--curve on), authenticates and encrypts with this host's keys from --keys DIR. The
+data and control sockets let in only clients whose public key is in DIR/allowed/; the DEALER
+to --next trusts only the key DIR/peers/NEXT.key (--next-key NEXT: a host name, a .key file
+or the z85 key); results go to a driver's reply_to only as the holder of
+DIR/peers/controller.key, never to a key a message names.
 """
 from __future__ import annotations
 
@@ -43,6 +51,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--first", action="store_true")
     p.add_argument("--last", action="store_true")
     p.add_argument("--keys", default=None, help="dir with this host's CURVE keys (used off loopback)")
+    p.add_argument("--next-key", default=None,
+                   help="the next stage's public key: its host name in KEYS/peers/, a .key file or z85 text")
+    p.add_argument("--curve", default="auto", choices=["auto", "on"],
+                   help="auto: CURVE on every socket whose address is not loopback; on: on every socket")
     p.add_argument("--name", default=None, help="name reported in timings and errors")
     p.add_argument("--ready-file", default=None)
     p.add_argument("--control", default=None)
@@ -85,12 +97,25 @@ class Worker:
         import torch
         import zmq
 
-        from . import wire
+        from . import keys, wire
         from .model.loader import load_stage
 
-        self.torch, self.zmq, self.wire = torch, zmq, wire
+        self.torch, self.zmq, self.wire, self.keymod = torch, zmq, wire, keys
         self.args = args
         self.name = args.name or f"stage{args.start}-{args.end}"
+        # keys first: a host that cannot speak CURVE fails before it loads any layer
+        control_addr = args.control or control_endpoint(args.bind)
+        self.curve_bind = keys.curve_on(args.curve, args.bind)
+        self.curve_control = keys.curve_on(args.curve, control_addr)
+        self.keys = None
+        for addr, on, what in ((args.bind, self.curve_bind, "--bind"), (control_addr, self.curve_control, "--control"),
+                               (args.next, args.next and keys.curve_on(args.curve, args.next), "--next")):
+            if on and self.keys is None:
+                why = ("--curve on" if args.curve == "on"
+                       else f"{what} {addr} is not loopback, so CURVE is on for it")
+                self.keys = keys.load_host_keys(args.keys, "--keys", why)
+        if args.next and keys.curve_on(args.curve, args.next):
+            self.keys.server_key(args.next_key, "--next-key")
         if args.threads:
             torch.set_num_threads(args.threads)
         torch.manual_seed(args.rng_seed)
@@ -100,19 +125,37 @@ class Worker:
         self.caches: OrderedDict[str, list] = OrderedDict()  # seq -> [StageCache, length]
         self.stats = Stats()
         self.ctx = zmq.Context()
-        self.data = self._bound(zmq.ROUTER, args.bind)
-        self.control = self._bound(zmq.ROUTER, args.control or control_endpoint(args.bind))
+        self.auth = None
+        if self.curve_bind or self.curve_control:
+            # the ZAP handler must run before a CURVE server binds: without one, any key gets in
+            self.auth = keys.Allowlist(self.ctx, self.keys.allowed, on_deny=self._denied)
+        self.data = self._bound(zmq.ROUTER, args.bind, self.curve_bind)
+        self.control = self._bound(zmq.ROUTER, control_addr, self.curve_control)
         self.next = None
         self.next_addr = None
+        self.next_key = None
         if args.next:
-            self.set_next(args.next)
+            self.set_next(args.next, args.next_key)
         self.peers: OrderedDict[str, object] = OrderedDict()
         self.running = True
 
-    def _bound(self, kind, addr):
+    def _denied(self, public: str) -> None:
+        print(f"layerline worker {self.name}: refused a CURVE client whose key {public} is not in "
+              f"{os.path.join(self.keys.dir, 'allowed')}", file=sys.stderr, flush=True)
+
+    def _client_keys(self, field: str):
+        """This host's keys for a CURVE client socket (loaded on first use when only a client needs them)."""
+        if self.keys is None:
+            self.keys = self.keymod.load_host_keys(self.args.keys, "--keys",
+                                                   f"{field} is not loopback, so CURVE is on for it")
+        return self.keys
+
+    def _bound(self, kind, addr, curve: bool):
         s = self.ctx.socket(kind)
         s.setsockopt(self.zmq.LINGER, 1000)
         s.setsockopt(self.zmq.ROUTER_HANDOVER, 1)
+        if curve:
+            self.keymod.serve_curve(s, self.keys)
         try:
             s.bind(addr)
         except self.zmq.ZMQError as e:
@@ -120,26 +163,41 @@ class Worker:
                                  "set layerline_port") from None
         return s
 
-    def set_next(self, addr: str) -> None:
+    def set_next(self, addr: str, key: str | None = None, names_only: bool = False) -> None:
+        """Point the DEALER to the next stage at `addr`; with CURVE, `key` names its host (peers/)."""
         addr = self.wire.endpoint(addr, "next")
+        server = None
+        if self.keymod.curve_on(self.args.curve, addr):
+            server = self._client_keys("next").server_key(key, "next_key" if names_only else "--next-key",
+                                                          names_only=names_only)
         s = self.ctx.socket(self.zmq.DEALER)
         s.setsockopt(self.zmq.LINGER, 1000)
         try:
+            if server is not None:
+                self.keymod.connect_curve(s, self.keys, server)
             s.connect(addr)
         except self.zmq.ZMQError as e:  # keep the old route
             s.close(linger=0)
             raise self.wire.WireError(f"next: cannot connect to {addr} ({e})") from None
         if self.next is not None:
             self.next.close(linger=1000)
-        self.next, self.next_addr = s, addr
+        self.next, self.next_addr, self.next_key = s, addr, (key if server is not None else None)
 
     def _peer(self, addr: str):
-        """A DEALER to a driver's result socket (reply_to), kept for reuse."""
+        """A DEALER to a driver's result socket (reply_to), kept for reuse. Under CURVE it only
+        talks to the controller's key (peers/controller.key): whoever else listens at reply_to
+        completes no handshake and reads nothing."""
         addr = self.wire.endpoint(addr, "header.reply_to")
         s = self.peers.pop(addr, None)
         if s is None:
+            server = None
+            if self.keymod.curve_on(self.args.curve, addr):
+                server = self._client_keys("header.reply_to").server_key(self.keymod.CONTROLLER, "header.reply_to",
+                                                                         names_only=True)
             s = self.ctx.socket(self.zmq.DEALER)
             s.setsockopt(self.zmq.LINGER, 1000)
+            if server is not None:
+                self.keymod.connect_curve(s, self.keys, server)
             s.connect(addr)
             while len(self.peers) >= MAX_REPLY_PEERS:
                 self.peers.popitem(last=False)[1].close(linger=0)
@@ -152,7 +210,7 @@ class Worker:
         info = {"pid": os.getpid(), "name": self.name, "bind": self.args.bind,
                 "control": self.args.control or control_endpoint(self.args.bind),
                 "layers": [self.args.start, self.args.end], "precision": self.args.precision,
-                "device": self.args.device, "time": time.time()}
+                "device": self.args.device, "curve": self.curve_bind, "time": time.time()}
         tmp = self.args.ready_file + ".tmp"
         os.makedirs(os.path.dirname(os.path.abspath(tmp)), exist_ok=True)
         with open(tmp, "w") as f:
@@ -281,13 +339,17 @@ class Worker:
             op = h["op"]
             if op == "health":
                 reply = {"op": "ok", "name": self.name, "pid": os.getpid(), "layers": [self.args.start, self.args.end],
-                         "next": self.next_addr, "uptime_s": time.time() - self.stats.started}
+                         "next": self.next_addr, "uptime_s": time.time() - self.stats.started,
+                         "curve": self.curve_bind, "next_key": self.next_key}
             elif op == "stats":
                 s = self.stats
                 reply = {"op": "ok", "name": self.name, "requests": s.requests, "errors": s.errors,
                          "rejected": s.rejected, "compute_s": s.compute_s, "sequences": len(self.caches)}
             elif op == "set_next":
-                self.set_next(wire.require(h, "next", str))
+                key = h.get("next_key")
+                if key is not None and not (isinstance(key, str) and self.keymod.NAME_RE.match(key)):
+                    raise wire.WireError("header.next_key: must be a host name (its key is in the keys dir's peers/)")
+                self.set_next(wire.require(h, "next", str), key, names_only=True)
                 reply = {"op": "ok", "name": self.name, "next": self.next_addr}
             elif op == "shutdown":
                 self.running = False
@@ -317,6 +379,8 @@ class Worker:
         for s in [self.data, self.control, self.next, *self.peers.values()]:
             if s is not None:
                 s.close(linger=1000)
+        if self.auth is not None:
+            self.auth.stop()
         self.ctx.term()
         if self.args.ready_file:
             try:
@@ -341,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
             w.running = False
         signal.signal(signal.SIGTERM, stop)
         print(f"layerline worker {w.name}: layers {args.start}:{args.end} {args.precision} on {args.device}, "
-              f"serving {args.bind}", flush=True)
+              f"serving {args.bind}{' (CURVE)' if w.curve_bind else ''}", flush=True)
         w.serve()
         return 0
     except LayerlineError as e:
