@@ -3,6 +3,7 @@
     {{ hostvars | layerline_plan(ansible_play_hosts, cost, objective, policy, reserve_ram_gb) }}
     {{ plan | layerline_argv(inventory_hostname, hostvars[inventory_hostname], python) }}
     {{ plan | layerline_plan_table }}
+    {{ plan | layerline_drive_argv(hostvars[inventory_hostname], ansible_playbook_python) }}
     {{ drive_result | layerline_drive_report }}
 """
 from __future__ import annotations
@@ -13,7 +14,7 @@ from ansible.errors import AnsibleFilterError
 
 try:
     from layerline import LayerlineError
-    from layerline.deploy import plan_for_hosts, worker_argv
+    from layerline.deploy import drive_argv, plan_for_hosts, worker_argv
     from layerline.driver import drive_report
     from layerline.planner import plan_table
     IMPORT_ERROR = None
@@ -58,6 +59,15 @@ def layerline_argv(plan, host, hvars, python="python3"):
         raise AnsibleFilterError(f"layerline_argv: {e}") from None
 
 
+def layerline_drive_argv(plan, hvars, python="python3"):
+    _need_runtime()
+    try:
+        hv = _plain({k: hvars[k] for k in hvars if k.startswith("layerline_")})
+        return drive_argv(_plain(plan), hv, python=str(python))
+    except (LayerlineError, KeyError, TypeError, ValueError) as e:
+        raise AnsibleFilterError(f"layerline_drive_argv: {e}") from None
+
+
 def layerline_plan_table(plan):
     _need_runtime()
     return plan_table(_plain(plan))
@@ -71,4 +81,5 @@ def layerline_drive_report(result):
 class FilterModule:
     def filters(self):
         return {"layerline_plan": layerline_plan, "layerline_argv": layerline_argv,
-                "layerline_plan_table": layerline_plan_table, "layerline_drive_report": layerline_drive_report}
+                "layerline_plan_table": layerline_plan_table,
+                "layerline_drive_argv": layerline_drive_argv, "layerline_drive_report": layerline_drive_report}

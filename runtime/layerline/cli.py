@@ -23,7 +23,8 @@ def _progress(done: int, total: int) -> None:
 
 def cmd_demo_checkpoint(a) -> int:
     from .checkpoint import write_demo_checkpoint
-    sizes = {k: getattr(a, k) for k in ("heads", "kv_heads", "intermediate", "vocab") if getattr(a, k) is not None}
+    sizes = {k: getattr(a, k) for k in ("heads", "kv_heads", "intermediate", "vocab", "sliding_window",
+                                        "experts", "experts_per_tok") if getattr(a, k) is not None}
     t0 = time.perf_counter()
     out = write_demo_checkpoint(a.out, arch=a.arch, layers=a.layers, hidden=a.hidden, seed=a.seed,
                                 dtype=a.dtype, progress=_progress if sys.stderr.isatty() else None, **sizes)
@@ -81,26 +82,33 @@ def cmd_plan(a) -> int:
 
 def cmd_drive(a) -> int:
     import torch
-    from .driver import Pipeline, drive_report, greedy_generate, tolerance
+    from .driver import Pipeline, drive_report, tolerance
+    from .generate import Sampling, generate
     cfg = json.loads(open(os.path.join(a.checkpoint, "config.json")).read())
     g = torch.Generator().manual_seed(a.seed)
-    ids = torch.randint(0, int(cfg["vocab_size"]), (1, a.seq), generator=g)
+    tok = None
+    if a.input_ids or a.prompt:
+        prompts, tok = _prompts(a)
+    else:  # random prompts of --seq tokens, one per --sequences
+        prompts = [torch.randint(0, int(cfg["vocab_size"]), (a.seq,), generator=g).tolist()
+                   for _ in range(max(1, a.sequences))]
+    ids = torch.tensor([prompts[0]])
     with Pipeline(a.first, reply_host=a.reply_host, timeout_s=a.timeout, keys_dir=a.keys, first_key=a.first_key,
                   curve=a.curve) as pipe:
         pipe.forward(ids[:, :1])  # warm the path (connections, first allocations)
         r = pipe.forward(ids)
-        result = {"tokens": a.seq, "stages": r.timings, "wall_s": r.wall_s, "hop_s": r.hop_s,
+        result = {"tokens": ids.shape[1], "stages": r.timings, "wall_s": r.wall_s, "hop_s": r.hop_s,
                   "logits_shape": list(r.logits.shape), "next_token": int(r.logits[0, -1].argmax())}
         if a.generate:
-            t0 = time.perf_counter()
-            toks, steps = greedy_generate(pipe, ids[0].tolist(), a.generate, seq=f"drive{os.getpid()}")
-            dt = time.perf_counter() - t0
-            decode = steps[1:]
+            gen = generate(pipe, prompts, a.generate, Sampling(a.temperature, a.top_p, a.seed),
+                           eos=_eos(a.checkpoint, a.ignore_eos))
+            steps = max(1, len(gen.steps))
             result["generate"] = {
-                "new_tokens": toks, "seconds": dt,
-                "decode_tokens_per_s": len(decode) / sum(s.wall_s for s in decode) if decode else None,
-                "stage_seconds": [sum(s.timings[i]["s"] for s in decode) / max(1, len(decode))
-                                  for i in range(len(r.timings))]}
+                "new_tokens": gen.tokens, "seconds": gen.seconds, "tokens_per_s": gen.tokens_per_s,
+                "decode_tokens_per_s": gen.decode_tokens_per_s(),
+                "stage_seconds": [t / steps for t in gen.stage_seconds()]}
+            if tok is not None:
+                result["generate"]["text"] = [tok.decode(t) for t in gen.tokens]
     if a.reference:
         from .model.loader import load_stage
         from .checkpoint import read_index
@@ -193,30 +201,69 @@ def stop_local(procs) -> None:
             p.kill()
 
 
+def _prompts(a) -> tuple[list[list[int]], object | None]:
+    """Token-id prompts from --input-ids, or text prompts through the checkpoint's tokenizer.json."""
+    tok = None
+    if a.prompt:
+        path = os.path.join(a.checkpoint, "tokenizer.json")
+        if not os.path.exists(path):
+            raise LayerlineError(f"--prompt: {path} is missing; give --input-ids instead")
+        from tokenizers import Tokenizer
+        tok = Tokenizer.from_file(path)
+        return [tok.encode(t).ids for t in a.prompt], tok
+    out = []
+    for spec in a.input_ids or []:
+        try:
+            ids = [int(x) for x in spec.split(",") if x.strip()]
+        except ValueError:
+            raise LayerlineError(f"--input-ids {spec!r}: must be comma-separated integers") from None
+        if not ids:
+            raise LayerlineError("--input-ids: give at least one token id")
+        out.append(ids)
+    if not out:
+        raise LayerlineError("give --input-ids 1,2,3 (repeat for several sequences) or --prompt TEXT")
+    return out, tok
+
+
+def _eos(checkpoint: str, ignore: bool) -> int | None:
+    if ignore:
+        return None
+    for name in ("generation_config.json", "config.json"):
+        try:
+            v = json.loads(open(os.path.join(checkpoint, name)).read()).get("eos_token_id")
+        except (OSError, ValueError):
+            continue
+        if isinstance(v, list):
+            v = v[0] if v else None
+        if isinstance(v, int):
+            return v
+    return None
+
+
 def cmd_generate(a) -> int:
-    from .driver import Pipeline, greedy_generate
-    try:
-        prompt = [int(x) for x in a.input_ids.split(",") if x.strip()]
-    except ValueError:
-        raise LayerlineError(f"--input-ids {a.input_ids!r}: must be comma-separated integers") from None
-    if not prompt:
-        raise LayerlineError("--input-ids: give at least one token id")
+    from .driver import Pipeline
+    from .generate import Sampling, generate
+    prompts, tok = _prompts(a)
+    sampling = Sampling(a.temperature, a.top_p, a.seed)
     procs, first, tmp = local_stages(a.checkpoint, a.local_stages, a.precision, threads=a.threads, curve=a.curve)
     try:
         keys_dir = os.path.join(tmp, "keys", "controller") if a.curve == "on" else None
         with Pipeline(first, keys_dir=keys_dir, first_key="stage0", curve=a.curve) as pipe:
-            t0 = time.perf_counter()
-            toks, steps = greedy_generate(pipe, prompt, a.max_new_tokens)
-            dt = time.perf_counter() - t0
+            g = generate(pipe, prompts, a.max_new_tokens, sampling, eos=_eos(a.checkpoint, a.ignore_eos))
     finally:
         stop_local(procs)
         shutil.rmtree(os.path.join(tmp, "keys"), ignore_errors=True)  # throwaway keys, secrets included
-    n = len(steps[0].timings)
-    stage_s = [sum(s.timings[i]["s"] for s in steps) for i in range(n)]
-    decode = steps[1:]
-    res = {"tokens": toks, "stage_seconds": stage_s, "seconds": dt,
-           "decode_tokens_per_s": len(decode) / sum(s.wall_s for s in decode) if decode else None}
-    print(json.dumps(res) if a.json else " ".join(map(str, toks)))
+    res = {"tokens": g.tokens[0] if len(g.tokens) == 1 else g.tokens, "sequences": g.tokens,
+           "stage_seconds": g.stage_seconds(), "seconds": g.seconds, "tokens_per_s": g.tokens_per_s,
+           "decode_tokens_per_s": g.decode_tokens_per_s()}
+    if tok is not None:
+        res["text"] = [tok.decode(t) for t in g.tokens]
+    if a.json:
+        print(json.dumps(res))
+    else:
+        for i, t in enumerate(res.get("text") or [" ".join(map(str, t)) for t in g.tokens]):
+            print(t if len(g.tokens) == 1 else f"[{i}] {t}")
+        print(f"{g.new_tokens} tokens in {g.seconds:.2f} s ({g.tokens_per_s:.1f} tokens/s)", file=sys.stderr)
     return 0
 
 
@@ -226,7 +273,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo-checkpoint", help="write a deterministic random-init checkpoint (HF layout)")
     d.add_argument("out")
-    d.add_argument("--arch", default="llama")
+    d.add_argument("--arch", default="llama", choices=["llama", "mistral", "qwen2", "mixtral"])
+    d.add_argument("--sliding-window", type=int, help="mistral/mixtral/qwen2: attention window")
+    d.add_argument("--experts", type=int, help="mixtral: num_local_experts")
+    d.add_argument("--experts-per-tok", type=int, help="mixtral: num_experts_per_tok")
     d.add_argument("--layers", type=int)
     d.add_argument("--hidden", type=int)
     d.add_argument("--heads", type=int)
@@ -261,7 +311,13 @@ def build_parser() -> argparse.ArgumentParser:
     dr.add_argument("--seed", type=int, default=0)
     dr.add_argument("--precision", default="fp32")
     dr.add_argument("--reference", action="store_true", help="compare with a one-process forward")
-    dr.add_argument("--generate", type=int, default=0, help="also generate this many tokens greedily")
+    dr.add_argument("--generate", type=int, default=0, help="also generate this many tokens")
+    dr.add_argument("--input-ids", action="append", help="prompt token ids 1,2,3 (repeat: several sequences)")
+    dr.add_argument("--prompt", action="append", help="prompt text, with the checkpoint's tokenizer.json")
+    dr.add_argument("--sequences", type=int, default=1, help="random prompts generated together")
+    dr.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    dr.add_argument("--top-p", type=float, default=1.0)
+    dr.add_argument("--ignore-eos", action="store_true")
     dr.add_argument("--reply-host", default="127.0.0.1",
                     help="an address of this machine the last stage can reach (its result socket binds there)")
     dr.add_argument("--keys", default=None,
@@ -274,11 +330,16 @@ def build_parser() -> argparse.ArgumentParser:
     dr.add_argument("--json", action="store_true")
     dr.set_defaults(fn=cmd_drive)
 
-    g = sub.add_parser("generate", help="greedy generation on N local worker processes (no Ansible)")
+    g = sub.add_parser("generate", help="generate on N local worker processes (no Ansible)")
     g.add_argument("--checkpoint", required=True)
     g.add_argument("--local-stages", type=int, default=3)
-    g.add_argument("--input-ids", required=True)
+    g.add_argument("--input-ids", action="append", help="1,2,3; repeat for several sequences in flight")
+    g.add_argument("--prompt", action="append", help="text, with the checkpoint's tokenizer.json; repeatable")
     g.add_argument("--max-new-tokens", type=int, default=16)
+    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens")
     g.add_argument("--precision", default="bf16")
     g.add_argument("--threads", type=int, default=None)
     g.add_argument("--curve", default="auto", choices=["auto", "on"],

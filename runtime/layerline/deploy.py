@@ -106,6 +106,8 @@ def worker_argv(plan: dict, host: str, hvars: dict, python: str = "python3") -> 
             "--name", host,
             "--ready-file", os.path.join(state, "ready.json"),
             "--keys", str(hvars.get("layerline_keys_dir") or os.path.join(state, "keys"))]
+    if s.get("experts_paged"):
+        argv += ["--expert-cache-bytes", str(int(s["expert_cache_bytes"]))]
     nxt = next_endpoint(plan, s)
     if nxt:
         argv += ["--next", nxt]
@@ -129,3 +131,35 @@ def worker_argv(plan: dict, host: str, hvars: dict, python: str = "python3") -> 
 
 def argv_line(argv: list[str]) -> str:
     return shlex.join(argv)
+
+
+def drive_argv(plan: dict, hvars: dict, python: str = "python3") -> list[str]:
+    """The controller's `layerline drive` command line for a plan and the play's variables."""
+    first = next((s for s in plan.get("stages", []) if s["role"] == "active"), None)
+    if first is None:
+        raise LayerlineError("plan: no active stage to drive; run playbooks/plan.yml first")
+    home = str(hvars.get("layerline_home") or ".")
+    argv = [python, "-m", "layerline.cli", "drive", "--first", first["endpoint"],
+            "--checkpoint", str(hvars["layerline_checkpoint"]), "--precision", plan["precision"],
+            "--seq", str(int(hvars.get("layerline_seq", 16))), "--seed", str(int(hvars.get("layerline_rng_seed", 0))),
+            "--generate", str(int(hvars.get("layerline_generate", 0))),
+            "--reply-host", str(hvars.get("layerline_driver_addr") or "127.0.0.1"),
+            "--keys", str(hvars.get("layerline_keys_controller_dir") or os.path.join(home, "keys", "controller")),
+            "--first-key", first["host"], "--curve", str(hvars.get("layerline_curve") or "auto"),
+            "--reference", "--json"]
+    ids = hvars.get("layerline_prompt_ids")
+    if ids:  # one prompt [1, 2, 3] or several [[1, 2], [3, 4]]
+        for p in (ids if isinstance(ids[0], list) else [ids]):
+            argv += ["--input-ids", ",".join(str(int(t)) for t in p)]
+    texts = hvars.get("layerline_prompt")
+    for t in ([texts] if isinstance(texts, str) else texts or []):
+        argv += ["--prompt", str(t)]
+    if hvars.get("layerline_sequences"):
+        argv += ["--sequences", str(int(hvars["layerline_sequences"]))]
+    sampling = hvars.get("layerline_sampling") or {}
+    for key, flag in (("temperature", "--temperature"), ("top_p", "--top-p")):
+        if key in sampling:
+            argv += [flag, str(float(sampling[key]))]
+    if sampling.get("ignore_eos"):
+        argv.append("--ignore-eos")
+    return argv

@@ -81,6 +81,7 @@ class Pipeline:
             raise
         self.reply_to = f"tcp://{self.reply_host}:{port}"
         self.curve_sockets = (to_curve, res_curve)  # (to stage 0, result socket)
+        self._pending: dict[str, float] = {}  # request id -> send time
         self.poller = zmq.Poller()
         self.poller.register(self.to_first, zmq.POLLIN)
         self.poller.register(self.results, zmq.POLLIN)
@@ -99,9 +100,9 @@ class Pipeline:
     def __exit__(self, *exc):
         self.close()
 
-    def forward(self, input_ids: torch.Tensor, seq: str | None = None, pos: int = 0,
-                cache: bool = False) -> StepResult:
-        """One pass of [batch, tokens] ids through every stage; logits [batch, tokens, vocab]."""
+    def submit(self, input_ids: torch.Tensor, seq: str | None = None, pos: int = 0, cache: bool = False,
+               last_only: bool = False) -> str:
+        """Send one pass of [batch, tokens] ids into stage 0 without waiting; returns its request id."""
         if input_ids.dim() == 1:
             input_ids = input_ids.unsqueeze(0)
         rid = f"r{os.getpid()}-{next(self._ids)}"
@@ -109,11 +110,22 @@ class Pipeline:
                 "deadline": time.time() + self.timeout_s, "timings": []}
         if seq is not None:
             head["seq"] = seq
-        t0 = time.perf_counter()
+        if last_only:
+            head["logits"] = "last"
+        self._pending[rid] = time.perf_counter()
         self.to_first.send_multipart(wire.encode(head, {"input_ids": input_ids.to(torch.int64)}), copy=False)
+        return rid
+
+    def collect(self) -> tuple[str, StepResult | DriveError]:
+        """The next answer to any request in flight: a result, or the error a stage sent for it."""
         while True:
-            left = self.timeout_s - (time.perf_counter() - t0)
+            if not self._pending:
+                raise DriveError("collect: no request in flight")
+            oldest = min(self._pending.values())
+            left = self.timeout_s - (time.perf_counter() - oldest)
             if left <= 0:
+                rid = min(self._pending, key=self._pending.get)
+                self._pending.pop(rid)
                 raise DriveError(f"request {rid}: no result within {self.timeout_s:.0f} s; a stage after "
                                  f"{self.first} is down or slow (check each worker's log and health)")
             for sock, _ in self.poller.poll(min(left, 1.0) * 1000):
@@ -121,13 +133,26 @@ class Pipeline:
                 if sock is self.results:
                     frames = frames[1:]  # drop the sender's identity
                 h, tensors = wire.decode(frames)
-                if h.get("id") != rid:
-                    continue  # a late answer to an earlier request
+                rid = h.get("id")
+                if rid not in self._pending:
+                    continue  # a late or repeated answer
                 if h["op"] == "error":
-                    raise DriveError(f"stage {h.get('stage', '?')}: {h.get('error')}")
+                    self._pending.pop(rid)
+                    return rid, DriveError(f"stage {h.get('stage', '?')}: {h.get('error')}")
                 if h["op"] == "result" and "logits" in tensors:
-                    wall = time.perf_counter() - t0
-                    return StepResult(tensors["logits"].clone(), h.get("timings", []), wall)
+                    wall = time.perf_counter() - self._pending.pop(rid)
+                    return rid, StepResult(tensors["logits"].clone(), h.get("timings", []), wall)
+
+    def forward(self, input_ids: torch.Tensor, seq: str | None = None, pos: int = 0,
+                cache: bool = False, last_only: bool = False) -> StepResult:
+        """One pass of [batch, tokens] ids through every stage; logits [batch, tokens, vocab]."""
+        rid = self.submit(input_ids, seq, pos, cache, last_only)
+        while True:
+            got, res = self.collect()
+            if got == rid:
+                if isinstance(res, DriveError):
+                    raise res
+                return res
 
     def release(self, seq: str) -> None:
         """Every stage frees this sequence's KV cache."""
@@ -209,9 +234,11 @@ def drive_report(result: dict) -> str:
     gen = result.get("generate")
     if gen:
         per = ", ".join(f"{s * 1e3:.2f}" for s in gen["stage_seconds"])
-        tps = gen["decode_tokens_per_s"]
-        lines.append(f"generated {len(gen['new_tokens'])} tokens in {gen['seconds']:.2f} s"
-                     + (f", decode {tps:.1f} tokens/s, per-stage ms/token [{per}]" if tps else ""))
+        n = sum(len(t) for t in gen["new_tokens"])
+        lines.append(f"generated {n} tokens for {len(gen['new_tokens'])} sequence(s) in {gen['seconds']:.2f} s: "
+                     f"{gen['tokens_per_s']:.1f} tokens/s; per-stage ms per step [{per}]")
+        for i, t in enumerate(gen.get("text") or gen["new_tokens"]):
+            lines.append(f"  [{i}] {t if isinstance(t, str) else ' '.join(map(str, t))}")
     if "max_abs_diff" in result:
         verdict = "matches" if result["ok"] else "DOES NOT MATCH"
         lines.append(f"max |logits - one-process forward| = {result['max_abs_diff']:.3g} "

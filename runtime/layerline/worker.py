@@ -21,6 +21,7 @@ DIR/peers/controller.key, never to a key a message names.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import signal
@@ -59,6 +60,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ready-file", default=None)
     p.add_argument("--control", default=None)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--expert-cache-bytes", type=int, default=None,
+                   help="page routed experts from disk through an LRU cache of this many bytes")
     a = p.parse_args(argv)
     if a.probe:
         return a
@@ -120,7 +123,8 @@ class Worker:
             torch.set_num_threads(args.threads)
         torch.manual_seed(args.rng_seed)
         self.stage = load_stage(args.checkpoint, args.start, args.end, args.first, args.last,
-                                precision=args.precision, device=args.device)
+                                precision=args.precision, device=args.device,
+                                expert_cache_bytes=args.expert_cache_bytes)
         self.margs = self.stage.args
         self.caches: OrderedDict[str, list] = OrderedDict()  # seq -> [StageCache, length]
         self.stats = Stats()
@@ -269,7 +273,13 @@ class Worker:
         elif pos != 0:
             raise wire.WireError("header.pos: must be 0 without cache")
         t0 = time.perf_counter()
-        out = self.stage(x.to(self.args.device), start_pos=pos, cache=cache)
+        last_only = h.get("logits") == "last"
+        if "logits" in h and h["logits"] not in ("last", "all"):
+            raise wire.WireError("header.logits: must be \"last\" or \"all\"")
+        if self.args.last:
+            out = self.stage(x.to(self.args.device), start_pos=pos, cache=cache, last_only=last_only)
+        else:
+            out = self.stage(x.to(self.args.device), start_pos=pos, cache=cache)
         if self.args.device != "cpu":
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
@@ -278,7 +288,7 @@ class Worker:
         self.stats.compute_s += dt
         timings = list(h.get("timings", []))[:64] + [{"stage": self.name, "layers": [self.args.start, self.args.end],
                                                         "s": dt}]
-        head = {k: h[k] for k in ("id", "seq", "pos", "cache", "reply_to", "deadline") if k in h}
+        head = {k: h[k] for k in ("id", "seq", "pos", "cache", "reply_to", "deadline", "logits") if k in h}
         head["timings"] = timings
         if self.args.last:
             return {**head, "op": "result"}, {"logits": out.to("cpu")}
@@ -345,6 +355,9 @@ class Worker:
                 s = self.stats
                 reply = {"op": "ok", "name": self.name, "requests": s.requests, "errors": s.errors,
                          "rejected": s.rejected, "compute_s": s.compute_s, "sequences": len(self.caches)}
+                store = getattr(self.stage, "expert_store", None)
+                if store is not None and hasattr(store, "stats"):  # paged experts: hits, misses, bytes read
+                    reply["experts"] = dataclasses.asdict(store.stats)
             elif op == "set_next":
                 key = h.get("next_key")
                 if key is not None and not (isinstance(key, str) and self.keymod.NAME_RE.match(key)):

@@ -1,0 +1,23 @@
+"""Every benchmark, one after the other: `make bench`. Each prints ratios against a baseline
+measured in the same run; absolute times on shared machines lie."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_decode  # noqa: E402
+import bench_planner  # noqa: E402
+import bench_predicted  # noqa: E402
+
+
+def main() -> int:
+    for name, mod in (("planner", bench_planner), ("decode", bench_decode), ("predicted", bench_predicted)):
+        print(f"\n=== {name} ===", flush=True)
+        mod.main([])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
