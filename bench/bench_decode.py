@@ -5,6 +5,7 @@
 (a) one stage, in process, batch 1: layerline's decoder vs transformers generate, same
     checkpoint and dtype;
 (b) three local worker processes vs one, one sequence, through the real wire;
+(c) three local stages decoding four sequences together vs one sequence on one stage;
 (d) the per-hop cost of layerline's wire (validated header + frames, both ways) vs a raw
     ZeroMQ round trip of the same bytes.
 Absolute times on these machines are noisy; the ratios are what to read.
@@ -67,18 +68,20 @@ def transformers_generate(ckpt: str, prompt: torch.Tensor, new: int, dtype: torc
     return best
 
 
-def local_pipeline(ckpt: str, stages: int, prompt: list[int], new: int, precision: str) -> float:
+def local_pipeline(ckpt: str, stages: int, prompt: list[int], new: int, precision: str, seqs: int = 1) -> float:
+    """Aggregate decode tokens/s of `seqs` sequences generated together through local worker processes."""
     from layerline.cli import local_stages, stop_local
-    from layerline.driver import Pipeline, greedy_generate
+    from layerline.driver import Pipeline
+    from layerline.generate import generate
     procs, first, _ = local_stages(ckpt, stages, precision)
     try:
         with Pipeline(first) as pipe:
-            greedy_generate(pipe, prompt[:8], 4, seq="warm")
+            generate(pipe, [prompt[:8]] * seqs, 4)  # warm: connections, allocations
             best = 0.0
             for k in range(2):
-                _, steps = greedy_generate(pipe, prompt, new, seq=f"b{k}")
-                decode = steps[1:]
-                best = max(best, len(decode) / sum(s.wall_s for s in decode))
+                prompts = [[(t + 7 * i) % 1000 for t in prompt] for i in range(seqs)]
+                g = generate(pipe, prompts, new)
+                best = max(best, g.decode_tokens_per_s())
             return best
     finally:
         stop_local(procs)
@@ -158,6 +161,10 @@ def main(argv=None) -> dict:
     p3 = local_pipeline(ckpt, 3, prompt[0].tolist(), a.new, a.precision)
     out["b"] = {"one_stage_tok_s": p1, "three_stage_tok_s": p3, "ratio": p3 / p1}
     print(f"(b) three local stages vs one: {p3:.1f} vs {p1:.1f} tokens/s = {p3 / p1:.2f}x (goal 0.9x)", flush=True)
+    p34 = local_pipeline(ckpt, 3, prompt[0].tolist(), a.new, a.precision, seqs=4)
+    out["c"] = {"one_seq_one_stage_tok_s": p1, "four_seq_three_stage_tok_s": p34, "ratio": p34 / p1}
+    print(f"(c) three stages, four sequences together vs one sequence on one stage: {p34:.1f} vs {p1:.1f} "
+          f"tokens/s = {p34 / p1:.2f}x (goal 2.5x)", flush=True)
     raw, wired = hop_overhead()
     out["d"] = {"raw_rtt_s": raw, "wire_rtt_s": wired, "ratio": wired / raw}
     print(f"(d) wire round trip vs raw zmq, 2 KiB: {wired * 1e3:.3f} vs {raw * 1e3:.3f} ms = {wired / raw:.2f}x "

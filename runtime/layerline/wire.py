@@ -34,6 +34,7 @@ DTYPES: dict[str, torch.dtype] = {
     "int64": torch.int64, "int32": torch.int32, "int8": torch.int8, "uint8": torch.uint8,
 }
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+ITEMSIZE = {k: torch.empty((), dtype=v).element_size() for k, v in DTYPES.items()}
 
 # Data ops travel the pipeline; control ops go to a worker's control socket.
 DATA_OPS = {"forward", "result", "error", "release"}
@@ -130,7 +131,7 @@ def decode(frames: list, limits: Limits = Limits()) -> tuple[dict, dict[str, tor
         if (not isinstance(shape, list) or len(shape) > MAX_DIMS
                 or not all(type(d) is int and 0 <= d <= limits.max_elements_dim for d in shape)):
             raise WireError(f"{where}.shape: must be at most {MAX_DIMS} non-negative integers")
-        itemsize = torch.empty((), dtype=DTYPES[dtype]).element_size()
+        itemsize = ITEMSIZE[dtype]
         nbytes = math.prod(shape) * itemsize
         total += nbytes
         if total > limits.max_bytes:
