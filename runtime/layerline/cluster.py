@@ -1,0 +1,767 @@
+"""layerline.Cluster: the Python API over the project's playbooks, run with ansible-runner.
+
+    from layerline import Cluster
+    c = Cluster.from_path("inventory")
+    c.autoplan()                 # discover (when the inventory has layerline_discover), probe, plan
+    print(c.plan_table())
+    c.launch()                   # one worker per planned host
+    print(c.drive(generate=8))   # per-stage times, logits
+    c.teardown()
+
+The only runtime module that imports Ansible (ansible_runner). Every step runs the repo's own
+playbooks (playbooks/*.yml, the same ones deploy.yml imports) through a small wrapper playbook
+in this Cluster's private data dir, so the inventory, ansible.cfg, roles, modules and filters
+behave exactly as for `ansible-playbook deploy.yml`. Facts pass between plays only within one
+ansible-playbook run, so each step runs the plays it needs together, and the Cluster keeps
+what they reported (caps, plan, each host's worker argv) between steps.
+
+Stages are looked up by host name, never by position in the inventory.
+"""
+from __future__ import annotations
+
+import copy
+import ipaddress
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, TextIO
+
+from .errors import LayerlineError
+
+NodeCaps = dict  # DESIGN's NodeCaps: one JSON object per host (see layerline.probe)
+
+_PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the repo root for a source checkout
+_PROBE_PLAYS = ("checkpoint", "runtime", "probe")  # the probe measures the checkpoint's disk
+_PLAN_PLAYS = ("checkpoint", "runtime", "probe", "plan")
+_LAUNCH_PLAYS = ("keys", "launch")  # CURVE keys for every host, then the workers (deploy.yml's order)
+_STATUS = {"runner_on_ok": "ok", "runner_on_failed": "failed", "runner_on_skipped": "skipped",
+           "runner_on_unreachable": "unreachable"}
+# Ansible wraps a module's or filter's message in the templating chain; the innermost part is ours.
+_WRAPPERS = re.compile(r"^(?:Task failed: |Finalization of task args for '[^']*' failed: |"
+                       r"Error while resolving value for '[^']*': |The (?:filter|lookup|test) plugin '[^']*' failed: |"
+                       r"Conditional result \([^)]*\) was derived from value of type '[^']*' at '[^']*'\. )+")
+
+
+class ClusterError(LayerlineError):
+    """A play failed: names the host, the task and the task's own message."""
+
+    def __init__(self, message: str, host: str | None = None, task: str | None = None,
+                 msg: str | None = None, step: str | None = None):
+        super().__init__(message)
+        self.host, self.task, self.msg, self.step = host, task, msg, step
+
+
+@dataclass
+class HostFailure:
+    host: str
+    task: str
+    msg: str
+    action: str = ""
+    tag: str = ""              # the playbook (or role) the task came from
+    unreachable: bool = False
+
+
+@dataclass
+class _Run:
+    """What one ansible-playbook run reported: task results by host, failures, progress lines."""
+    step: str
+    stream: TextIO | None
+    wrapper: str = ""
+    results: list[tuple[str, str, str, dict]] = field(default_factory=list)  # (host, task, action, res)
+    failures: list[HostFailure] = field(default_factory=list)
+    _tags: dict[str, str] = field(default_factory=dict)
+
+    def _say(self, line: str) -> None:
+        if self.stream is not None:
+            print(line, file=self.stream, flush=True)
+
+    def handler(self, ev: dict) -> bool:
+        event = ev.get("event")
+        ed = ev.get("event_data") or {}
+        if event == "playbook_on_task_start":
+            tag = _tag(ed, self.wrapper)
+            self._tags[ed.get("task_uuid", "")] = tag
+            self._say(f"[{tag}] {ed.get('task') or ed.get('name') or '?'}")
+            return False
+        if event not in _STATUS:
+            return False  # keep the artifacts small: the stdout file holds the rest
+        host = str(ed.get("host") or "?")
+        res = ed.get("res") if isinstance(ed.get("res"), dict) else {}
+        tag = self._tags.get(ed.get("task_uuid", ""), _tag(ed, self.wrapper))
+        task, action = str(ed.get("task") or "?"), str(ed.get("task_action") or "")
+        status = _STATUS[event]
+        if status == "ok" and res.get("changed"):
+            status = "changed"
+        if event == "runner_on_failed" and ed.get("ignore_errors"):
+            status = "failed (ignored)"
+        elif event in ("runner_on_failed", "runner_on_unreachable"):
+            self.failures.append(HostFailure(host, task, _failure_msg(res), action, tag,
+                                             event == "runner_on_unreachable"))
+        if event == "runner_on_ok":
+            self.results.append((host, task, action, res))
+        self._say(f"[{tag}] {host} {status}")
+        return event in ("runner_on_failed", "runner_on_unreachable")  # kept in artifacts for a post-mortem
+
+    def facts(self, name: str) -> dict[str, Any]:
+        """{host: value} of a fact the run set (set_fact or a module's ansible_facts), last one wins."""
+        out = {}
+        for host, _task, _action, res in self.results:
+            f = res.get("ansible_facts")
+            if isinstance(f, dict) and name in f:
+                out[host] = f[name]
+        return out
+
+    def by_action(self, action: str) -> list[tuple[str, dict]]:
+        return [(h, r) for h, _t, a, r in self.results if a == action or a.endswith("." + action)]
+
+
+def _tag(ed: dict, wrapper: str = "") -> str:
+    """Which playbook or role a task came from, for progress lines: probe, plan, layerline_worker, ..."""
+    if ed.get("role"):
+        return str(ed["role"])
+    path = str(ed.get("task_path") or "").rsplit(":", 1)[0]
+    if wrapper and path == wrapper:
+        return "cluster"
+    return Path(path).stem if path else "ansible"
+
+
+def _failure_msg(res: dict) -> str:
+    """The task's own message in one line (the innermost, for Ansible's wrapped template errors)."""
+    if isinstance(res.get("results"), list):  # a loop: the first failed item
+        for item in res["results"]:
+            if isinstance(item, dict) and (item.get("failed") or item.get("unreachable")):
+                return _failure_msg(item)
+    msg = " ".join(str(res.get("msg") or "").split())
+    msg = _WRAPPERS.sub("", msg).strip()
+    stderr = _last_line(res.get("stderr") or "")
+    if stderr and (not msg or msg == "non-zero return code"):
+        msg = f"{msg}: {stderr}" if msg else stderr
+    if not msg and res.get("exception"):
+        msg = _last_line(res["exception"])
+    return msg or "failed (no message)"
+
+
+def _last_line(text: str) -> str:
+    lines = [ln.strip() for ln in str(text).splitlines() if ln.strip()]
+    return lines[-1] if lines else ""
+
+
+def _find_project_dir(hint: str | os.PathLike | None, inventory: str | None) -> Path:
+    """The repo root: the dir holding deploy.yml, playbooks/ and ansible.cfg."""
+    def ok(p: Path) -> bool:
+        return (p / "deploy.yml").is_file() and (p / "playbooks").is_dir() and (p / "ansible.cfg").is_file()
+
+    if hint is not None:
+        p = Path(hint).expanduser().resolve()
+        if not ok(p):
+            raise LayerlineError(f"project_dir {p}: no deploy.yml, playbooks/ and ansible.cfg there; point it at "
+                                 "the layerline checkout")
+        return p
+    candidates = []
+    if os.environ.get("LAYERLINE_PROJECT_DIR"):
+        candidates.append(Path(os.environ["LAYERLINE_PROJECT_DIR"]))
+    candidates.append(_PACKAGE_ROOT)
+    for start in filter(None, (inventory, os.getcwd())):
+        candidates.extend(Path(start).resolve().parents)
+        candidates.append(Path(start).resolve())
+    for c in candidates:
+        if ok(c):
+            return c.resolve()
+    raise LayerlineError("project_dir: cannot find the layerline checkout (deploy.yml, playbooks/, ansible.cfg); "
+                         "pass project_dir= or set LAYERLINE_PROJECT_DIR")
+
+
+def _walk(d: Any):
+    if isinstance(d, dict):
+        for k, v in d.items():
+            yield k, v
+            yield from _walk(v)
+    elif isinstance(d, list):
+        for v in d:
+            yield from _walk(v)
+
+
+def _has_key(d: Any, key: str) -> bool:
+    return any(k == key for k, _ in _walk(d))
+
+
+def _has_group(inv: dict, group: str) -> bool:
+    if group in inv:
+        return True
+    return any(isinstance(v, dict) and isinstance(v.get("children"), dict) and _has_group(v["children"], group)
+               for v in inv.values())
+
+
+def _reply_host(endpoint: str) -> str:
+    """An address of this machine that the endpoint's host can reach (no packets sent)."""
+    host = endpoint.rsplit(":", 1)[0].split("://", 1)[-1].strip("[]")
+    try:
+        if ipaddress.ip_address(host).is_loopback:
+            return "127.0.0.1"
+    except ValueError:
+        pass
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))  # UDP connect only picks the route
+            return s.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+
+
+class Cluster:
+    """A configured, probed, planned cluster, driven through the project's playbooks.
+
+    Build one with Cluster.from_path(inventory) or Cluster.from_config(inventory_dict).
+    """
+
+    def __init__(self, inventory: str | os.PathLike, *, extravars: dict | None = None,
+                 project_dir: str | os.PathLike | None = None, quiet: bool = False,
+                 data_dir: str | os.PathLike | None = None, envvars: dict | None = None,
+                 keep_artifacts: int = 3, stream: TextIO | None = None):
+        inv = Path(inventory).expanduser()
+        if not inv.exists():
+            raise LayerlineError(f"inventory {inventory}: no such file or directory; give an inventory dir or file "
+                                 "(the default is inventory/ in the checkout)")
+        self.inventory = inv.resolve()
+        self.project_dir = _find_project_dir(project_dir, str(self.inventory))
+        self.extravars = dict(extravars or {})
+        self.envvars = dict(envvars or {})
+        self.quiet = quiet
+        self.stream = stream
+        self.keep_artifacts = max(1, int(keep_artifacts))
+        if data_dir is None:
+            self.data_dir = Path(tempfile.mkdtemp(prefix="layerline-cluster-"))
+            self._finalizer = weakref.finalize(self, shutil.rmtree, str(self.data_dir), True)
+        else:
+            self.data_dir = Path(data_dir).expanduser().resolve()
+            self.data_dir.mkdir(parents=True, exist_ok=True)
+            self._finalizer = None
+        self._cancel = threading.Event()
+        self._runs = 0
+        self.discovered: dict[str, dict] = {}          # host -> host vars add_host gave it
+        self.discover_failures: list[tuple[str, str]] = []
+        self.probe_failures: dict[str, str] = {}       # host -> why it is left out
+        self._caps: dict[str, NodeCaps] = {}
+        self._plan: dict | None = None
+        self._report: dict[str, dict] = {}             # host -> what the report play said
+        self._index: dict | None = None
+
+    # -- construction ---------------------------------------------------------------------------
+
+    @classmethod
+    def from_path(cls, inventory: str | os.PathLike, *, extravars: dict | None = None,
+                  project_dir: str | os.PathLike | None = None, quiet: bool = False, **kw) -> "Cluster":
+        """An inventory dir or file (the repo's inventory/ is the embedded default)."""
+        return cls(inventory, extravars=extravars, project_dir=project_dir, quiet=quiet, **kw)
+
+    @classmethod
+    def from_config(cls, config: dict, *, extravars: dict | None = None,
+                    project_dir: str | os.PathLike | None = None, quiet: bool = False,
+                    data_dir: str | os.PathLike | None = None, **kw) -> "Cluster":
+        """An inventory given as a dict (YAML inventory shape: {layerline: {hosts: {...}, vars: {...}}}).
+
+        It is written into the Cluster's private data dir. When the dict does not set them,
+        layerline_home defaults to DATA_DIR/home and layerline_state_dir to
+        layerline_home/state/HOST; layerline_checkpoint must be set unless
+        layerline_demo_checkpoint is true (then it defaults to layerline_home/demo-llama).
+        """
+        if not isinstance(config, dict):
+            raise LayerlineError(f"from_config: the inventory must be a dict, not {type(config).__name__}")
+        if not _has_group(config, "layerline"):
+            raise LayerlineError("from_config: the inventory has no group 'layerline'; put the workers under "
+                                 "{'layerline': {'hosts': {...}}}")
+        tmp = data_dir is None
+        data = Path(tempfile.mkdtemp(prefix="layerline-cluster-")) if tmp else Path(data_dir).expanduser().resolve()
+        inv = copy.deepcopy(config)
+        all_group = inv.setdefault("all", {}) or {}
+        inv["all"] = all_group
+        avars = all_group.setdefault("vars", {}) or {}
+        all_group["vars"] = avars
+        given = {**(extravars or {})}
+        if not _has_key(config, "layerline_home") and "layerline_home" not in given:
+            avars["layerline_home"] = str(data / "home")
+        if not _has_key(config, "layerline_state_dir") and "layerline_state_dir" not in given:
+            avars["layerline_state_dir"] = "{{ layerline_home }}/state/{{ inventory_hostname }}"
+        if not _has_key(config, "layerline_checkpoint") and "layerline_checkpoint" not in given:
+            demo = any(k == "layerline_demo_checkpoint" and str(v).lower() in ("true", "yes", "1")
+                       for k, v in list(_walk(config)) + list(given.items()))
+            if not demo:
+                if tmp:
+                    shutil.rmtree(data, ignore_errors=True)
+                raise LayerlineError("from_config: set layerline_checkpoint (a Hugging Face model dir) in the "
+                                     "inventory's vars, or layerline_demo_checkpoint: true for the demo model")
+            avars["layerline_checkpoint"] = "{{ layerline_home }}/demo-llama"
+        (data / "inventory").mkdir(parents=True, exist_ok=True)
+        path = data / "inventory" / "hosts.yml"
+        import yaml  # ansible-core's dependency
+        path.write_text("# written by layerline.Cluster.from_config\n" + yaml.safe_dump(inv, sort_keys=False))
+        c = cls(path, extravars=extravars, project_dir=project_dir, quiet=quiet, data_dir=data, **kw)
+        if tmp:
+            c._finalizer = weakref.finalize(c, shutil.rmtree, str(data), True)
+        return c
+
+    def close(self) -> None:
+        """Remove the private data dir when the Cluster made it (workers keep running)."""
+        if self._finalizer is not None:
+            self._finalizer()
+
+    def __enter__(self) -> "Cluster":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        planned = f", {len(self.active_nodes())} active stages" if self._plan else ""
+        return f"Cluster({str(self.inventory)!r}{planned})"
+
+    def cancel(self) -> None:
+        """Stop the playbook run in progress (from another thread); it raises ClusterError."""
+        self._cancel.set()
+
+    # -- running playbooks ----------------------------------------------------------------------
+
+    def _inventories(self) -> list[str]:
+        out = [str(self.inventory)]
+        if self.discovered:
+            import yaml
+            path = self.data_dir / "discovered.yml"
+            path.write_text("# hosts layerline.Cluster.discover() added\n" + yaml.safe_dump(
+                {"layerline": {"hosts": self.discovered}}, sort_keys=False))
+            out.append(str(path))
+        return out
+
+    def _env(self) -> dict[str, str]:
+        p = self.project_dir
+        bindir = str(Path(sys.executable).parent)
+        path = os.environ.get("PATH", "")
+        if not (Path(bindir) / "ansible-playbook").exists():
+            bindir = ""
+        if not bindir and not shutil.which("ansible-playbook", path=path):
+            raise LayerlineError("ansible-playbook: not found next to this Python nor on PATH; install "
+                                 "ansible-core into this environment (pip install ansible-core)")
+
+        def join(var: str, value: str) -> str:
+            return os.pathsep.join([value] + ([os.environ[var]] if os.environ.get(var) else []))
+
+        env = {
+            "ANSIBLE_CONFIG": str(p / "ansible.cfg"),
+            "ANSIBLE_LIBRARY": join("ANSIBLE_LIBRARY", str(p / "modules" / "library")),
+            "ANSIBLE_FILTER_PLUGINS": join("ANSIBLE_FILTER_PLUGINS", str(p / "modules" / "filter_plugins")),
+            "ANSIBLE_ROLES_PATH": join("ANSIBLE_ROLES_PATH", str(p / "roles")),
+            # ansible-runner turns host key checking off unless told; layerline keeps it on outside tests
+            "ANSIBLE_HOST_KEY_CHECKING": os.environ.get("ANSIBLE_HOST_KEY_CHECKING", "True"),
+            "ANSIBLE_NOCOLOR": "1",
+            "ANSIBLE_FORCE_COLOR": "0",
+            "PYTHONUNBUFFERED": "1",
+            "PATH": os.pathsep.join(filter(None, [bindir, path])),
+        }
+        if (p / "modules" / "module_utils").is_dir():
+            env["ANSIBLE_MODULE_UTILS"] = join("ANSIBLE_MODULE_UTILS", str(p / "modules" / "module_utils"))
+        env.update({k: str(v) for k, v in self.envvars.items()})
+        return env
+
+    def _wrapper(self, name: str, plays: list[str | dict]) -> Path:
+        """A playbook in the data dir that imports the repo's plays by absolute path."""
+        import yaml
+        book = []
+        for p in plays:
+            if isinstance(p, str):
+                path = self.project_dir / "playbooks" / f"{p}.yml"
+                if not path.is_file():
+                    raise LayerlineError(f"{path}: missing from the checkout; is project_dir a layerline checkout?")
+                book.append({"name": p.capitalize(), "ansible.builtin.import_playbook": str(path)})
+            else:
+                book.append(p)
+        d = self.data_dir / "plays"
+        d.mkdir(exist_ok=True)
+        out = d / f"{name}.yml"
+        out.write_text(yaml.safe_dump(book, sort_keys=False, width=1000))
+        return out
+
+    def _run(self, step: str, plays: list[str | dict], extravars: dict | None = None,
+             tolerate: Callable[[HostFailure], bool] | None = None) -> _Run:
+        """Run the plays as one ansible-playbook; raise ClusterError on a failure not tolerated."""
+        import ansible_runner
+
+        self._runs += 1
+        ident = f"{self._runs:03d}-{step}"
+        book = self._wrapper(step, plays)
+        stream = None if self.quiet else (self.stream or sys.stderr)
+        run = _Run(step, stream, str(book))
+        self._cancel.clear()
+        interrupted = []
+        old = None
+        if threading.current_thread() is threading.main_thread():
+            def on_sigint(_sig, _frame):
+                interrupted.append(True)
+                self._cancel.set()
+            old = signal.signal(signal.SIGINT, on_sigint)
+        try:
+            r = ansible_runner.run(
+                private_data_dir=str(self.data_dir), project_dir=str(self.project_dir), playbook=str(book),
+                inventory=self._inventories(), extravars={**self.extravars, **(extravars or {})},
+                envvars=self._env(), ident=ident, rotate_artifacts=self.keep_artifacts, quiet=True,
+                suppress_env_files=True, event_handler=run.handler, cancel_callback=self._cancel.is_set)
+        finally:
+            if old is not None:
+                signal.signal(signal.SIGINT, old)
+        if interrupted:
+            raise KeyboardInterrupt
+        if r.status == "canceled":
+            raise ClusterError(f"{step}: canceled", step=step)
+        if r.status == "timeout":
+            raise ClusterError(f"{step}: timed out", step=step)
+        fatal = [f for f in run.failures if not (tolerate and tolerate(f))]
+        if fatal:
+            f = fatal[0]
+            more = f" (and {len(fatal) - 1} more failure(s))" if len(fatal) > 1 else ""
+            raise ClusterError(f"{f.host}: task '{f.task}' failed: {f.msg}{more}", host=f.host, task=f.task,
+                               msg=f.msg, step=step)
+        if r.rc != 0 and not run.failures:
+            raise ClusterError(f"{step}: ansible-playbook exited {r.rc}: {self._stdout_error(r)}", step=step)
+        return run
+
+    @staticmethod
+    def _stdout_error(r) -> str:
+        """The error ansible-playbook printed when it stopped before any task (syntax, inventory)."""
+        try:
+            text = r.stdout.read()
+        except (OSError, ValueError, AttributeError):
+            return "see the artifacts in the data dir"
+        lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+        for i, ln in enumerate(lines):
+            if ln.startswith(("ERROR", "[ERROR]")):
+                rest = " ".join(lines[i:i + 2])
+                return rest[:400]
+        return lines[-1][:400] if lines else "no output"
+
+    def _tolerate_probe(self, f: HostFailure) -> bool:
+        """One host that cannot be reached or probed is left out, never fatal (a reference-design fault)."""
+        return f.tag in ("probe", "runtime", "layerline_runtime")  # unreachable shows first in the runtime role
+
+    def _note_probe_failures(self, run: _Run) -> None:
+        for f in run.failures:
+            if self._tolerate_probe(f):
+                self.probe_failures[f.host] = f.msg
+                if not self.quiet:
+                    print(f"[probe] {f.host} left out: {f.msg}", file=self.stream or sys.stderr, flush=True)
+
+    # -- the report play: what each host's variables came to, and its worker argv ---------------
+
+    @staticmethod
+    def _report_play() -> dict:
+        python = "layerline_worker_python | default(ansible_python_interpreter | default('/usr/bin/python3'))"
+        argv = ("{{ (layerline_plan | layerline_argv(inventory_hostname, hostvars[inventory_hostname], "
+                f"{python})) if (layerline_plan is defined and (layerline_plan.stages "
+                "| selectattr('host', 'equalto', inventory_hostname) | list | length > 0)) else [] }}")
+        return {
+            "name": "Report to layerline.Cluster",
+            "hosts": "layerline",
+            "gather_facts": False,
+            "tasks": [{
+                "name": "Report this host's settings and worker argv",
+                "ansible.builtin.set_fact": {"layerline_cluster_report": {
+                    "home": "{{ layerline_home }}",
+                    "state_dir": "{{ layerline_state_dir }}",
+                    "checkpoint": "{{ layerline_checkpoint }}",
+                    "seq": "{{ layerline_seq | default(16) | int }}",
+                    "rng_seed": "{{ layerline_rng_seed | default(0) | int }}",
+                    "role": "{{ layerline_role | default('active') }}",
+                    "argv": argv,
+                    # what playbooks/drive.yml gives `layerline drive`
+                    "driver_addr": "{{ layerline_driver_addr | default('') }}",
+                    "keys_controller_dir": "{{ layerline_keys_controller_dir | default(layerline_home ~ '/keys/controller') }}",
+                    "curve": "{{ layerline_curve | default('auto') }}",
+                }},
+            }],
+        }
+
+    @staticmethod
+    def _caps_play() -> dict:
+        """Plan from the caps this Cluster probed (the reference's semantics: probe, then plan)."""
+        return {
+            "name": "Use the caps layerline.Cluster probed",
+            "hosts": "layerline",
+            "gather_facts": False,
+            "tasks": [
+                {"name": "Stop for a host this Cluster has not probed",
+                 "ansible.builtin.fail": {"msg": "{{ inventory_hostname }}: not probed by this Cluster (the inventory "
+                                                 "changed?); call probe() again"},
+                 "when": "inventory_hostname not in layerline_cluster_caps"},
+                {"name": "Use the probed caps",
+                 "ansible.builtin.set_fact": {"layerline_caps": "{{ layerline_cluster_caps[inventory_hostname] }}"}},
+            ],
+        }
+
+    @staticmethod
+    def _saved_plan_play() -> dict:
+        path = "layerline_home ~ '/plan.json'"
+        return {
+            "name": "Read the saved plan",
+            "hosts": "layerline",
+            "gather_facts": False,
+            "tasks": [
+                {"name": "Read plan.json",
+                 "ansible.builtin.set_fact": {
+                     "layerline_cluster_saved": f"{{{{ lookup('ansible.builtin.file', {path}, errors='ignore') }}}}"},
+                 "run_once": True},
+                {"name": "Stop when there is no saved plan",
+                 "ansible.builtin.fail": {"msg": f"no saved plan at {{{{ {path} }}}}; call plan() (or run "
+                                                 "deploy.yml) first"},
+                 "when": "not layerline_cluster_saved", "run_once": True},
+                {"name": "Use the saved plan",
+                 "ansible.builtin.set_fact": {"layerline_plan": "{{ layerline_cluster_saved | from_json }}"},
+                 "run_once": True},
+            ],
+        }
+
+    def _absorb(self, run: _Run) -> None:
+        caps = run.facts("layerline_caps")
+        self._caps.update(caps)
+        for h in caps:
+            self.probe_failures.pop(h, None)
+        idx = run.facts("layerline_index")
+        if idx:
+            self._index = next(iter(idx.values()))
+        plans = run.facts("layerline_plan")
+        if plans:
+            self._plan = next(iter(plans.values()))
+        rep = run.facts("layerline_cluster_report")
+        if rep:
+            self._report = rep
+
+    # -- the API --------------------------------------------------------------------------------
+
+    def discover(self) -> tuple[int, list[tuple[str, str]]]:
+        """Find machines from layerline_discover and add them to group layerline for later steps.
+
+        Returns (added, failures): how many hosts were added, and (address, reason) for each
+        candidate that did not answer; a host that fails is reported, never fatal. Idempotent:
+        hosts the inventory (or an earlier discover) already has are left alone.
+        """
+        run = self._run("discover", ["discover"])
+        return self._absorb_discover(run)
+
+    def _absorb_discover(self, run: _Run) -> tuple[int, list[tuple[str, str]]]:
+        added = 0
+        for _h, res in run.by_action("add_host"):
+            for item in res.get("results") or [res]:
+                spec = item.get("add_host") if isinstance(item, dict) else None
+                if spec and spec.get("host_name") and spec["host_name"] not in self.discovered:
+                    self.discovered[spec["host_name"]] = dict(spec.get("host_vars") or {})
+                    added += 1
+        failures: list[tuple[str, str]] = []
+        for _h, res in run.by_action("layerline_discover"):
+            failures = [(f["addr"], f["reason"]) for f in res.get("failures") or []]
+        self.discover_failures = failures
+        return added, failures
+
+    def probe(self) -> dict[str, NodeCaps]:
+        """Measure every host (cached in its state dir); {host: NodeCaps}. A host that fails is left out."""
+        run = self._run("probe", list(_PROBE_PLAYS), tolerate=self._tolerate_probe)
+        self._note_probe_failures(run)
+        caps = run.facts("layerline_caps")
+        if not caps:
+            reasons = "; ".join(f"{h}: {m}" for h, m in self.probe_failures.items()) or "no host answered"
+            raise ClusterError(f"probe: no host could be probed ({reasons})", step="probe")
+        self._caps.update(caps)
+        for h in caps:
+            self.probe_failures.pop(h, None)
+        return dict(caps)
+
+    @property
+    def caps(self) -> dict[str, NodeCaps]:
+        """The last probe's NodeCaps by host."""
+        return dict(self._caps)
+
+    def plan(self, saved: bool = False, discover: bool = False) -> dict:
+        """Checkpoint index + probe + plan in one run; the plan dict (also kept in layerline_home/plan.json).
+
+        After probe() it plans from the caps that probe measured (call probe() again when the
+        hardware may have changed); otherwise it probes in the same run.
+
+        saved=True reads the plan an earlier run kept (layerline_home/plan.json) instead of planning.
+        discover=True runs playbooks/discover.yml first in the same run (a no-op without
+        layerline_discover); autoplan() is plan(discover=True).
+        """
+        if saved:
+            run = self._run("plan", [self._saved_plan_play(), self._report_play()])
+        elif self._caps and not self.probe_failures and not discover:
+            run = self._run("plan", ["checkpoint", self._caps_play(), "plan", self._report_play()],
+                            extravars={"layerline_cluster_caps": self._caps})
+        else:
+            plays = (["discover"] if discover else []) + [*_PLAN_PLAYS, self._report_play()]
+            run = self._run("plan", plays, tolerate=self._tolerate_probe)
+            self._note_probe_failures(run)
+            if discover:
+                self._absorb_discover(run)
+        self._absorb(run)
+        if not run.facts("layerline_plan"):
+            raise ClusterError("plan: the run made no plan (no host left to plan for?)", step="plan")
+        return copy.deepcopy(self._plan)
+
+    def autoplan(self) -> dict:
+        """Discover (when the inventory has layerline_discover) + probe + plan, in one run.
+
+        Hosts discovery adds are kept for every later step (launch, drive, teardown).
+        """
+        return self.plan(discover=True)
+
+    def _need_plan(self) -> dict:
+        if self._plan is None:
+            raise LayerlineError("no plan yet: call plan() (or autoplan(), or plan(saved=True) to read the "
+                                 "plan a deploy kept) first")
+        return self._plan
+
+    @property
+    def last_plan(self) -> dict | None:
+        return copy.deepcopy(self._plan)
+
+    def plan_table(self) -> str:
+        """The plan as a table: what each machine holds, its disk speed and predicted time per token."""
+        from .planner import plan_table
+        return plan_table(self._need_plan())
+
+    def active_nodes(self) -> list[str]:
+        """Host names with role active in the plan, in pipeline order."""
+        return [s["host"] for s in self._need_plan()["stages"] if s["role"] == "active"]
+
+    def stage(self, i: int | str) -> dict:
+        """A plan stage by index into the plan's stages, or by host name."""
+        plan = self._need_plan()
+        if isinstance(i, bool) or not isinstance(i, (int, str)):
+            raise LayerlineError(f"stage {i!r}: give a stage index or a host name")
+        if isinstance(i, int):
+            if not -len(plan["stages"]) <= i < len(plan["stages"]):
+                raise LayerlineError(f"stage {i}: the plan has {len(plan['stages'])} stages")
+            return plan["stages"][i]
+        s = next((s for s in plan["stages"] if s["host"] == i), None)
+        if s is None:
+            raise LayerlineError(f"{i}: not in the plan (planned: {', '.join(x['host'] for x in plan['stages'])})")
+        return s
+
+    def worker_argv(self, i: int | str) -> list[str]:
+        """The worker command line of a plan stage (index) or host (name), as launch starts it."""
+        host = self.stage(i)["host"]
+        argv = (self._report.get(host) or {}).get("argv")
+        if not argv:
+            raise LayerlineError(f"{host}: no worker argv reported; run plan() again")
+        return list(argv)
+
+    def kv_profile(self):
+        """The KV profile (layerline.cost.KvProfile) the last plan used."""
+        from .cost import KvProfile
+        kv = self._need_plan()["kv"]
+        return KvProfile(context=int(kv["context"]), dtype=str(kv["dtype"]),
+                         bytes_per_token=int(kv["bytes_per_token"]), source=str(kv.get("source", "index")))
+
+    def launch(self) -> dict[str, str]:
+        """Start one worker per planned host (restarted only when its argv changed); {host: what happened}.
+
+        Uses the last plan when there is one (the one plan_table() shows), else plans first in the
+        same run.
+        """
+        if self._plan is None:
+            plays = ["checkpoint", "runtime", "keys", "probe", "plan", "launch", self._report_play()]
+            run = self._run("launch", plays, tolerate=self._tolerate_probe)
+            self._note_probe_failures(run)
+        else:
+            plays = ([] if self._caps else ["runtime"]) + [*_LAUNCH_PLAYS, self._report_play()]
+            run = self._run("launch", plays, extravars={"layerline_plan": self._plan})
+        self._absorb(run)
+        return {h: str(res.get("msg", "")) for h, res in run.by_action("layerline_worker")
+                if not res.get("skipped")}
+
+    def drive(self, inputs=None, generate: int = 0, timeout_s: float = 120.0, warm: bool = True) -> dict:
+        """One forward through the planned stages (straight from Python, no Ansible), timing each.
+
+        inputs: token ids, a [tokens] or [batch, tokens] integer tensor or a list of ints; None
+        draws layerline_seq ids with layerline_rng_seed (as the drive play does). generate: also
+        generate this many tokens greedily from the first sequence (each stage keeps its KV cache).
+        Returns {tokens, stages: [{stage, layers, s}], wall_s, hop_s, logits_shape, next_token,
+        logits (tensor), generate?}.
+        """
+        import time
+
+        from .driver import Pipeline, greedy_generate
+
+        plan = self._need_plan()
+        actives = [s for s in plan["stages"] if s["role"] == "active"]
+        first = actives[0]
+        rep = self._report.get(first["host"]) or {}
+        ids = self._inputs(inputs, rep)
+        endpoint = first["endpoint"]
+        # as playbooks/drive.yml: CURVE (auto: off loopback) with the controller's keys from the keys role
+        with Pipeline(endpoint, reply_host=rep.get("driver_addr") or _reply_host(endpoint), timeout_s=timeout_s,
+                      keys_dir=rep.get("keys_controller_dir") or None, first_key=first["host"],
+                      curve=rep.get("curve") or "auto") as pipe:
+            if warm:
+                pipe.forward(ids[:, :1])  # connections and first allocations
+            r = pipe.forward(ids)
+            out = {"tokens": int(ids.shape[1]), "stages": r.timings, "wall_s": r.wall_s, "hop_s": r.hop_s,
+                   "logits_shape": list(r.logits.shape), "next_token": int(r.logits[0, -1].argmax()),
+                   "logits": r.logits, "input_ids": ids}
+            if generate:
+                t0 = time.perf_counter()
+                toks, steps = greedy_generate(pipe, ids[0].tolist(), int(generate),
+                                              seq=f"cluster{os.getpid()}-{id(self)}")
+                dt = time.perf_counter() - t0
+                decode = steps[1:]
+                out["generate"] = {
+                    "new_tokens": toks, "seconds": dt,
+                    "decode_tokens_per_s": len(decode) / sum(s.wall_s for s in decode) if decode else None,
+                    "stage_seconds": [sum(s.timings[i]["s"] for s in decode) / max(1, len(decode))
+                                      for i in range(len(r.timings))]}
+        return out
+
+    def _inputs(self, inputs, rep: dict):
+        import torch
+        vocab = self._vocab(rep)
+        if inputs is None:
+            seq = int(rep.get("seq") or 16)
+            g = torch.Generator().manual_seed(int(rep.get("rng_seed") or 0))
+            if not vocab:
+                raise LayerlineError("drive: the model's vocab size is unknown (no config.json on this machine); "
+                                     "pass inputs= token ids")
+            return torch.randint(0, vocab, (1, seq), generator=g)
+        if isinstance(inputs, torch.Tensor):
+            ids = inputs
+        else:
+            try:
+                ids = torch.tensor(list(inputs))
+            except (TypeError, ValueError, RuntimeError):
+                raise LayerlineError("drive: inputs must be token ids (a list of ints or an integer tensor)") from None
+        if ids.dim() == 1:
+            ids = ids.unsqueeze(0)
+        if ids.dim() != 2 or ids.numel() == 0:
+            raise LayerlineError(f"drive: inputs have shape {list(ids.shape)}; give [tokens] or [batch, tokens]")
+        if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+            raise LayerlineError(f"drive: inputs are {ids.dtype}; give integer token ids")
+        ids = ids.to(torch.int64)
+        if vocab and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+            raise LayerlineError(f"drive: token ids must be in 0..{vocab - 1} (the model's vocab)")
+        return ids
+
+    def _vocab(self, rep: dict) -> int | None:
+        if self._index and (self._index.get("cost") or {}).get("vocab_size"):
+            return int(self._index["cost"]["vocab_size"])
+        ckpt = rep.get("checkpoint")
+        try:
+            return int(json.loads((Path(ckpt) / "config.json").read_text())["vocab_size"]) if ckpt else None
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def teardown(self) -> dict[str, str]:
+        """Stop every worker of the inventory (and of discovered hosts); {host: what happened}."""
+        run = self._run("teardown", ["teardown"])
+        return {h: str(res.get("msg", "")) for h, res in run.by_action("layerline_worker")}
