@@ -15,7 +15,6 @@ from ansible.errors import AnsibleFilterError
 try:
     from layerline import LayerlineError
     from layerline.deploy import drive_argv, plan_for_hosts, worker_argv
-    from layerline.driver import drive_report
     from layerline.planner import plan_table
     IMPORT_ERROR = None
 except ImportError as e:  # the controller's interpreter lacks the package
@@ -75,6 +74,7 @@ def layerline_plan_table(plan):
 
 def layerline_drive_report(result):
     _need_runtime()
+    from layerline.driver import drive_report  # imports torch: only when a drive report is made
     return drive_report(_plain(result))
 
 

@@ -1,0 +1,213 @@
+"""deploy.yml over ssh to real hosts: network namespaces on one machine, each with its own sshd.
+
+scripts/testhosts.py makes three hosts (own hostname, own /tmp, own address on a private
+bridge, own sshd with its own host key; host key checking on). deploy.yml runs against its
+inventory as against any remote machines; the checks are that each worker runs inside its
+host's namespace and binds that host's address, that activations cross from host to host,
+that the drive matches a one-process forward, that a re-run changes nothing, and teardown.
+Needs root (namespaces, a bridge); installs openssh-server with apt-get when sshd is missing.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers import BIN, ROOT, ansible_env, playbook, recap
+
+pytestmark = [pytest.mark.e2e,
+              pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("ip"),
+                                 reason="test hosts need root and iproute2 (network namespaces, a bridge)")]
+
+SCRIPT = ROOT / "scripts" / "testhosts.py"
+PREFIX = "llt"
+SUBNET = "10.77.0.0/24"
+HOSTS = ("h1", "h2", "h3")
+
+
+def hostctl(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """Three hosts and a run of deploy.yml's inputs; everything is removed afterwards, also on failure."""
+    # Not under /tmp: every host has its own /tmp, and the checkpoint and keys must be seen by all.
+    work = Path(tempfile.mkdtemp(prefix="layerline-multihost-", dir="/var/tmp"))
+    out = work / "hosts"
+    extra = None
+    try:
+        t0 = time.perf_counter()
+        r = hostctl("up", str(len(HOSTS)), "--prefix", PREFIX, "--subnet", SUBNET, "--out", str(out), "--json")
+        assert r.returncode == 0, f"testhosts up failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+        info = json.loads(r.stdout)
+        print(f"\n[multihost] testhosts up {len(HOSTS)}: {time.perf_counter() - t0:.2f} s")
+        from layerline.checkpoint import write_demo_checkpoint
+        ckpt = write_demo_checkpoint(work / "ckpt", layers=6, hidden=256, vocab=2000, dtype="bfloat16", seed=3)
+        home = work / "home"
+        home.mkdir()
+        extra = json.dumps({"layerline_home": str(home), "layerline_checkpoint": str(ckpt),
+                            "layerline_demo_checkpoint": False, "layerline_seq": 12, "layerline_generate": 4})
+        yield {"info": info, "inventory": info["inventory"], "home": home, "extra": ["-e", extra]}
+    finally:
+        if extra is not None:
+            playbook("teardown.yml", "-i", str(out / "inventory.yml"), "-e", extra, check=False, timeout=300)
+        r = hostctl("down", "--prefix", PREFIX, "--out", str(out), timeout=300)
+        shutil.rmtree(work, ignore_errors=True)
+        assert r.returncode == 0, f"testhosts down failed: {r.stderr[-2000:]}"
+
+
+def host_root(info: dict, host: str) -> Path:
+    """The host's own view of the filesystem (its private /tmp), through its sshd's /proc root."""
+    pid = int((Path(info["out"]) / "hosts" / host / "sshd.pid").read_text().split()[0])
+    return Path(f"/proc/{pid}/root")
+
+
+def netns_pids(ns: str) -> set[int]:
+    r = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, check=True)
+    return {int(p) for p in r.stdout.split()}
+
+
+def established(ns: str, port: int) -> set[str]:
+    """Remote addresses with an established TCP connection to PORT inside namespace NS."""
+    r = subprocess.run(["ip", "netns", "exec", ns, "ss", "-Htn", "state", "established"],
+                       capture_output=True, text=True, check=True)
+    peers = set()
+    for line in r.stdout.splitlines():
+        cols = line.split()
+        if len(cols) >= 4 and cols[-2].rsplit(":", 1)[1] == str(port):
+            peers.add(cols[-1].rsplit(":", 1)[0])
+    return peers
+
+
+def ansible(inventory: str, *args: str) -> tuple[subprocess.CompletedProcess, float]:
+    t0 = time.perf_counter()
+    r = subprocess.run([str(BIN / "ansible"), "-i", inventory, "layerline", *args], cwd=ROOT, env=ansible_env(),
+                       capture_output=True, text=True, timeout=300)
+    return r, time.perf_counter() - t0
+
+
+def test_hosts_answer_over_ssh_each_its_own(cluster):
+    inv = cluster["inventory"]
+    r, first = ansible(inv, "-m", "ansible.builtin.ping")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    r, again = ansible(inv, "-m", "ansible.builtin.ping")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    print(f"\n[multihost] ssh ping of {len(HOSTS)} hosts: {first:.2f} s, again (ControlPersist) {again:.2f} s")
+    # own hostname, own /tmp: a file one host writes there the others do not see
+    r, _ = ansible(inv, "-m", "ansible.builtin.shell", "-a", "hostname; echo {{ inventory_hostname }} > /tmp/whoami")
+    assert r.returncode == 0, r.stdout[-3000:]
+    for h in HOSTS:
+        assert re.search(rf"^{h} \| CHANGED \| rc=0 >>\n{PREFIX}-{h}$", r.stdout, re.M), r.stdout
+        assert (host_root(cluster["info"], h) / "tmp" / "whoami").read_text().strip() == h
+    assert not Path("/tmp/whoami").exists() or Path("/tmp/whoami").read_text().strip() not in HOSTS
+
+
+def _venv_without_layerline(work: Path, name: str, with_deps: bool) -> Path:
+    """A venv (no pip of its own); with_deps: sees the controller venv's packages except layerline."""
+    venv = work / name
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    if with_deps:
+        import sysconfig
+        shared = work / f"{name}-site"
+        shared.mkdir()
+        for entry in Path(sysconfig.get_paths()["purelib"]).iterdir():
+            if not entry.name.startswith(("layerline", "__editable__")):
+                (shared / entry.name).symlink_to(entry)
+        site = next(venv.glob("lib/python3*/site-packages"))
+        (site / "controller-packages.pth").write_text(f"{shared}\n")
+    return venv / "bin" / "python"
+
+
+def test_runtime_role_installs_layerline_where_missing(cluster):
+    """An interpreter without layerline gets the controller's wheel; one without its dependencies
+    stops with one line naming them; a re-run changes nothing."""
+    inv, extra, work = cluster["inventory"], cluster["extra"], Path(cluster["info"]["out"]).parent
+    bare = _venv_without_layerline(work, "venv-bare", with_deps=False)
+    r = playbook("playbooks/runtime.yml", "-i", inv, "-l", "h1", *extra, "-e", f"layerline_runtime_python={bare}",
+                 check=False)
+    out = " ".join(r.stdout.split())
+    assert r.returncode != 0 and "lacks layerline's dependencies torch, pyzmq, safetensors, numpy, psutil" in out, \
+        r.stdout[-3000:]
+
+    py = _venv_without_layerline(work, "venv-deps", with_deps=True)
+    assert subprocess.run([str(py), "-c", "import layerline"], capture_output=True).returncode != 0
+    r = playbook("playbooks/runtime.yml", "-i", inv, "-l", "h1", *extra, "-e", f"layerline_runtime_python={py}")
+    assert recap(r.stdout)["h1"]["changed"] > 0
+    where = subprocess.run([str(py), "-c", "import layerline; print(layerline.__file__)"], capture_output=True,
+                           text=True, check=True).stdout.strip()
+    assert where.startswith(str(py.parent.parent)), f"layerline imported from {where}, not the venv's own"
+    r = playbook("playbooks/runtime.yml", "-i", inv, "-l", "h1", *extra, "-e", f"layerline_runtime_python={py}")
+    assert recap(r.stdout)["h1"]["changed"] == 0, r.stdout[-3000:]
+
+
+def test_deploy_across_hosts_idempotent_teardown(cluster):
+    info, inv, home, extra = cluster["info"], cluster["inventory"], cluster["home"], cluster["extra"]
+    t0 = time.perf_counter()
+    first = playbook("deploy.yml", "-i", inv, *extra, timeout=900)
+    first_s = time.perf_counter() - t0
+
+    plan = json.loads((home / "plan.json").read_text())
+    actives = [s for s in plan["stages"] if s["role"] == "active"]
+    assert [s["host"] for s in actives] == list(HOSTS), "three workers, in inventory order"
+    assert actives[0]["layers"][0] == 0 and actives[-1]["layers"][1] == plan["num_layers"] == 6
+    addrs = {s["host"]: info["hosts"][s["host"]]["addr"] for s in actives}
+    assert len(set(addrs.values())) == len(HOSTS), "each stage on its own address"
+    for s in actives:
+        assert s["endpoint"].startswith(f"tcp://{addrs[s['host']]}:"), s
+
+    # the drive went through the hosts and matched the one-process forward
+    drive = json.loads((home / "drive.json").read_text())
+    assert drive["ok"] is True, drive
+    assert [t["stage"] for t in drive["stages"]] == list(HOSTS), drive["stages"]
+    out = " ".join(first.stdout.split())
+    assert "matches" in out and "DOES NOT MATCH" not in out
+
+    # each worker runs inside its host: its namespace, its address, its private state dir
+    pids = {}
+    for s in actives:
+        h = s["host"]
+        ready_path = host_root(info, h) / "tmp" / "layerline" / "state" / "ready.json"
+        ready = json.loads(ready_path.read_text())
+        assert ready["bind"] == s["endpoint"], ready
+        assert ready["bind"].startswith(f"tcp://{addrs[h]}:"), ready
+        assert ready["pid"] in netns_pids(f"{PREFIX}-{h}"), f"{h}'s worker is not in namespace {PREFIX}-{h}"
+        assert ready["layers"] == s["layers"] and ready["precision"] == plan["precision"]
+        pids[h] = ready["pid"]
+    assert not Path("/tmp/layerline/state/ready.json").exists() or \
+        json.loads(Path("/tmp/layerline/state/ready.json").read_text())["pid"] not in pids.values()
+
+    # activations crossed hosts: each stage's data port holds a connection from the stage before it
+    for prev, cur in zip(actives, actives[1:]):
+        port = int(cur["endpoint"].rsplit(":", 1)[1])
+        peers = established(f"{PREFIX}-{cur['host']}", port)
+        assert addrs[prev["host"]] in peers, f"{cur['host']}:{port} peers {peers}, expected {addrs[prev['host']]}"
+
+    # nothing changed: nothing restarts, the play reports no change
+    t0 = time.perf_counter()
+    second = playbook("deploy.yml", "-i", inv, *extra, timeout=900)
+    again_s = time.perf_counter() - t0
+    counts = recap(second.stdout)
+    assert set(counts) == set(HOSTS)
+    assert all(c["changed"] == 0 and c["failed"] == 0 for c in counts.values()), second.stdout[-3000:]
+    for h, pid in pids.items():
+        ready = json.loads((host_root(info, h) / "tmp" / "layerline" / "state" / "ready.json").read_text())
+        assert ready["pid"] == pid, f"{h}: worker restarted on a re-run with nothing changed"
+    print(f"\n[multihost] deploy.yml over ssh, 3 hosts: first {first_s:.1f} s, re-run {again_s:.1f} s")
+
+    # teardown stops every worker, in every namespace
+    playbook("teardown.yml", "-i", inv, *extra, timeout=300)
+    for h, pid in pids.items():
+        assert not (host_root(info, h) / "tmp" / "layerline" / "state" / "ready.json").exists()
+        assert pid not in netns_pids(f"{PREFIX}-{h}")
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
