@@ -391,6 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     u.add_argument("n", type=int)
     d = sub.add_parser("down", help="remove the prefix's hosts, bridge and processes")
     pg = sub.add_parser("ping", help="ansible -m ping over the hosts; prints seconds")
+    sub.add_parser("install", help="install openssh-server when sshd is missing (CI calls this)")
     for s in (u, d, pg):
         s.add_argument("--prefix", default="llt")
         s.add_argument("--out", default=None, help="dir for keys, known_hosts, ssh_config, inventory.yml "
@@ -400,6 +401,9 @@ def main(argv: list[str] | None = None) -> int:
     u.add_argument("--port", type=int, default=DEFAULT_PORT, help="layerline_port of every host")
     u.add_argument("--json", action="store_true", help="print what was made as JSON")
     a = p.parse_args(argv)
+    if a.cmd == "install":
+        ensure_sshd()
+        return 0
     out = Path(a.out) if a.out else default_out(a.prefix)
     if a.cmd == "ping":
         print(f"{ping(out):.2f}")
