@@ -224,19 +224,20 @@ def _throughput(tabs, nodes, batch) -> list[tuple[int, int]] | None:
     return best
 
 
-def _latency(tabs, nodes, batch, hop_s) -> list[tuple[int, int]] | None:
-    """DP over hosts in order: best[b] = least time covering layers [0, b)."""
+def _ordered_dp(tabs, nodes, price) -> list[tuple[int, int]] | None:
+    """Least total price of a contiguous split over hosts in order (any unpinned host may be
+    skipped); price(node, tab, a, b) is what giving layers [a, b) to that host adds."""
     L = tabs[0].cost.num_layers
     inf = math.inf
-    best = [0.0] + [inf] * L
+    best = [0.0] + [inf] * L          # best[b]: least price covering layers [0, b)
     choice: list[list[int]] = []
     for n, tab in zip(nodes, tabs):
         new, pick = best[:], list(range(L + 1))  # pick[b] == b: host unused
-        if n.layers:
+        if n.layers:  # a pinned host is always used, for its range
             pa, pb = n.layers
             new = [inf] * (L + 1)
             if best[pa] < inf and tab.fits(n, pa, pb):
-                new[pb], pick[pb] = best[pa] + tab.time(n, pa, pb, batch) + hop_s, pa
+                new[pb], pick[pb] = best[pa] + price(n, tab, pa, pb), pa
         else:
             for a in range(L):
                 if best[a] == inf:
@@ -244,7 +245,7 @@ def _latency(tabs, nodes, batch, hop_s) -> list[tuple[int, int]] | None:
                 for b in range(a + 1, L + 1):
                     if not tab.fits(n, a, b):
                         break
-                    t = best[a] + tab.time(n, a, b, batch) + hop_s
+                    t = best[a] + price(n, tab, a, b)
                     if t < new[b]:
                         new[b], pick[b] = t, a
         best = new
@@ -259,30 +260,15 @@ def _latency(tabs, nodes, batch, hop_s) -> list[tuple[int, int]] | None:
     return list(reversed(ranges))
 
 
+def _latency(tabs, nodes, batch, hop_s) -> list[tuple[int, int]] | None:
+    """Least sum of stage times and hops."""
+    return _ordered_dp(tabs, nodes, lambda n, tab, a, b: tab.time(n, a, b, batch) + hop_s)
+
+
 def _fewest(tabs, nodes) -> list[int] | None:
-    """Indices of the fewest hosts (in order, any may be skipped) whose memory covers every layer."""
-    L = tabs[0].cost.num_layers
-    inf = math.inf
-    best: list[float] = [0] + [inf] * L
-    sets: list[tuple] = [()] + [()] * L
-    for k, (n, tab) in enumerate(zip(nodes, tabs)):
-        new, nsets = best[:], sets[:]
-        if n.layers:  # a pinned host is always used, for its range
-            pa, pb = n.layers
-            new, nsets = [inf] * (L + 1), [()] * (L + 1)
-            if best[pa] < inf and tab.fits(n, pa, pb):
-                new[pb], nsets[pb] = best[pa] + 1, sets[pa] + (k,)
-        else:
-            for a in range(L):
-                if best[a] == inf:
-                    continue
-                for b in range(a + 1, L + 1):
-                    if not tab.fits(n, a, b):
-                        break
-                    if best[a] + 1 < new[b]:
-                        new[b], nsets[b] = best[a] + 1, sets[a] + (k,)
-        best, sets = new, nsets
-    return list(sets[L]) if best[L] < inf else None
+    """Indices of the fewest hosts whose memory covers every layer."""
+    ranges = _ordered_dp(tabs, nodes, lambda n, tab, a, b: 1)
+    return None if ranges is None else [k for k, (a, b) in enumerate(ranges) if b > a]
 
 
 def _proportional(nodes: list[Node], L: int, weights: list[float]) -> list[tuple[int, int]]:
