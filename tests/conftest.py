@@ -4,6 +4,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+# torch._dynamo registers a polyfill for sys.intern when it is first imported, and Ansible's
+# module_utils (loaded in-process by some module tests) replaces sys.intern with a patch class
+# that dynamo then refuses. Load dynamo first, while sys.intern is still the builtin.
+import torch._dynamo  # noqa: F401,E402
 
 # A small Llama-family demo model: fast to write, load and run on a busy CPU.
 SMALL_CKPT = dict(layers=4, hidden=128, vocab=500, dtype="float32", seed=0)
