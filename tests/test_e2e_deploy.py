@@ -19,7 +19,8 @@ def run_vars(tmp_path_factory):
     ckpt = write_demo_checkpoint(home / "ckpt", layers=6, hidden=256, vocab=2000, dtype="bfloat16", seed=3)
     extra = json.dumps({"layerline_home": str(home), "layerline_checkpoint": str(ckpt),
                         "layerline_demo_checkpoint": False, "layerline_port_base": 29400,
-                        "layerline_seq": 12, "layerline_generate": 4})
+                        "layerline_seq": 12, "layerline_generate": 4, "layerline_sequences": 2,
+                        "layerline_sampling": {"temperature": 0.8, "top_p": 0.9}})
     yield home, ["-e", extra]
     playbook("teardown.yml", "-e", extra, check=False)
 
@@ -44,6 +45,10 @@ def test_deploy_drive_idempotent_teardown(run_vars):
     assert "pred/token" in out and "predicted token time" in out
     assert "max |logits - one-process forward|" in out and "matches" in out
     assert "DOES NOT MATCH" not in out
+    # the drive also generated for two sequences together and saved what it did
+    drive = json.loads((home / "drive.json").read_text())
+    assert "for 2 sequence(s)" in out and len(drive["generate"]["new_tokens"]) == 2
+    assert all(len(t) == 4 for t in drive["generate"]["new_tokens"]) and drive["generate"]["tokens_per_s"] > 0
     # every worker runs with the plan's precision and layers
     pids = _pids(home)
     for s in actives:

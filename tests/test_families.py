@@ -307,3 +307,45 @@ def test_sample_rejects_bad_settings(kw, match):
         sample(_logits(), **{"temperature": 1.0, "top_p": 1.0, **kw})
     with pytest.raises(ValueError, match="batch, vocab"):
         sample(torch.zeros(5), 1.0)
+
+
+@pytest.mark.parametrize("arch", list(FAMILIES))
+def test_family_through_three_worker_processes_equals_transformers(ckpts, arch):
+    """The same greedy tokens as transformers when the model runs as three local worker processes."""
+    import subprocess
+    import sys
+    ckpt = ckpts[arch]
+    vocab = json.loads((ckpt / "config.json").read_text())["vocab_size"]
+    prompt = _prompt(vocab, b=1, t=7, seed=3)
+    want = _hf(ckpt).generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0)[0, 7:].tolist()
+    r = subprocess.run([sys.executable, "-m", "layerline.cli", "generate", "--checkpoint", str(ckpt),
+                        "--local-stages", "3", "--input-ids", ",".join(map(str, prompt[0].tolist())),
+                        "--max-new-tokens", "8", "--precision", "fp32", "--ignore-eos", "--threads", "1", "--json"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout)
+    assert out["tokens"] == want and len(out["stage_seconds"]) == 3
+
+
+def test_text_in_text_out_with_a_tokenizer(ckpts, tmp_path):
+    """A checkpoint with tokenizer.json: --prompt text in, text out, through local workers."""
+    import subprocess
+    import sys
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    ckpt = tmp_path / "with-tok"
+    shutil.copytree(ckpts["llama"], ckpt)
+    words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(497)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(ckpt / "tokenizer.json"))
+    text = "w5 w17 w230 w9"
+    ids = tok.encode(text).ids
+    r = subprocess.run([sys.executable, "-m", "layerline.cli", "generate", "--checkpoint", str(ckpt),
+                        "--local-stages", "2", "--prompt", text, "--max-new-tokens", "5", "--precision", "fp32",
+                        "--ignore-eos", "--threads", "1", "--json"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout)
+    want = _hf(ckpts["llama"]).generate(torch.tensor([ids]), max_new_tokens=5, do_sample=False,
+                                        pad_token_id=0)[0, len(ids):].tolist()
+    assert out["tokens"] == want
+    assert out["text"] == [tok.decode(want)]
