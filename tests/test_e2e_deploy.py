@@ -83,3 +83,36 @@ def test_drive_fails_when_pipeline_disagrees(run_vars):
     assert r.returncode != 0
     out = " ".join(r.stdout.split())  # the yaml callback folds long lines
     assert "DOES NOT MATCH" in out and "over the bf16 tolerance" in out
+
+
+def test_weight_staging_ships_only_each_stage(tmp_path_factory):
+    """layerline_checkpoint_shared false: each host gets only its own layers' tensors, once."""
+    from layerline.checkpoint import read_index, write_demo_checkpoint
+    home = tmp_path_factory.mktemp("staged")
+    ckpt = write_demo_checkpoint(home / "ckpt", layers=6, hidden=256, vocab=2000, dtype="bfloat16", seed=5)
+    extra = ["-e", json.dumps({"layerline_home": str(home), "layerline_checkpoint": str(ckpt),
+                               "layerline_checkpoint_shared": False, "layerline_demo_checkpoint": False,
+                               "layerline_port_base": 29460, "layerline_seq": 8, "layerline_generate": 0})]
+    try:
+        first = playbook("deploy.yml", *extra)
+        out = " ".join(first.stdout.split())
+        plan = json.loads((home / "plan.json").read_text())
+        shipped = 0
+        for s in plan["stages"]:
+            staged = home / "state" / s["host"] / "checkpoint"
+            idx = read_index(staged)
+            layers = {t.layer for t in idx.tensors.values() if t.layer is not None}
+            assert layers == set(range(*s["layers"])), f"{s['host']} holds only its own layers"
+            assert ("model.embed_tokens.weight" in idx.tensors) == (s["layers"][0] == 0)
+            assert ("lm_head.weight" in idx.tensors) == (s["layers"][1] == plan["num_layers"])
+            argv = json.loads((home / "state" / s["host"] / "argv.json").read_text())
+            assert argv[argv.index("--checkpoint") + 1] == str(staged)
+            shipped += sum(p.stat().st_size for p in staged.iterdir())
+        total = read_index(ckpt).total_bytes
+        assert f"shipped {shipped} bytes to 3 hosts; the whole model is {total} bytes" in out
+        assert "matches" in out and "DOES NOT MATCH" not in out
+        again = playbook("deploy.yml", *extra)
+        assert "shipped 0 bytes" in " ".join(again.stdout.split())
+        assert all(c["changed"] == 0 for c in recap(again.stdout).values())
+    finally:
+        playbook("teardown.yml", *extra, check=False)

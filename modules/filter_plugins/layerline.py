@@ -14,7 +14,7 @@ from ansible.errors import AnsibleFilterError
 
 try:
     from layerline import LayerlineError
-    from layerline.deploy import drive_argv, plan_for_hosts, worker_argv
+    from layerline.deploy import drive_argv, plan_for_hosts, stage_checkpoint_argv, stage_dir, worker_argv
     from layerline.planner import plan_table
     IMPORT_ERROR = None
 except ImportError as e:  # the controller's interpreter lacks the package
@@ -67,6 +67,20 @@ def layerline_drive_argv(plan, hvars, python="python3"):
         raise AnsibleFilterError(f"layerline_drive_argv: {e}") from None
 
 
+def layerline_stage_argv(plan, host, hvars, python="python3"):
+    _need_runtime()
+    try:
+        hv = _plain({k: hvars[k] for k in hvars if k.startswith("layerline_")})
+        return stage_checkpoint_argv(_plain(plan), str(host), hv, python=str(python))
+    except (LayerlineError, KeyError) as e:
+        raise AnsibleFilterError(f"layerline_stage_argv: {e}") from None
+
+
+def layerline_stage_dir(hvars, host):
+    _need_runtime()
+    return stage_dir(_plain({k: hvars[k] for k in hvars if k.startswith("layerline_")}), str(host))
+
+
 def layerline_plan_table(plan):
     _need_runtime()
     return plan_table(_plain(plan))
@@ -82,4 +96,5 @@ class FilterModule:
     def filters(self):
         return {"layerline_plan": layerline_plan, "layerline_argv": layerline_argv,
                 "layerline_plan_table": layerline_plan_table,
-                "layerline_drive_argv": layerline_drive_argv, "layerline_drive_report": layerline_drive_report}
+                "layerline_drive_argv": layerline_drive_argv,
+                "layerline_stage_argv": layerline_stage_argv, "layerline_stage_dir": layerline_stage_dir, "layerline_drive_report": layerline_drive_report}

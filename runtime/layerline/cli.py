@@ -267,6 +267,16 @@ def cmd_generate(a) -> int:
     return 0
 
 
+def cmd_stage_checkpoint(a) -> int:
+    from .staging import parse_range, stage_checkpoint
+    start, end = parse_range(a.layers)
+    man = stage_checkpoint(a.checkpoint, start, end, a.first, a.last, a.out)
+    print(json.dumps(man) if a.json else
+          f"{a.out}: layers {start}:{end}, {man['bytes']} of the model's {man['model_bytes']} bytes"
+          f"{'' if man['changed'] else ' (already there)'}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="layerline", description="one transformer split layer-wise across machines")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -286,6 +296,15 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     d.set_defaults(fn=cmd_demo_checkpoint)
+
+    sc = sub.add_parser("stage-checkpoint", help="a checkpoint dir with only one stage's tensors (weight staging)")
+    sc.add_argument("checkpoint")
+    sc.add_argument("--layers", required=True, help="A:B, half-open")
+    sc.add_argument("--first", action="store_true")
+    sc.add_argument("--last", action="store_true")
+    sc.add_argument("--out", required=True)
+    sc.add_argument("--json", action="store_true")
+    sc.set_defaults(fn=cmd_stage_checkpoint)
 
     i = sub.add_parser("index", help="tensor index and model cost, from headers only")
     i.add_argument("checkpoint")

@@ -42,7 +42,7 @@ NodeCaps = dict  # DESIGN's NodeCaps: one JSON object per host (see layerline.pr
 _PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the repo root for a source checkout
 _PROBE_PLAYS = ("checkpoint", "runtime", "probe")  # the probe measures the checkpoint's disk
 _PLAN_PLAYS = ("checkpoint", "runtime", "probe", "plan")
-_LAUNCH_PLAYS = ("keys", "launch")  # CURVE keys for every host, then the workers (deploy.yml's order)
+_LAUNCH_PLAYS = ("keys", "stage", "launch")  # keys, staged weights, then the workers (deploy.yml order)
 _STATUS = {"runner_on_ok": "ok", "runner_on_failed": "failed", "runner_on_skipped": "skipped",
            "runner_on_unreachable": "unreachable"}
 # Ansible wraps a module's or filter's message in the templating chain; the innermost part is ours.
@@ -672,7 +672,7 @@ class Cluster:
         same run.
         """
         if self._plan is None:
-            plays = ["checkpoint", "runtime", "keys", "probe", "plan", "launch", self._report_play()]
+            plays = ["checkpoint", "runtime", "keys", "probe", "plan", "stage", "launch", self._report_play()]
             run = self._run("launch", plays, tolerate=self._tolerate_probe)
             self._note_probe_failures(run)
         else:

@@ -72,6 +72,16 @@ def plan_for_hosts(host_vars: dict[str, dict], cost: dict | ModelCost, objective
     return make_plan(nodes, mc, CostOptions.from_vars(objective, reserve_ram_gb), policy or "auto")
 
 
+def _truthy(v) -> bool:
+    return v if isinstance(v, bool) else str(v).strip().lower() in ("1", "true", "yes", "on")
+
+
+def stage_dir(hvars: dict, host: str) -> str:
+    """Where a host keeps its staged checkpoint when the model's path is not shared."""
+    state = str(hvars.get("layerline_state_dir") or f"/tmp/layerline-{host}")
+    return str(hvars.get("layerline_stage_dir") or os.path.join(state, "checkpoint"))
+
+
 def stage_of(plan: dict, host: str) -> dict | None:
     return next((s for s in plan.get("stages", []) if s["host"] == host), None)
 
@@ -92,6 +102,8 @@ def worker_argv(plan: dict, host: str, hvars: dict, python: str = "python3") -> 
     if not ckpt:
         raise LayerlineError(f"{host}: layerline_checkpoint is not set; point it at a Hugging Face model dir")
     state = str(hvars.get("layerline_state_dir") or f"/tmp/layerline-{host}")
+    if not _truthy(hvars.get("layerline_checkpoint_shared", True)):
+        ckpt = stage_dir(hvars, host)  # only this stage's tensors, staged there by playbooks/stage.yml
     port = int(str(s["endpoint"]).rsplit(":", 1)[1])
     bind_host = str(hvars.get("layerline_bind_addr") or host_addr(hvars, host))
     argv = [python, "-m", "layerline.worker",
@@ -162,4 +174,17 @@ def drive_argv(plan: dict, hvars: dict, python: str = "python3") -> list[str]:
             argv += [flag, str(float(sampling[key]))]
     if sampling.get("ignore_eos"):
         argv.append("--ignore-eos")
+    return argv
+
+
+def stage_checkpoint_argv(plan: dict, host: str, hvars: dict, python: str = "python3") -> list[str]:
+    """The controller's command that cuts this host's tensors out of the checkpoint."""
+    s = stage_of(plan, host)
+    if s is None:
+        raise LayerlineError(f"{host}: not in the plan; nothing to stage")
+    home = str(hvars.get("layerline_home") or ".")
+    argv = [python, "-m", "layerline.cli", "stage-checkpoint", str(hvars["layerline_checkpoint"]),
+            "--layers", f"{s['layers'][0]}:{s['layers'][1]}", "--out", os.path.join(home, "stages", host), "--json"]
+    argv += ["--first"] if s["layers"][0] == 0 else []
+    argv += ["--last"] if s["layers"][1] == plan["num_layers"] else []
     return argv
