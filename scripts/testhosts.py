@@ -28,6 +28,7 @@ import fcntl
 import ipaddress
 import json
 import os
+import shlex
 import re
 import shutil
 import signal
@@ -310,7 +311,15 @@ def up(lay: Layout, n: int, out: Path, python: str, port: int) -> dict:
         run(SSHD, "-t", "-f", str(cfg))
         # sshd starts inside its own UTS and mount namespaces: hostname and a private /tmp for
         # it and for everything it spawns (ssh sessions, the workers they start)
-        script = (f"hostname {ns} && mount -t tmpfs -o mode=1777,nosuid,nodev tmpfs /tmp && "
+        # a checkout under /tmp (its venv runs the hosts' modules) stays visible through the new /tmp
+        keep = [p for p in {str(ROOT.resolve()), str(Path(python).parent.parent.resolve())}
+                if p == "/tmp" or p.startswith("/tmp/")]
+        old_tmp = hdir / "root-tmp"
+        old_tmp.mkdir(exist_ok=True)
+        rebind = "".join(f" && mkdir -p {shlex.quote(p)} && mount --bind {shlex.quote(str(old_tmp) + p[4:])} "
+                         f"{shlex.quote(p)}" for p in sorted(keep))
+        script = (f"hostname {ns} && mount --bind /tmp {shlex.quote(str(old_tmp))} && "
+                  f"mount -t tmpfs -o mode=1777,nosuid,nodev tmpfs /tmp{rebind} && "
                   f"exec {SSHD} -f {cfg} -E {hdir / 'sshd.log'}")
         run("ip", "netns", "exec", ns, "unshare", "--uts", "--mount", "--propagation", "private",
             "sh", "-c", script)
