@@ -355,6 +355,8 @@ def up(lay: Layout, n: int, out: Path, python: str, port: int) -> dict:
             # the controller's address on the bridge: the driver's result socket binds it
             "layerline_driver_addr": str(lay.gateway),
             "layerline_home": str(out / "home"),
+            # test models are small: check the drive against a one-process forward
+            "layerline_drive_reference": True,
         }}}
     (out / "inventory.yml").write_text(
         "# Made by scripts/testhosts.py: hosts in network namespaces, each with its own sshd.\n"

@@ -184,7 +184,7 @@ def ctl(stages, keyset):
 @pytest.fixture(scope="module")
 def pipe(stages, keyset, request):
     p = Pipeline(stages.data[0], timeout_s=30.0, keys_dir=str(keyset.controller), first_key="stage0", curve="on")
-    request.addfinalizer(lambda: (p.close(), p.ctx.term()))
+    request.addfinalizer(p.close)
     return p
 
 

@@ -85,12 +85,12 @@ class LosingPipeline(Pipeline):
         super().__post_init__()
         self.decodes = 0
 
-    def submit(self, input_ids, seq=None, pos=0, cache=False, last_only=False):
+    def submit(self, input_ids, seq=None, pos=0, cache=False, last_only=False, reserve=None):
         if pos > 0:
             self.decodes += 1
             if self.decodes == 3:
                 self.release(seq)
-        return super().submit(input_ids, seq, pos, cache, last_only)
+        return super().submit(input_ids, seq, pos, cache, last_only, reserve)
 
 
 def test_lost_cache_is_rebuilt_by_replaying_the_prefix(small_ckpt, pipeline, full):
@@ -128,3 +128,9 @@ def test_cli_bad_flag_is_one_line(small_ckpt):
                         "--input-ids", "1,x"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
     assert r.stderr.strip().count("\n") == 0 and "--input-ids" in r.stderr
+
+
+def test_other_stage_errors_are_not_replayed(pipeline):
+    """Only a lost cache is replayed; any other error ends the generation with its message."""
+    with pytest.raises(LayerlineError, match="token ids must be in"):
+        generate(pipeline, [[1, 2, 10**6]], 3)

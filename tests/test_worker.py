@@ -67,7 +67,7 @@ def stages(small_ckpt, request):
 @pytest.fixture(scope="module")
 def pipe(stages, request):
     p = Pipeline(stages.first, timeout_s=30.0)
-    request.addfinalizer(lambda: (p.close(), p.ctx.term()))
+    request.addfinalizer(p.close)
     return p
 
 
@@ -173,8 +173,9 @@ def test_greedy_generate_equals_in_process_kv_cache_decoding(pipe, reference, st
     want, ref_steps = in_process_greedy(reference, prompt, 8)
     assert toks == want
     assert len(steps) == len(ref_steps) == 8
-    for got, ref in zip(steps, ref_steps):
-        assert torch.allclose(got.logits, ref, rtol=0, atol=ATOL)
+    for got, ref in zip(steps, ref_steps):  # generation asks only for each step's last logits
+        assert got.logits.shape[1] == 1
+        assert torch.allclose(got.logits[:, -1], ref[:, -1], rtol=0, atol=ATOL)
         assert [t["stage"] for t in got.timings] == ["stage0", "stage1"]
     # the cache path is also equal to a full recompute of prompt + generated tokens
     full = reference(torch.tensor([prompt + toks[:-1]]))
@@ -471,10 +472,9 @@ def test_dead_last_stage_makes_forward_raise_within_its_timeout(stages, spare, r
         with pytest.raises(DriveError, match=r"no result within"):
             p.forward(ids_(1, 2))
         assert time.perf_counter() - t0 < 1.5 + 2.0
-    p.ctx.term()
     # stage0 itself stayed up and, re-pointed, serves again
     assert control(stages.control[0], "health")["op"] == "ok"
     control(stages.control[0], "set_next", next=stages.data[1])
     with Pipeline(stages.first, timeout_s=30) as p:
         assert [t["stage"] for t in p.forward(ids_(1, 2)).timings] == ["stage0", "stage1"]
-    p.ctx.term()
+    assert p.ctx is None, "a pipeline terminates the context it made"

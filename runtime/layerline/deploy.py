@@ -7,6 +7,7 @@ anyone's layers.
 """
 from __future__ import annotations
 
+import ipaddress
 import os
 import shlex
 
@@ -68,8 +69,25 @@ def plan_for_hosts(host_vars: dict[str, dict], cost: dict | ModelCost, objective
     if not host_vars:
         raise PlanError("inventory: no hosts to plan for (put the workers in group layerline)")
     nodes = [node_from_vars(h, v, v.get("layerline_caps")) for h, v in host_vars.items()]
+    taken: dict[tuple[str, int], str] = {}
+    for n in nodes:  # each worker takes its port and the next (control)
+        addr, port = n.endpoint.rsplit(":", 1)
+        for p in (int(port), int(port) + 1):
+            other = taken.get((addr, p))
+            if other:
+                raise PlanError(f"{n.host}: layerline_port {port} on {addr[6:]} collides with {other}'s ports; "
+                                "give each worker on one address its own port, at least 2 apart")
+            taken[(addr, p)] = n.host
     mc = cost if isinstance(cost, ModelCost) else ModelCost.from_dict(cost)
     return make_plan(nodes, mc, CostOptions.from_vars(objective, reserve_ram_gb), policy or "auto")
+
+
+def _is_ip(addr: str) -> bool:
+    try:
+        ipaddress.ip_address(addr.strip("[]"))
+        return True
+    except ValueError:
+        return False
 
 
 def _truthy(v) -> bool:
@@ -105,7 +123,11 @@ def worker_argv(plan: dict, host: str, hvars: dict, python: str = "python3") -> 
     if not _truthy(hvars.get("layerline_checkpoint_shared", True)):
         ckpt = stage_dir(hvars, host)  # only this stage's tensors, staged there by playbooks/stage.yml
     port = int(str(s["endpoint"]).rsplit(":", 1)[1])
+    # zmq binds IP addresses, not names: a host known by name listens on every interface
+    # (off loopback, so CURVE is on)
     bind_host = str(hvars.get("layerline_bind_addr") or host_addr(hvars, host))
+    if not _is_ip(bind_host):
+        bind_host = "*"
     argv = [python, "-m", "layerline.worker",
             "--checkpoint", str(ckpt),
             "--layers", f"{s['layers'][0]}:{s['layers'][1]}",
@@ -113,6 +135,7 @@ def worker_argv(plan: dict, host: str, hvars: dict, python: str = "python3") -> 
             "--precision", s["precision"],
             "--kv-context", str(plan["kv"]["context"]),
             "--kv-dtype", str(s.get("kv_dtype") or plan["kv"]["dtype"]),
+            "--kv-bytes", str(int(s["kv_bytes"])),
             "--rng-seed", str(hvars.get("layerline_rng_seed", 0)),
             "--bind", f"tcp://{bind_host}:{port}",
             "--name", host,
@@ -151,14 +174,21 @@ def drive_argv(plan: dict, hvars: dict, python: str = "python3") -> list[str]:
     if first is None:
         raise LayerlineError("plan: no active stage to drive; run playbooks/plan.yml first")
     home = str(hvars.get("layerline_home") or ".")
+    last = [s for s in plan["stages"] if s["role"] == "active"][-1]
+    reply = str(hvars.get("layerline_driver_addr") or "127.0.0.1")
+    if reply.startswith("127.") and not last["endpoint"].startswith("tcp://127."):
+        raise LayerlineError(f"layerline_driver_addr: results go to {reply}, but the last stage ({last['host']}) is "
+                             "not on this machine; set it to an address of the controller that host can reach")
     argv = [python, "-m", "layerline.cli", "drive", "--first", first["endpoint"],
             "--checkpoint", str(hvars["layerline_checkpoint"]), "--precision", plan["precision"],
             "--seq", str(int(hvars.get("layerline_seq", 16))), "--seed", str(int(hvars.get("layerline_rng_seed", 0))),
             "--generate", str(int(hvars.get("layerline_generate", 0))),
-            "--reply-host", str(hvars.get("layerline_driver_addr") or "127.0.0.1"),
+            "--reply-host", reply,
             "--keys", str(hvars.get("layerline_keys_controller_dir") or os.path.join(home, "keys", "controller")),
-            "--first-key", first["host"], "--curve", str(hvars.get("layerline_curve") or "auto"),
-            "--reference", "--json"]
+            "--first-key", first["host"], "--curve", str(hvars.get("layerline_curve") or "auto"), "--json"]
+    # the reference loads the whole model in one process: only where that fits (the demo)
+    if _truthy(hvars.get("layerline_drive_reference", False)):
+        argv.append("--reference")
     ids = hvars.get("layerline_prompt_ids")
     if ids:  # one prompt [1, 2, 3] or several [[1, 2], [3, 4]]
         for p in (ids if isinstance(ids[0], list) else [ids]):

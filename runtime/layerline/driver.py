@@ -45,13 +45,16 @@ class Pipeline:
     first: str                     # stage 0's data endpoint
     reply_host: str = "127.0.0.1"  # an address of this machine the last stage can reach
     timeout_s: float = 120.0
-    ctx: zmq.Context = field(default_factory=zmq.Context)
+    ctx: zmq.Context | None = None   # None: the pipeline makes (and terminates) its own
     keys_dir: str | None = None    # the controller's keys dir (needed when CURVE is on)
     first_key: str | None = None   # stage 0's host name in keys_dir/peers/ (or a .key file, or z85)
     curve: str = "auto"            # auto: CURVE on each socket whose address is not loopback; on: always
 
     def __post_init__(self):
         wire.endpoint(self.first, "first stage endpoint")
+        self._own_ctx = self.ctx is None
+        if self._own_ctx:
+            self.ctx = zmq.Context()
         self._ids = itertools.count()
         self.auth = None
         self.to_first = self.results = None
@@ -76,6 +79,10 @@ class Pipeline:
             if res_curve:
                 keymod.serve_curve(self.results, self.keys)
             port = self.results.bind_to_random_port(f"tcp://{self.reply_host}")
+        except zmq.ZMQError as e:
+            self.close()
+            raise DriveError(f"--reply-host {self.reply_host}: cannot open the result socket there ({e}); give an "
+                             "IP address of this machine the last stage can reach (layerline_driver_addr)") from None
         except BaseException:
             self.close()
             raise
@@ -90,9 +97,18 @@ class Pipeline:
         for s in (self.to_first, self.results):
             if s is not None:
                 s.close(0)
+        self.to_first = self.results = None
         if self.auth is not None:
             self.auth.stop()
             self.auth = None
+        if self._own_ctx and self.ctx is not None:
+            self.ctx.term()
+            self.ctx = None
+
+    def forget(self, rids) -> None:
+        """Stop waiting for these requests (their caller gave up on them)."""
+        for rid in rids:
+            self._pending.pop(rid, None)
 
     def __enter__(self):
         return self
@@ -101,7 +117,7 @@ class Pipeline:
         self.close()
 
     def submit(self, input_ids: torch.Tensor, seq: str | None = None, pos: int = 0, cache: bool = False,
-               last_only: bool = False) -> str:
+               last_only: bool = False, reserve: int | None = None) -> str:
         """Send one pass of [batch, tokens] ids into stage 0 without waiting; returns its request id."""
         if input_ids.dim() == 1:
             input_ids = input_ids.unsqueeze(0)
@@ -112,6 +128,8 @@ class Pipeline:
             head["seq"] = seq
         if last_only:
             head["logits"] = "last"
+        if reserve is not None:  # tokens this sequence may reach: each stage sizes its KV cache to it
+            head["reserve"] = int(reserve)
         self._pending[rid] = time.perf_counter()
         self.to_first.send_multipart(wire.encode(head, {"input_ids": input_ids.to(torch.int64)}), copy=False)
         return rid
@@ -138,7 +156,8 @@ class Pipeline:
                     continue  # a late or repeated answer
                 if h["op"] == "error":
                     self._pending.pop(rid)
-                    return rid, DriveError(f"stage {h.get('stage', '?')}: {h.get('error')}")
+                    code = h.get("code") if isinstance(h.get("code"), str) else None
+                    return rid, DriveError(f"stage {h.get('stage', '?')}: {h.get('error')}", code)
                 if h["op"] == "result" and "logits" in tensors:
                     wall = time.perf_counter() - self._pending.pop(rid)
                     return rid, StepResult(tensors["logits"].clone(), h.get("timings", []), wall)
@@ -201,26 +220,12 @@ def tolerance(precision: str, ref: torch.Tensor) -> float:
     return rel * max(scale, 1.0)
 
 
-def greedy_generate(pipe: Pipeline, prompt: list[int], max_new_tokens: int, seq: str = "s0",
+def greedy_generate(pipe: Pipeline, prompt: list[int], max_new_tokens: int, seq: str | None = None,
                     eos: int | None = None) -> tuple[list[int], list[StepResult]]:
-    """Prefill then one-token decode steps, each stage keeping this sequence's KV cache."""
-    ids = torch.tensor([prompt], dtype=torch.int64)
-    steps, out = [], []
-    try:
-        r = pipe.forward(ids, seq=seq, pos=0, cache=True)
-        steps.append(r)
-        pos = len(prompt)
-        for _ in range(max_new_tokens):
-            tok = int(r.logits[0, -1].argmax())
-            out.append(tok)
-            if tok == eos or len(out) == max_new_tokens:
-                break
-            r = pipe.forward(torch.tensor([[tok]]), seq=seq, pos=pos, cache=True)
-            steps.append(r)
-            pos += 1
-    finally:
-        pipe.release(seq)
-    return out, steps
+    """Greedy tokens for one prompt, and every step's result (prefill first)."""
+    from .generate import generate  # generate builds on this module
+    g = generate(pipe, [prompt], max_new_tokens, eos=eos)
+    return g.tokens[0], g.steps
 
 
 def drive_report(result: dict) -> str:

@@ -2,4 +2,11 @@
 
 
 class LayerlineError(Exception):
-    """A user-facing error; its message is one line that names the field and what to do."""
+    """A user-facing error; its message is one line that names the field and what to do.
+
+    `code` lets programs tell kinds apart (e.g. "seq_unknown": a stage lost a sequence's cache).
+    """
+
+    def __init__(self, message: str = "", code: str | None = None):
+        super().__init__(message)
+        self.code = code

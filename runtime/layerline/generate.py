@@ -18,6 +18,7 @@ import torch
 from .driver import DriveError, Pipeline, StepResult
 from .errors import LayerlineError
 from .model.sampling import sample
+from .worker import MAX_BATCH, MAX_SEQS
 
 
 @dataclass
@@ -40,7 +41,9 @@ class _Group:
     tokens: torch.Tensor                 # [B, T] everything so far (prompt + generated)
     prompt_len: int
     done: torch.Tensor                   # [B] bool
+    gen: torch.Generator                 # sampling draws of this group alone: reproducible by seed
     steps: list[StepResult] = field(default_factory=list)
+    decode: list[StepResult] = field(default_factory=list)
     started: float = field(default_factory=time.perf_counter)
     replays: int = 0
 
@@ -52,6 +55,7 @@ class Generation:
     seconds: float
     new_tokens: int
     replays: int = 0
+    decode: list[StepResult] = field(default_factory=list)  # the one-token steps
 
     @property
     def tokens_per_s(self) -> float:
@@ -64,10 +68,9 @@ class Generation:
 
     def decode_tokens_per_s(self) -> float | None:
         """Tokens per second over the decode steps alone (prefill excluded)."""
-        dec = [s for s in self.steps if s.logits.shape[1] == 1]
-        if not dec:
+        if not self.decode:
             return None
-        return sum(s.logits.shape[0] for s in dec) / sum(s.wall_s for s in dec)
+        return sum(s.logits.shape[0] for s in self.decode) / sum(s.wall_s for s in self.decode)
 
 
 def generate(pipe: Pipeline, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling | None = None,
@@ -78,56 +81,71 @@ def generate(pipe: Pipeline, prompts: list[list[int]], max_new_tokens: int, samp
         raise LayerlineError("input ids: give at least one non-empty prompt")
     if max_new_tokens < 1:
         raise LayerlineError(f"--max-new-tokens {max_new_tokens}: must be at least 1")
-    gen = torch.Generator().manual_seed(sampling.seed)
     by_len: dict[int, list[int]] = {}
     for i, p in enumerate(prompts):
         by_len.setdefault(len(p) if batch else -1 - i, []).append(i)
+    # a batch is at most what a stage takes in one message
+    chunks = [rows[j:j + MAX_BATCH] for rows in by_len.values() for j in range(0, len(rows), MAX_BATCH)]
     tag = f"g{os.getpid()}-{next(_counter)}"
     groups = {}
-    for k, rows in enumerate(by_len.values()):
+    for k, rows in enumerate(chunks):
         t = torch.tensor([prompts[r] for r in rows], dtype=torch.int64)
-        groups[f"{tag}-{k}"] = _Group(f"{tag}-{k}", rows, t, t.shape[1], torch.zeros(len(rows), dtype=torch.bool))
-    inflight: dict[str, str] = {}  # request id -> seq
+        groups[f"{tag}-{k}"] = _Group(f"{tag}-{k}", rows, t, t.shape[1], torch.zeros(len(rows), dtype=torch.bool),
+                                      torch.Generator().manual_seed(sampling.seed * 1_000_003 + k))
+    waiting = list(groups.values())
+    inflight: dict[str, tuple[str, bool]] = {}  # request id -> (seq, is a decode step)
+
+    def prefill(g: _Group) -> None:  # also the replay of a lost cache: the whole history from 0
+        rid = pipe.submit(g.tokens, seq=g.seq, pos=0, cache=True, last_only=True,
+                          reserve=g.prompt_len + max_new_tokens)
+        inflight[rid] = (g.seq, False)
+
     t0 = time.perf_counter()
     try:
-        for g in groups.values():
-            inflight[pipe.submit(g.tokens, seq=g.seq, pos=0, cache=True)] = g.seq
-        while inflight:
+        while waiting or inflight:
+            # stages keep at most MAX_SEQS sequences: more in flight would evict each other
+            while waiting and len({q for q, _ in inflight.values()}) < MAX_SEQS:
+                prefill(waiting.pop(0))
             rid, res = pipe.collect()
-            seq = inflight.pop(rid, None)
-            if seq is None:
+            if rid not in inflight:
                 continue
+            seq, is_decode = inflight.pop(rid)
             g = groups[seq]
             if isinstance(res, DriveError):
-                # a stage lost this sequence (restart, promotion): replay its prefix from 0
-                if g.replays >= max_replays:
+                # a stage lost this sequence (restart, promotion, eviction): replay its prefix
+                if res.code != "seq_unknown" or g.replays >= max_replays:
                     raise res
                 g.replays += 1
-                inflight[pipe.submit(g.tokens, seq=g.seq, pos=0, cache=True)] = g.seq
+                prefill(g)
                 continue
             g.steps.append(res)
-            nxt = sample(res.logits[:, -1].float(), sampling.temperature, sampling.top_p, gen)
+            if is_decode:
+                g.decode.append(res)
+            nxt = sample(res.logits[:, -1].float(), sampling.temperature, sampling.top_p, g.gen)
             nxt = torch.where(g.done, torch.zeros_like(nxt), nxt)
             g.tokens = torch.cat([g.tokens, nxt[:, None]], dim=1)
             if eos is not None:
                 g.done |= nxt == eos
             if g.tokens.shape[1] - g.prompt_len >= max_new_tokens or bool(g.done.all()):
                 continue
-            inflight[pipe.submit(nxt[:, None], seq=g.seq, pos=g.tokens.shape[1] - 1, cache=True)] = g.seq
+            rid = pipe.submit(nxt[:, None], seq=g.seq, pos=g.tokens.shape[1] - 1, cache=True, last_only=True)
+            inflight[rid] = (g.seq, True)
     finally:
+        pipe.forget(inflight)
         for g in groups.values():
             pipe.release(g.seq)
     out: list[list[int]] = [[] for _ in prompts]
-    steps, n = [], 0
+    steps, decode, n = [], [], 0
     for g in groups.values():
         steps += g.steps
+        decode += g.decode
         for j, r in enumerate(g.rows):
             new = g.tokens[j, g.prompt_len:].tolist()
             if eos is not None and eos in new:
                 new = new[:new.index(eos) + 1]
             out[r] = new
             n += len(new)
-    return Generation(out, steps, time.perf_counter() - t0, n, sum(g.replays for g in groups.values()))
+    return Generation(out, steps, time.perf_counter() - t0, n, sum(g.replays for g in groups.values()), decode)
 
 
 _counter = itertools.count()

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import json
 import os
 import signal
@@ -60,6 +61,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ready-file", default=None)
     p.add_argument("--control", default=None)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--kv-bytes", type=int, default=None,
+                   help="KV bytes this stage may hold across sequences (the plan's kv_bytes)")
     p.add_argument("--expert-cache-bytes", type=int, default=None,
                    help="page routed experts from disk through an LRU cache of this many bytes")
     a = p.parse_args(argv)
@@ -78,6 +81,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a.start, a.end = s, e
     if a.kv_context < 1:
         p.error("--kv-context must be positive")
+    if a.threads is not None and a.threads < 1:
+        p.error("--threads must be at least 1")
+    for flag in ("kv_bytes", "expert_cache_bytes"):
+        if getattr(a, flag) is not None and getattr(a, flag) < 0:
+            p.error(f"--{flag.replace('_', '-')} must not be negative")
+    from .wire import WireError, endpoint
+    try:
+        endpoint(a.bind.replace("tcp://*:", "tcp://0.0.0.0:"), "--bind")
+        if a.next:
+            endpoint(a.next, "--next")
+        if a.control:
+            endpoint(a.control, "--control")
+    except WireError as e:
+        p.error(str(e))
     return a
 
 
@@ -126,6 +143,15 @@ class Worker:
                                 precision=args.precision, device=args.device,
                                 expert_cache_bytes=args.expert_cache_bytes)
         self.margs = self.stage.args
+        # KV: the plan's dtype and budget (bytes this stage may hold across sequences)
+        kv_name = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(args.kv_dtype, args.kv_dtype)
+        kv_dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+        if kv_name is not None and kv_name not in kv_dtypes:
+            raise LayerlineError(f"--kv-dtype {args.kv_dtype}: must be one of {', '.join(kv_dtypes)}")
+        self.kv_dtype = kv_dtypes.get(kv_name) if kv_name else None
+        item = torch.empty((), dtype=self.kv_dtype or self.stage.dtype).element_size()
+        self.kv_bytes_per_token = 2 * self.margs.num_kv_heads * self.margs.head_dim * item * (args.end - args.start)
+        self.kv_budget = args.kv_bytes if args.kv_bytes else args.kv_context * self.kv_bytes_per_token
         self.caches: OrderedDict[str, list] = OrderedDict()  # seq -> [StageCache, length]
         self.stats = Stats()
         self.ctx = zmq.Context()
@@ -242,36 +268,73 @@ class Worker:
             raise wire.WireError(f"shape: batch must be 1..{MAX_BATCH} and tokens 1..{self.args.kv_context}")
         return x
 
+    def _timings(self, h: dict) -> list:
+        t = h.get("timings", [])
+        ok = isinstance(t, list) and len(t) <= 64 and all(
+            isinstance(e, dict) and isinstance(e.get("stage"), str) and len(e["stage"]) <= 64
+            and isinstance(e.get("s"), (int, float)) and not isinstance(e.get("s"), bool)
+            and isinstance(e.get("layers"), list) and len(e["layers"]) == 2
+            and all(type(v) is int for v in e["layers"]) for e in t)
+        if not ok:
+            raise self.wire.WireError("header.timings: must be a list of at most 64 {stage, layers: [A, B], s}")
+        return [{"stage": e["stage"], "layers": e["layers"], "s": float(e["s"])} for e in t]
+
+    def _kv_held(self) -> int:
+        return sum(e[0].nbytes for e in self.caches.values())
+
+    def _new_cache(self, seq: str, batch: int, reserve: int):
+        """A cache for `reserve` tokens, within the stage's KV budget (oldest sequences go first)."""
+        need = batch * reserve * self.kv_bytes_per_token
+        if need > self.kv_budget:
+            raise LayerlineError(f"stage {self.name}: seq {seq} needs {need} KV bytes ({batch} x {reserve} tokens) "
+                                 f"but the stage's KV budget is {self.kv_budget}; shorten it or raise the plan's "
+                                 "layerline_objective.context / batch")
+        while self.caches and (len(self.caches) >= MAX_SEQS or self._kv_held() + need > self.kv_budget):
+            self.caches.popitem(last=False)  # evicted sequences are replayed by the driver
+        entry = [self.stage.new_cache(batch, reserve, dtype=self.kv_dtype), 0, batch]
+        self.caches[seq] = entry
+        return entry
+
     def forward(self, h: dict, tensors: dict) -> tuple[dict, dict]:
-        wire, torch = self.wire, self.torch
+        wire = self.wire
         pos = wire.require(h, "pos", int, 0, self.args.kv_context - 1) if "pos" in h else 0
-        use_cache = bool(h.get("cache", False))
+        use_cache = h.get("cache", False)
+        if not isinstance(use_cache, bool):
+            raise wire.WireError("header.cache: must be true or false")
         deadline = h.get("deadline")
-        if deadline is not None and not isinstance(deadline, (int, float)):
-            raise wire.WireError("header.deadline: must be seconds since the epoch")
+        if deadline is not None and (isinstance(deadline, bool) or not isinstance(deadline, (int, float))
+                                     or not math.isfinite(deadline)):
+            raise wire.WireError("header.deadline: must be a finite number of seconds since the epoch")
         if deadline is not None and time.time() > deadline:
             raise LayerlineError(f"stage {self.name}: request {h.get('id')} missed its deadline before compute")
+        timings = self._timings(h)
         x = self._validate_input(h, tensors)
         cache = None
         if use_cache:
             seq = wire.require(h, "seq", str)
+            reserve = wire.require(h, "reserve", int, 1, self.args.kv_context) if "reserve" in h \
+                else self.args.kv_context
             entry = self.caches.get(seq)
             if pos == 0 or entry is None:
                 if pos != 0:
-                    raise LayerlineError(f"stage {self.name}: seq {seq} is unknown at position {pos}; replay its prefix from 0")
-                while len(self.caches) >= MAX_SEQS:
-                    self.caches.popitem(last=False)
-                entry = [self.stage.new_cache(x.shape[0], self.args.kv_context), 0]
-                self.caches[seq] = entry
+                    raise LayerlineError(f"stage {self.name}: seq {seq} is unknown at position {pos}; "
+                                         "replay its prefix from 0", "seq_unknown")
+                self.caches.pop(seq, None)
+                entry = self._new_cache(seq, x.shape[0], max(reserve, x.shape[1]))
             elif entry[1] != pos:
                 raise LayerlineError(f"stage {self.name}: seq {seq} holds {entry[1]} tokens, got position {pos}; "
-                                     "replay its prefix from 0")
-            if pos + x.shape[1] > self.args.kv_context:
-                raise LayerlineError(f"stage {self.name}: seq {seq} would exceed --kv-context {self.args.kv_context}")
+                                     "replay its prefix from 0", "seq_unknown")
+            elif entry[2] != x.shape[0]:
+                raise wire.WireError(f"input: seq {seq} has batch {entry[2]}, this step has {x.shape[0]}")
+            if pos + x.shape[1] > entry[0].max_len:
+                raise LayerlineError(f"stage {self.name}: seq {seq} would exceed --kv-context {self.args.kv_context} "
+                                     f"(it reserved {entry[0].max_len} tokens)")
             self.caches.move_to_end(seq)
             cache = entry[0]
         elif pos != 0:
             raise wire.WireError("header.pos: must be 0 without cache")
+        elif x.shape[0] * x.shape[1] > self.args.kv_context:
+            raise wire.WireError(f"shape: batch x tokens must be at most {self.args.kv_context} without cache")
         t0 = time.perf_counter()
         last_only = h.get("logits") == "last"
         if "logits" in h and h["logits"] not in ("last", "all"):
@@ -286,9 +349,8 @@ class Worker:
         if cache is not None:
             entry[1] = pos + x.shape[1]
         self.stats.compute_s += dt
-        timings = list(h.get("timings", []))[:64] + [{"stage": self.name, "layers": [self.args.start, self.args.end],
-                                                        "s": dt}]
-        head = {k: h[k] for k in ("id", "seq", "pos", "cache", "reply_to", "deadline", "logits") if k in h}
+        timings = timings + [{"stage": self.name, "layers": [self.args.start, self.args.end], "s": dt}]
+        head = {k: h[k] for k in ("id", "seq", "pos", "cache", "reply_to", "deadline", "logits", "reserve") if k in h}
         head["timings"] = timings
         if self.args.last:
             return {**head, "op": "result"}, {"logits": out.to("cpu")}
@@ -304,7 +366,7 @@ class Worker:
                 seq = wire.require(h, "seq", str)
                 self.caches.pop(seq, None)
                 if self.next is not None:
-                    self.next.send_multipart(wire.encode({"op": "release", "seq": seq}), copy=False)
+                    self._send(self.next, wire.encode({"op": "release", "seq": seq}), self.next_addr)
                 return
             if h["op"] != "forward":
                 raise wire.WireError(f"header.op: {h['op']!r} is not a data op here (forward, release)")
@@ -316,27 +378,38 @@ class Worker:
             out_h, out_t = self.forward(h, tensors)
             msg = wire.encode(out_h, out_t)
             if self.args.last:
-                self._peer(h["reply_to"]).send_multipart(msg, copy=False)
+                self._send(self._peer(h["reply_to"]), msg, h["reply_to"])
             else:
-                self.next.send_multipart(msg, copy=False)
+                self._send(self.next, msg, self.next_addr)
         except wire.WireError as e:
             self.stats.rejected += 1
             self._error(ident, h, str(e))
         except Exception as e:  # noqa: BLE001 - the worker never dies of one request
             self.stats.errors += 1
-            self._error(ident, h, f"{e.__class__.__name__}: {e}" if not isinstance(e, LayerlineError) else str(e))
+            text = str(e) if isinstance(e, LayerlineError) else f"{e.__class__.__name__}: {e}"
+            self._error(ident, h, text, getattr(e, "code", None))
 
-    def _error(self, ident, h: dict | None, text: str) -> None:
+    def _send(self, sock, msg: list, where: str | None) -> None:
+        """Never block the loop on a peer that is gone or full: the control socket must stay live."""
+        try:
+            sock.send_multipart(msg, copy=False, flags=self.zmq.NOBLOCK)
+        except self.zmq.Again:
+            raise LayerlineError(f"stage {self.name}: {where} is not taking messages (down, or its queue is "
+                                 "full); check that worker's health") from None
+
+    def _error(self, ident, h: dict | None, text: str, code: str | None = None) -> None:
         reply = {"op": "error", "stage": self.name, "error": text[:2000]}
+        if code:
+            reply["code"] = code
         if h and isinstance(h.get("id"), str):
             reply["id"] = h["id"]
         msg = self.wire.encode(reply)
-        self.data.send_multipart([ident, *msg])
-        # the driver waits on its result socket: tell it there too when we know where it is
+        # the sender hears it; the driver waits on its result socket (reply_to), so it hears there too
         try:
+            self.data.send_multipart([ident, *msg], flags=self.zmq.NOBLOCK)
             if h and "reply_to" in h:
-                self._peer(h["reply_to"]).send_multipart(msg)
-        except Exception:  # noqa: BLE001
+                self._peer(h["reply_to"]).send_multipart(msg, flags=self.zmq.NOBLOCK)
+        except Exception:  # noqa: BLE001 - an unreachable asker is not a reason to die
             pass
 
     # --- control path --------------------------------------------------------------------------
