@@ -209,3 +209,39 @@ def test_bad_objective_surfaces_as_one_line():
     assert "layerline_objective.optimize" in str(ei.value)
     with pytest.raises(PlanError, match="inventory"):
         plan_for_hosts({}, COST, OBJ)
+
+
+def test_hop_cost_is_the_measured_round_trip(inventory):
+    """With no hop_secs set, the plan's hop is the median round trip the probes measured."""
+    for i, h in enumerate(inventory):
+        inventory[h]["layerline_caps"]["rtt_s"] = {f"10.0.0.{j}:22": 0.001 * (i + j) for j in range(3)}
+    rtts = sorted(0.001 * (i + j) for i in range(len(inventory)) for j in range(3))
+    plan = plan_for_hosts(inventory, COST.to_dict(), {k: v for k, v in OBJ.items() if k != "hop_secs"})
+    assert plan["hop"]["s"] == rtts[len(rtts) // 2] and plan["hop"]["source"].startswith("measured")
+    acts = [s for s in plan["stages"] if s["role"] == "active"]
+    assert plan["predicted_token_s"] == pytest.approx(sum(s["predicted_s"] for s in acts)
+                                                      + plan["hop"]["s"] * (len(acts) + 1))
+    pinned = plan_for_hosts(inventory, COST.to_dict(), {**OBJ, "hop_secs": 0.25})
+    assert pinned["hop"] == {"s": 0.25, "source": "layerline_objective.hop_secs"}
+
+
+def test_peers_leave_out_local_hosts():
+    from layerline.deploy import peers_of
+    hv = {"a": {"ansible_host": "10.0.0.1"}, "b": {"ansible_host": "10.0.0.2", "ansible_port": 2222},
+          "c": {"ansible_connection": "local"}}
+    assert peers_of(hv, "a") == ["10.0.0.2:2222"]
+    assert peers_of(hv, "c") == ["10.0.0.1:22", "10.0.0.2:2222"]
+
+
+def test_measure_rtt_on_loopback():
+    import socket as so
+    from layerline.probe import measure_rtt
+    srv = so.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(8)
+    port = srv.getsockname()[1]
+    try:
+        out = measure_rtt([f"127.0.0.1:{port}", "127.0.0.1:1"], timeout_s=0.2)
+    finally:
+        srv.close()
+    assert 0 < out[f"127.0.0.1:{port}"] < 0.2 and out["127.0.0.1:1"] is None

@@ -14,14 +14,14 @@ from ansible.errors import AnsibleFilterError
 
 try:
     from layerline import LayerlineError
-    from layerline.deploy import drive_argv, plan_for_hosts, stage_checkpoint_argv, stage_dir, worker_argv
+    from layerline.deploy import drive_argv, peers_of, plan_for_hosts, stage_checkpoint_argv, stage_dir, worker_argv
     from layerline.planner import plan_table
     IMPORT_ERROR = None
 except ImportError as e:  # the controller's interpreter lacks the package
     IMPORT_ERROR = e
 
 # Host variables the planner reads; everything else stays untemplated.
-_KEYS = ("ansible_connection", "ansible_host")
+_KEYS = ("ansible_connection", "ansible_host", "ansible_port")
 
 
 def _need_runtime():
@@ -81,6 +81,11 @@ def layerline_stage_dir(hvars, host):
     return stage_dir(_plain({k: hvars[k] for k in hvars if k.startswith("layerline_")}), str(host))
 
 
+def layerline_peers(hostvars, hosts, me):
+    _need_runtime()
+    return peers_of({h: _host_vars(hostvars, h) for h in hosts}, str(me))
+
+
 def layerline_plan_table(plan):
     _need_runtime()
     return plan_table(_plain(plan))
@@ -96,5 +101,5 @@ class FilterModule:
     def filters(self):
         return {"layerline_plan": layerline_plan, "layerline_argv": layerline_argv,
                 "layerline_plan_table": layerline_plan_table,
-                "layerline_drive_argv": layerline_drive_argv,
+                "layerline_drive_argv": layerline_drive_argv, "layerline_peers": layerline_peers,
                 "layerline_stage_argv": layerline_stage_argv, "layerline_stage_dir": layerline_stage_dir, "layerline_drive_report": layerline_drive_report}

@@ -51,6 +51,14 @@ options:
       - Whether to measure the read speed of the checkpoint's disk.
     type: bool
     default: true
+  peers:
+    description:
+      - Other hosts as C(ADDRESS:PORT) (a port that listens there, e.g. sshd's). The round trip
+        of a TCP handshake to each is measured on every run (never cached) and returned as
+        C(rtt_s), the planner's hop cost.
+    type: list
+    elements: str
+    default: []
   cache_file:
     description:
       - File on the target that keeps the last result (written with mode C(0600)).
@@ -195,7 +203,7 @@ LAYERLINE_IMPORT_ERROR = None
 try:
     import layerline
     from layerline.errors import LayerlineError
-    from layerline.probe import probe
+    from layerline.probe import measure_rtt, probe
 except ImportError:
     LAYERLINE_IMPORT_ERROR = traceback.format_exc()
 
@@ -257,6 +265,7 @@ def main():
             measure_disk=dict(type="bool", default=True),
             cache_file=dict(type="path"),
             refresh=dict(type="bool", default=False),
+            peers=dict(type="list", elements="str", default=[]),
         ),
         supports_check_mode=True,
     )
@@ -278,6 +287,7 @@ def main():
     if cache_file and not params["refresh"]:
         caps = read_cache(cache_file, key)
         if caps is not None:
+            caps["rtt_s"] = measure_rtt(params["peers"])  # the network is measured every time
             module.exit_json(changed=False, cached=True, ansible_facts={"layerline_caps": caps})
 
     try:
@@ -293,6 +303,7 @@ def main():
 
     if cache_file and not module.check_mode:
         write_cache(module, cache_file, key, caps)
+    caps["rtt_s"] = measure_rtt(params["peers"])
 
     module.exit_json(changed=False, cached=False, ansible_facts={"layerline_caps": caps})
 

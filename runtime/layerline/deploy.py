@@ -79,7 +79,28 @@ def plan_for_hosts(host_vars: dict[str, dict], cost: dict | ModelCost, objective
                                 "give each worker on one address its own port, at least 2 apart")
             taken[(addr, p)] = n.host
     mc = cost if isinstance(cost, ModelCost) else ModelCost.from_dict(cost)
-    return make_plan(nodes, mc, CostOptions.from_vars(objective, reserve_ram_gb), policy or "auto")
+    opts = CostOptions.from_vars(objective, reserve_ram_gb)
+    hop_source = "layerline_objective.hop_secs"
+    if (objective or {}).get("hop_secs") is None:
+        rtts = sorted(v for n in nodes for v in (n.caps.get("rtt_s") or {}).values() if isinstance(v, (int, float)))
+        hop_source = "default"
+        if rtts:  # the hosts' measured round trips: the median is the hop cost
+            opts.hop_s, hop_source = rtts[len(rtts) // 2], f"measured ({len(rtts)} round trips)"
+    plan = make_plan(nodes, mc, opts, policy or "auto")
+    plan["hop"] = {"s": opts.hop_s, "source": hop_source}
+    return plan
+
+
+def peers_of(host_vars: dict[str, dict], me: str) -> list[str]:
+    """The other hosts as ADDR:PORT (their ssh port), for the probe's round-trip measurement.
+
+    Hosts on this machine (local connection) are left out: their hop is loopback."""
+    out = []
+    for h, v in host_vars.items():
+        if h == me or v.get("ansible_connection") == "local":
+            continue
+        out.append(f"{host_addr(v, h)}:{int(v.get('ansible_port') or 22)}")
+    return out
 
 
 def _is_ip(addr: str) -> bool:

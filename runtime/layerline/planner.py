@@ -473,5 +473,7 @@ def plan_table(plan: dict) -> str:
     out = [line(head), line(["-" * w for w in widths])] + [line(r) for r in rows]
     out.append(f"precision {plan['precision']}, objective {plan['objective']}, policy {plan.get('policy', 'auto')}, "
                f"KV {kv['dtype']} x {kv['context']} tokens ({kv['bytes_per_token']} B/token/layer)")
-    out.append(f"predicted token time {_secs(plan['predicted_token_s'])}, bottleneck {_secs(plan['bottleneck_s'])}")
+    hop = plan.get("hop")
+    out.append(f"predicted token time {_secs(plan['predicted_token_s'])}, bottleneck {_secs(plan['bottleneck_s'])}"
+               + (f", hop {_secs(hop['s'])} ({hop['source']})" if hop else ""))
     return "\n".join(out)

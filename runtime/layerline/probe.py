@@ -575,3 +575,27 @@ def _rate(total: int, elapsed: float, resident: float) -> tuple[float | None, bo
         return None, False
     rate = total / max(elapsed, 1e-9)
     return float(rate), rate > CACHED_READ_BYTES_PER_S or resident > 0.5
+
+
+# --- the network between hosts ------------------------------------------------------------
+
+def measure_rtt(peers: list[str], tries: int = 3, timeout_s: float = 0.5) -> dict[str, float | None]:
+    """Round trip to each peer ("ADDR:PORT"): the best TCP handshake of a few. None when unreachable.
+
+    Only the hosts of the inventory are asked (the play passes them), never anything else.
+    """
+    out: dict[str, float | None] = {}
+    for peer in peers:
+        host, _, port = peer.rpartition(":")
+        best = None
+        for _ in range(tries):
+            t0 = time.perf_counter()
+            try:
+                with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+                    pass
+            except (OSError, ValueError):
+                continue
+            dt = time.perf_counter() - t0
+            best = dt if best is None else min(best, dt)
+        out[peer] = best
+    return out
