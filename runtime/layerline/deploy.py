@@ -156,12 +156,13 @@ def worker_argv(plan: dict, host: str, hvars: dict, python: str = "python3") -> 
             "--precision", s["precision"],
             "--kv-context", str(plan["kv"]["context"]),
             "--kv-dtype", str(s.get("kv_dtype") or plan["kv"]["dtype"]),
-            "--kv-bytes", str(int(s["kv_bytes"])),
             "--rng-seed", str(hvars.get("layerline_rng_seed", 0)),
             "--bind", f"tcp://{bind_host}:{port}",
             "--name", host,
             "--ready-file", os.path.join(state, "ready.json"),
             "--keys", str(hvars.get("layerline_keys_dir") or os.path.join(state, "keys"))]
+    if s.get("kv_bytes"):  # what the plan reserved for this stage's KV caches
+        argv += ["--kv-bytes", str(int(s["kv_bytes"]))]
     if s.get("experts_paged"):
         argv += ["--expert-cache-bytes", str(int(s["expert_cache_bytes"]))]
     nxt = next_endpoint(plan, s)
