@@ -357,6 +357,8 @@ def up(lay: Layout, n: int, out: Path, python: str, port: int) -> dict:
             "layerline_home": str(out / "home"),
             # test models are small: check the drive against a one-process forward
             "layerline_drive_reference": True,
+            # the namespace hosts share this machine's cores: probe one at a time
+            "layerline_probe_serial": True,
         }}}
     (out / "inventory.yml").write_text(
         "# Made by scripts/testhosts.py: hosts in network namespaces, each with its own sshd.\n"
