@@ -343,9 +343,12 @@ def mutated(draw, values, frames_values):
         elif kind == "spec" and isinstance(h.get("tensors"), list) and h["tensors"]:
             i = draw(st.integers(0, len(h["tensors"]) - 1))
             key = draw(st.sampled_from(SPEC_KEYS))
-            h["tensors"][i][key] = draw(frames_values if key == "frames" else values)
+            if isinstance(h["tensors"][i], dict):  # an earlier mutation may have put any value there
+                h["tensors"][i][key] = draw(frames_values if key == "frames" else values)
         elif kind == "shape" and isinstance(h.get("tensors"), list) and h["tensors"]:
             i = draw(st.integers(0, len(h["tensors"]) - 1))
+            if not isinstance(h["tensors"][i], dict):
+                continue
             h["tensors"][i]["shape"] = draw(st.lists(st.one_of(st.integers(-5, 2**40), st.booleans(),
                                                                st.floats()), max_size=8))
         elif kind == "frames":
