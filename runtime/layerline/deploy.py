@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import ipaddress
 import os
-import shlex
 
 from .cost import CostOptions, ModelCost
 from .errors import LayerlineError
@@ -184,10 +183,6 @@ def worker_argv(plan: dict, host: str, hvars: dict, python: str = "python3") -> 
     if hvars.get("layerline_threads"):
         argv += ["--threads", str(int(hvars["layerline_threads"]))]
     return argv
-
-
-def argv_line(argv: list[str]) -> str:
-    return shlex.join(argv)
 
 
 def drive_argv(plan: dict, hvars: dict, python: str = "python3") -> list[str]:

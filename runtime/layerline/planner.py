@@ -371,7 +371,9 @@ def make_plan(nodes: list[Node], cost: ModelCost, opts: CostOptions, policy: str
                        kvs[n.precision or rung].dtype) for n in actives]
         ranges = _place(policy, opts, tabs, actives)
         if ranges is not None:
-            return _assemble(nodes, actives, tabs, ranges, cost, opts, kvs[rung], rung, policy)
+            plan = _assemble(nodes, actives, tabs, ranges, cost, opts, kvs[rung], rung, policy)
+            validate_plan(plan)  # actives cover every layer once, in order: never hand out less
+            return plan
     raise PlanError(_shortfall(cost, opts, ladder[-1], actives))
 
 
