@@ -38,13 +38,8 @@ HF_CLASS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2
             "mixtral": "MixtralForCausalLM"}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Small models: one thread is as fast, and much faster on a busy shared machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+# small models: one thread is as fast, and much faster on a busy shared machine
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory) -> dict[str, Path]:

@@ -23,13 +23,8 @@ INT8_REL_BOUND = 0.06  # measured 0.030 on this model (max |int8 - bf16| / max |
 FP16_REL_BOUND = 0.005  # measured 0.0011 against fp32
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Small models: one thread is as fast, and much faster on a busy shared machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+# small models: one thread is as fast, and much faster on a busy shared machine
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory) -> Path:
