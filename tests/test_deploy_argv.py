@@ -245,3 +245,30 @@ def test_measure_rtt_on_loopback():
     finally:
         srv.close()
     assert 0 < out[f"127.0.0.1:{port}"] < 0.2 and out["127.0.0.1:1"] is None
+
+
+def test_threads_spin_and_compile_follow_where_the_plan_puts_stages():
+    """Stages on one machine (same probed hostname) sleep at once when idle; a lone one may spin."""
+    inv = {"w1": hv("w1", 9100), "w2": hv("w2", 9102, layerline_compile="max-autotune"),
+           "far": hv("far", 9100, "10.0.0.5", layerline_threads=3)}
+    for h in ("w1", "w2"):
+        inv[h]["layerline_caps"] = caps("box")
+    plan = plan_for_hosts(inv, COST, OBJ)
+    st = {s["host"]: s for s in plan["stages"]}
+    assert st["w1"]["shares_cores_with"] == st["w2"]["shares_cores_with"] == 1
+    assert st["far"]["shares_cores_with"] == 0
+    f = {h: parse(worker_argv(plan, h, inv[h])) for h in inv}
+    assert f["w1"]["--threads"] == f["w2"]["--threads"] == "8"  # the probed cores: stages take turns
+    assert f["far"]["--threads"] == "3"                           # the host's own setting wins
+    assert int(f["w1"]["--spin"]) < int(f["far"]["--spin"])
+    assert "--compile" not in f["w1"] and f["w2"]["--compile"] == "max-autotune"
+    assert f["w2"]["--compile-cache"].startswith("/var/lib/layerline-w2/")
+    assert st["w2"]["compile"] == "max-autotune" and st["w1"]["compile"] == "off"
+
+
+@pytest.mark.parametrize("key,value", [("layerline_compile", "fast"), ("layerline_threads", 0),
+                                       ("layerline_threads", "many")])
+def test_bad_thread_or_compile_vars_name_the_variable(key, value):
+    inv = {"w1": hv("w1", 9100, **{key: value}), "w2": hv("w2", 9102)}
+    with pytest.raises(PlanError, match=key):
+        plan_for_hosts(inv, COST, OBJ)

@@ -150,8 +150,12 @@ def local_keys(tmp: str, n: int) -> str:
 
 
 def local_stages(checkpoint: str, n: int, precision: str, kv_context: int = 4096, threads: int | None = None,
-                 curve: str = "auto"):
+                 curve: str = "auto", compile: str = "off", compile_cache: str | None = None,
+                 ready_timeout: float | None = None):
     """Start n workers on this machine (no Ansible); yields (procs, first endpoint, tmpdir).
+
+    compile: the workers' --compile mode; they compile before they are ready, so the wait for
+    them grows from 5 minutes to 30 unless ready_timeout says otherwise.
 
     With curve="on" every socket runs CURVE with fresh keys under tmpdir/keys (the driver's
     keys dir is tmpdir/keys/controller, stage 0's name "stage0").
@@ -172,6 +176,9 @@ def local_stages(checkpoint: str, n: int, precision: str, kv_context: int = 4096
                 "--name", f"stage{i}", "--ready-file", os.path.join(tmp, f"ready{i}.json")]
         if threads:
             argv += ["--threads", str(threads)]
+        if compile != "off":
+            argv += ["--compile", compile]
+            argv += ["--compile-cache", compile_cache] if compile_cache else []
         if keys_root:
             argv += ["--curve", "on", "--keys", os.path.join(keys_root, f"stage{i}")]
             argv += [] if i == n - 1 else ["--next-key", f"stage{i + 1}"]
@@ -179,7 +186,7 @@ def local_stages(checkpoint: str, n: int, precision: str, kv_context: int = 4096
         argv += ["--last"] if i == n - 1 else ["--next", f"tcp://127.0.0.1:{ports[i + 1]}"]
         procs.append(subprocess.Popen(argv, stdout=open(os.path.join(tmp, f"worker{i}.log"), "w"),
                                       stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
-    deadline = time.time() + 300
+    deadline = time.time() + (ready_timeout or (300 if compile == "off" else 1800))
     for i, p in enumerate(procs):
         while not os.path.exists(os.path.join(tmp, f"ready{i}.json")):
             if p.poll() is not None or time.time() > deadline:
@@ -245,7 +252,11 @@ def cmd_generate(a) -> int:
     from .generate import Sampling, generate
     prompts, tok = _prompts(a)
     sampling = Sampling(a.temperature, a.top_p, a.seed)
-    procs, first, tmp = local_stages(a.checkpoint, a.local_stages, a.precision, threads=a.threads, curve=a.curve)
+    if a.compile != "off":
+        print(f"layerline generate: the workers compile their decode step first (--compile {a.compile})",
+              file=sys.stderr, flush=True)
+    procs, first, tmp = local_stages(a.checkpoint, a.local_stages, a.precision, threads=a.threads, curve=a.curve,
+                                     compile=a.compile)
     try:
         keys_dir = os.path.join(tmp, "keys", "controller") if a.curve == "on" else None
         with Pipeline(first, keys_dir=keys_dir, first_key="stage0", curve=a.curve) as pipe:
@@ -361,6 +372,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens")
     g.add_argument("--precision", default="bf16")
     g.add_argument("--threads", type=int, default=None)
+    g.add_argument("--compile", default="off", choices=["off", "default", "max-autotune"],
+                   help="torch.compile each worker's decode step (warm-up first; see the README)")
     g.add_argument("--curve", default="auto", choices=["auto", "on"],
                    help="on: run every local socket with CURVE, with fresh throwaway keys")
     g.add_argument("--json", action="store_true")

@@ -87,7 +87,45 @@ def plan_for_hosts(host_vars: dict[str, dict], cost: dict | ModelCost, objective
             opts.hop_s, hop_source = rtts[len(rtts) // 2], f"measured ({len(rtts)} round trips)"
     plan = make_plan(nodes, mc, opts, policy or "auto")
     plan["hop"] = {"s": opts.hop_s, "source": hop_source}
+    place_threads(plan, host_vars)
     return plan
+
+
+COMPILE_MODES = ("off", "default", "max-autotune")
+SPIN_SHARED = 10_000    # OpenMP spins before sleeping: short, so an idle stage frees the cores
+SPIN_ALONE = 300_000    # libgomp's own default: a stage alone on its machine may spin
+
+
+def place_threads(plan: dict, host_vars: dict[str, dict]) -> None:
+    """Each stage's CPU threads, spin policy and compile mode, from where the plan put it.
+
+    Stages on one machine (same probed hostname) take turns on a token, so each may use all
+    its cores, but an idle one must sleep at once rather than spin on cores a busy one needs.
+    """
+    machine = {}
+    for st in plan["stages"]:
+        caps = host_vars[st["host"]].get("layerline_caps") or {}
+        machine[st["host"]] = caps.get("hostname") or host_addr(host_vars[st["host"]], st["host"])
+    sharing: dict[str, int] = {}
+    for st in plan["stages"]:
+        if not str(st["device"]).startswith("cuda"):
+            sharing[machine[st["host"]]] = sharing.get(machine[st["host"]], 0) + 1
+    for st in plan["stages"]:
+        hv = host_vars[st["host"]]
+        mode = str(hv.get("layerline_compile") or "off")
+        if mode not in COMPILE_MODES:
+            raise PlanError(f"{st['host']}: layerline_compile {mode!r} must be one of {', '.join(COMPILE_MODES)}")
+        cores = int((hv.get("layerline_caps") or {}).get("cores") or 1)
+        threads = hv.get("layerline_threads")
+        try:
+            threads = int(threads) if threads not in (None, "") else cores
+            assert threads >= 1
+        except (TypeError, ValueError, AssertionError):
+            raise PlanError(f"{st['host']}: layerline_threads {threads!r} must be a positive integer") from None
+        st["compile"] = mode
+        st["threads"] = threads
+        st["shares_cores_with"] = sharing.get(machine[st["host"]], 1) - 1
+        st["spin"] = SPIN_SHARED if st["shares_cores_with"] else SPIN_ALONE
 
 
 def peers_of(host_vars: dict[str, dict], me: str) -> list[str]:
@@ -180,8 +218,12 @@ def worker_argv(plan: dict, host: str, hvars: dict, python: str = "python3") -> 
         argv.append("--first")
     if s["layers"][1] == plan["num_layers"]:
         argv.append("--last")
-    if hvars.get("layerline_threads"):
-        argv += ["--threads", str(int(hvars["layerline_threads"]))]
+    if s.get("threads"):
+        argv += ["--threads", str(int(s["threads"]))]
+    if s.get("spin") is not None:
+        argv += ["--spin", str(int(s["spin"]))]
+    if s.get("compile", "off") != "off":
+        argv += ["--compile", s["compile"], "--compile-cache", os.path.join(state, "inductor")]
     return argv
 
 

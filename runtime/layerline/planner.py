@@ -459,14 +459,18 @@ def _secs(s: float) -> str:
 
 def plan_table(plan: dict) -> str:
     """What each machine ends up holding, with disk speed and predicted stage time."""
-    head = ["host", "role", "layers", "device", "prec", "weights", "kv", "budget", "disk read", "pred/token"]
+    head = ["host", "role", "layers", "device", "prec", "threads", "weights", "kv", "budget", "disk read",
+            "pred/token"]
     rows = []
     for s in plan["stages"]:
         role = s["role"] + (f" ({s['standby_for']})" if s.get("standby_for") else "")
         disk = s.get("disk_read_bytes_per_s")
         weights = _size(s["weight_bytes"]) + (" +experts from disk" if s.get("experts_paged") else "")
         pred = _secs(s["predicted_s"]) + (f" (disk {_secs(s['disk_s'])})" if s.get("disk_s") else "")
-        rows.append([s["host"], role, f"{s['layers'][0]}:{s['layers'][1]}", s["device"], s["precision"],
+        prec = s["precision"] + ("+compile" if s.get("compile", "off") != "off" else "")
+        threads = "-" if s.get("threads") is None else (
+            f"{s['threads']}" + (f" (shared x{s['shares_cores_with'] + 1})" if s.get("shares_cores_with") else ""))
+        rows.append([s["host"], role, f"{s['layers'][0]}:{s['layers'][1]}", s["device"], prec, threads,
                      weights, _size(s["kv_bytes"]), _size(s["mem_budget_bytes"]),
                      f"{_size(disk)}/s" if disk else "not measured", pred])
     widths = [max(len(str(r[i])) for r in [head] + rows) for i in range(len(head))]

@@ -35,6 +35,15 @@ DTYPES: dict[str, torch.dtype] = {
 }
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 ITEMSIZE = {k: torch.empty((), dtype=v).element_size() for k, v in DTYPES.items()}
+# numpy has no bfloat16: 2-byte floats travel through a same-size integer view
+_BYTES_VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16}
+
+# A hop's cost is mostly this module's Python (a decode step moves a few KiB), and each torch
+# call costs several microseconds when a process wakes with cold caches, far more than in a
+# warm loop. So the hot paths make as few torch calls as they can: one JSON encoder, no
+# checks that .numpy() makes anyway, no copies of CPU-contiguous tensors.
+_JSON_OUT = json.JSONEncoder(separators=(",", ":"))
+_JSON_IN = json.JSONDecoder()
 
 # Data ops travel the pipeline; control ops go to a worker's control socket.
 DATA_OPS = {"forward", "result", "error", "release"}
@@ -54,27 +63,43 @@ class Limits:
 
 def encode(header: dict, tensors: dict[str, torch.Tensor] | None = None) -> list:
     """Frames for one message. Tensor frames are zero-copy views of contiguous CPU memory."""
-    tensors = tensors or {}
     h = dict(header)
-    h.setdefault("v", PROTOCOL)
-    specs, frames = [], []
-    for name, t in tensors.items():
-        if t.dtype not in DTYPE_NAMES:
-            raise WireError(f"tensor {name}: dtype {t.dtype} is not sendable; use one of {sorted(DTYPES)}")
-        t = t.detach().to("cpu").contiguous()
-        # bfloat16 has no numpy dtype; ship its bytes through a same-size integer view
-        raw = t.view(torch.int16) if t.dtype in (torch.bfloat16, torch.float16) else t
-        buf = memoryview(raw.numpy()).cast("B") if t.numel() else memoryview(b"")
-        n = len(buf)
-        chunks = max(1, math.ceil(n / CHUNK_BYTES))
-        for c in range(chunks):
-            frames.append(buf[c * CHUNK_BYTES:(c + 1) * CHUNK_BYTES])
-        specs.append({"name": name, "dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape), "frames": chunks})
+    if "v" not in h:
+        h["v"] = PROTOCOL
+    specs: list = []
+    frames: list = [None]
+    for name, t in (tensors or {}).items():
+        dt = t.dtype
+        dname = DTYPE_NAMES.get(dt)
+        if dname is None:
+            raise WireError(f"tensor {name}: dtype {dt} is not sendable; use one of {sorted(DTYPES)}")
+        buf = _bytes_of(t, dt)
+        nbytes = buf.nbytes
+        if nbytes <= CHUNK_BYTES:
+            chunks = 1
+            frames.append(buf)
+        else:
+            chunks = math.ceil(nbytes / CHUNK_BYTES)
+            frames.extend(buf[c * CHUNK_BYTES:(c + 1) * CHUNK_BYTES] for c in range(chunks))
+        specs.append({"name": name, "dtype": dname, "shape": list(t.shape), "frames": chunks})
     h["tensors"] = specs
-    head = json.dumps(h, separators=(",", ":")).encode()
+    head = _JSON_OUT.encode(h).encode()
     if len(head) > MAX_HEADER_BYTES:
         raise WireError(f"header: {len(head)} bytes is over the {MAX_HEADER_BYTES} limit")
-    return [head, *frames]
+    frames[0] = head
+    return frames
+
+
+def _bytes_of(t: torch.Tensor, dt: torch.dtype) -> memoryview:
+    """The tensor's bytes as a flat view: no copy for a contiguous CPU tensor."""
+    v = _BYTES_VIEW.get(dt)
+    try:  # .numpy() refuses GPU and grad tensors; cast() refuses non-contiguous memory
+        return memoryview((t.view(v) if v is not None else t).numpy()).cast("B")
+    except (TypeError, RuntimeError, ValueError):
+        if t.numel() == 0:
+            return memoryview(b"")
+        t = t.detach().to("cpu").contiguous()
+        return memoryview((t.view(v) if v is not None else t).numpy()).cast("B")
 
 
 def _buf(frame) -> memoryview:
@@ -86,7 +111,7 @@ def decode_header(frame) -> dict:
     if len(raw) > MAX_HEADER_BYTES:
         raise WireError(f"header: {len(raw)} bytes is over the {MAX_HEADER_BYTES} limit")
     try:
-        h = json.loads(bytes(raw))
+        h = _JSON_IN.decode(str(raw, "utf-8"))
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise WireError(f"header: not valid UTF-8 JSON ({e.__class__.__name__})") from None
     if not isinstance(h, dict):
@@ -146,11 +171,11 @@ def decode(frames: list, limits: Limits = Limits()) -> tuple[dict, dict[str, tor
         if nbytes == 0:
             out[name] = torch.empty(shape, dtype=DTYPES[dtype])
             continue
-        if len(bufs) == 1:
-            flat = torch.frombuffer(bufs[0], dtype=torch.uint8)
+        if nf == 1:
+            out[name] = torch.frombuffer(bufs[0], dtype=DTYPES[dtype]).view(shape)
         else:  # split tensors are joined once; the price of not sending one huge frame
             flat = torch.cat([torch.frombuffer(b, dtype=torch.uint8) for b in bufs])
-        out[name] = flat.view(DTYPES[dtype]).view(shape)
+            out[name] = flat.view(DTYPES[dtype]).view(shape)
     return h, out
 
 

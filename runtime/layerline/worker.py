@@ -3,7 +3,8 @@
     python -m layerline.worker --checkpoint DIR --layers A:B --device D --precision P
         --kv-context N --kv-dtype T --rng-seed S --bind ADDR --next ADDR [--first] [--last]
         --keys DIR [--next-key HOST] [--curve auto|on] [--name HOST] [--ready-file PATH]
-        [--control ADDR] [--threads N]
+        [--control ADDR] [--threads N] [--spin N] [--compile off|default|max-autotune]
+        [--compile-cache DIR]
     python -m layerline.worker --probe [--checkpoint DIR] [--device D]
 
 Two ROUTER sockets: data at --bind (pipeline traffic, an error reply to a bad message) and
@@ -60,7 +61,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--name", default=None, help="name reported in timings and errors")
     p.add_argument("--ready-file", default=None)
     p.add_argument("--control", default=None)
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (the plan's stage threads)")
+    p.add_argument("--spin", type=int, default=None,
+                   help="OpenMP spin count before an idle thread sleeps (GOMP_SPINCOUNT); low when stages "
+                        "share a machine's cores")
+    p.add_argument("--compile", default="off", choices=["off", "default", "max-autotune"],
+                   help="torch.compile the decode step (warm-up before ready: about half a minute for "
+                        "default, minutes for max-autotune; cached under --compile-cache)")
+    p.add_argument("--compile-cache", default=None, help="inductor's cache dir (TORCHINDUCTOR_CACHE_DIR)")
     p.add_argument("--kv-bytes", type=int, default=None,
                    help="KV bytes this stage may hold across sequences (the plan's kv_bytes)")
     p.add_argument("--expert-cache-bytes", type=int, default=None,
@@ -83,6 +91,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--kv-context must be positive")
     if a.threads is not None and a.threads < 1:
         p.error("--threads must be at least 1")
+    if a.spin is not None and a.spin < 0:
+        p.error("--spin must not be negative")
     for flag in ("kv_bytes", "expert_cache_bytes"):
         if getattr(a, flag) is not None and getattr(a, flag) < 0:
             p.error(f"--{flag.replace('_', '-')} must not be negative")
@@ -143,6 +153,7 @@ class Worker:
                                 precision=args.precision, device=args.device,
                                 expert_cache_bytes=args.expert_cache_bytes)
         self.margs = self.stage.args
+        self.compile_s = None
         # KV: the plan's dtype and budget (bytes this stage may hold across sequences)
         kv_name = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(args.kv_dtype, args.kv_dtype)
         kv_dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -168,6 +179,29 @@ class Worker:
             self.set_next(args.next, args.next_key)
         self.peers: OrderedDict[str, object] = OrderedDict()
         self.running = True
+        if args.compile != "off":
+            self.warm_up(args.compile)
+
+    def warm_up(self, mode: str) -> None:
+        """Compile the decode step before serving, so no request waits minutes for it: batch 1,
+        then batch 2 (the dynamic-batch graph every larger batch reuses)."""
+        torch = self.torch
+        self.stage.compile(mode)
+        if self.stage._step is None:
+            print(f"layerline worker {self.name}: --compile {mode}: MoE stages decode eagerly "
+                  "(expert routing is data-dependent)", flush=True)
+            return
+        print(f"layerline worker {self.name}: compiling the decode step (--compile {mode}); "
+              "this takes a while the first time", flush=True)
+        t0 = time.perf_counter()
+        for b in (1, 2):
+            cache = self.stage.new_cache(b, 8, dtype=self.kv_dtype)
+            for pos, t in ((0, 2), (2, 1), (3, 1)):  # a prefill, then two steps
+                shape = (b, t) if self.args.first else (b, t, self.margs.hidden_size)
+                x = torch.zeros(shape, dtype=torch.int64 if self.args.first else self.stage.dtype)
+                self.stage(x.to(self.args.device), start_pos=pos, cache=cache)
+            print(f"layerline worker {self.name}: batch {b} compiled ({time.perf_counter() - t0:.0f} s)", flush=True)
+        self.compile_s = time.perf_counter() - t0
 
     def _denied(self, public: str) -> None:
         print(f"layerline worker {self.name}: refused a CURVE client whose key {public} is not in "
@@ -240,7 +274,8 @@ class Worker:
         info = {"pid": os.getpid(), "name": self.name, "bind": self.args.bind,
                 "control": self.args.control or control_endpoint(self.args.bind),
                 "layers": [self.args.start, self.args.end], "precision": self.args.precision,
-                "device": self.args.device, "curve": self.curve_bind, "time": time.time()}
+                "device": self.args.device, "curve": self.curve_bind, "compile": self.args.compile,
+                "compile_s": self.compile_s, "time": time.time()}
         tmp = self.args.ready_file + ".tmp"
         os.makedirs(os.path.dirname(os.path.abspath(tmp)), exist_ok=True)
         with open(tmp, "w") as f:
@@ -344,7 +379,7 @@ class Worker:
         else:
             out = self.stage(x.to(self.args.device), start_pos=pos, cache=cache)
         if self.args.device != "cpu":
-            torch.cuda.synchronize()
+            self.torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         if cache is not None:
             entry[1] = pos + x.shape[1]
@@ -427,7 +462,11 @@ class Worker:
             elif op == "stats":
                 s = self.stats
                 reply = {"op": "ok", "name": self.name, "requests": s.requests, "errors": s.errors,
-                         "rejected": s.rejected, "compute_s": s.compute_s, "sequences": len(self.caches)}
+                         "rejected": s.rejected, "compute_s": s.compute_s, "sequences": len(self.caches),
+                         "compile": self.args.compile, "compile_s": self.compile_s}
+                if self.args.compile != "off":  # graphs compiled so far: serving should add none
+                    from torch._dynamo.utils import counters
+                    reply["compiled_graphs"] = int(counters["stats"]["unique_graphs"])
                 store = getattr(self.stage, "expert_store", None)
                 if store is not None and hasattr(store, "stats"):  # paged experts: hits, misses, bytes read
                     reply["experts"] = dataclasses.asdict(store.stats)
@@ -476,10 +515,16 @@ class Worker:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # Idle workers must sleep, not spin: several stages often share one machine's cores, and
-    # OpenMP's default spin-wait burns the cores the busy stage needs. Set before torch loads.
-    os.environ.setdefault("GOMP_SPINCOUNT", "10000")
     args = parse_args(argv)
+    # Idle workers must sleep, not spin, when several stages share one machine's cores: OpenMP's
+    # default spin-wait burns the cores the busy stage needs. The plan says (--spin); read
+    # before torch loads.
+    if args.spin is not None:
+        os.environ["GOMP_SPINCOUNT"] = str(args.spin)
+    else:
+        os.environ.setdefault("GOMP_SPINCOUNT", "10000")
+    if getattr(args, "compile_cache", None):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = args.compile_cache
     try:
         if args.probe:
             from .probe import probe

@@ -41,6 +41,7 @@ from .quant import Int8Embedding, make_linear
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.bfloat16}
 QUANTIZED = ("int8",)  # precisions whose weights are held quantized (weight-only)
 
+COMPILE_MODES = ("off", "default", "max-autotune")
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "mixtral")
 _ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -360,6 +361,32 @@ class Attention(nn.Module):
         out = out.view(b, nh, t, hd).transpose(1, 2).reshape(b, t, nh * hd)
         return self.o_proj(out)
 
+    def decode(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
+               kbuf: torch.Tensor, vbuf: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """One new token per sequence at position `pos` (int64 [1]) over the whole KV buffer.
+
+        Every shape is fixed by the cache, not by how many tokens it holds, so a compiled step
+        is reused for the whole generation; `visible` [max_len] masks keys not (yet) in view.
+        """
+        b = x.shape[0]
+        nh, nkv, hd = self.n_heads, self.n_kv_heads, self.head_dim
+        q = self.q_proj(x).view(b, 1, nh, hd).transpose(1, 2)
+        k = self.k_proj(x).view(b, 1, nkv, hd).transpose(1, 2)
+        v = self.v_proj(x).view(b, 1, nkv, hd).transpose(1, 2)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        ks, vs = kbuf[:b], vbuf[:b]
+        ks.index_copy_(2, pos, k.to(ks.dtype))
+        vs.index_copy_(2, pos, v.to(vs.dtype))
+        if ks.dtype != q.dtype:
+            ks, vs = ks.to(q.dtype), vs.to(q.dtype)
+        q = q.reshape(b, nkv, nh // nkv, hd)
+        scores = torch.matmul(q, ks.transpose(2, 3)) * self.scale  # [b, nkv, g, max_len]
+        scores = scores.masked_fill(visible.logical_not(), float("-inf"))
+        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        out = torch.matmul(probs, vs)  # [b, nkv, g, hd]
+        return self.o_proj(out.reshape(b, 1, nh * hd))
+
 
 class MLP(nn.Module):
     def __init__(self, args: ModelArgs, dtype: torch.dtype, int8: bool = False):
@@ -395,6 +422,10 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, cos, sin, mask, start_pos, kv, lo=0):
         h = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, start_pos, kv, lo)
+        return h + self.ffn(self.post_attention_layernorm(h))
+
+    def decode(self, x, cos, sin, pos, kbuf, vbuf, visible):
+        h = x + self.self_attn.decode(self.input_layernorm(x), cos, sin, pos, kbuf, vbuf, visible)
         return h + self.ffn(self.post_attention_layernorm(h))
 
 
@@ -458,6 +489,47 @@ class Stage(nn.Module):
                 self.tie_head()
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
         self.expert_store: ExpertStore | None = None  # set by the loader when experts are paged
+        self._step = None  # the compiled decode_step, when compile() was asked for
+
+    def compile(self, mode: str = "default") -> None:
+        """Run decode steps (one token per sequence) through torch.compile with inductor freezing.
+
+        mode: "off" (eager), "default", or "max-autotune" (searches GEMM kernels: slower to warm
+        up, faster after). Prefill and replays stay eager: their lengths vary, a step's do not.
+        Mixtral's routing is data-dependent, so MoE stages stay eager.
+        """
+        if mode not in COMPILE_MODES:
+            raise LayerlineError(f"--compile {mode}: not one of {', '.join(COMPILE_MODES)}")
+        if mode == "off" or self.args.num_experts:
+            self._step = None
+            return
+        import torch._dynamo
+        import torch._inductor.config
+        # weights become constants that inductor prepacks for its GEMMs. Process-wide (compile's
+        # options= does not reach it); a worker process compiles nothing but its stage.
+        torch._inductor.config.freezing = True
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        kw = {"mode": "max-autotune-no-cudagraphs"} if mode == "max-autotune" else {}
+        self._step = torch.compile(self.decode_step, dynamic=False, **kw)
+
+    def decode_step(self, x: torch.Tensor, pos: torch.Tensor, ks: list[torch.Tensor],
+                    vs: list[torch.Tensor]) -> torch.Tensor:
+        """One token per sequence at position `pos` (int64 [1]) through every layer, over the full
+        KV buffers `ks`/`vs` (one per layer): the part of decoding that compiles."""
+        h = self.embed_tokens(x) if self.first else x
+        freqs = pos[:, None].float() * self.inv_freq[None, :].float()
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos().to(h.dtype), emb.sin().to(h.dtype)
+        idx = torch.arange(ks[0].shape[2], device=pos.device)
+        visible: dict = {}
+        for layer, kb, vb in zip(self.layers.values(), ks, vs):
+            w = layer.window
+            if w not in visible:
+                visible[w] = (idx <= pos) if w is None else (idx <= pos) & (idx > pos - w)
+            h = layer.decode(h, cos, sin, pos, kb, vb, visible[w])
+        if not self.last:
+            return h
+        return self.lm_head(self.norm(h)).float()
 
     def tie_head(self) -> None:
         """Make the LM head share the embedding's tensors (tied embeddings, first and last stage)."""
@@ -482,8 +554,14 @@ class Stage(nn.Module):
         if batch <= 0 or max_len <= 0:
             raise LayerlineError(f"KV cache of batch {batch} x {max_len} tokens: both must be positive")
         a = self.args
-        return StageCache([KVCache(batch, a.num_kv_heads, max_len, a.head_dim, dtype or self.dtype, self.device)
-                           for _ in self.layers])
+        layers = [KVCache(batch, a.num_kv_heads, max_len, a.head_dim, dtype or self.dtype, self.device)
+                  for _ in self.layers]
+        if self._step is not None:  # one compiled step serves every cache length
+            for c in layers:
+                for t in (c.k, c.v):
+                    torch._dynamo.maybe_mark_dynamic(t, 0)
+                    torch._dynamo.mark_dynamic(t, 2)
+        return StageCache(layers)
 
     @torch.inference_mode()
     def forward(self, x: torch.Tensor, start_pos: int = 0, cache: StageCache | None = None,
@@ -502,7 +580,7 @@ class Stage(nn.Module):
             if x.numel() and (int(x.min()) < 0 or int(x.max()) >= a.vocab_size):
                 raise LayerlineError(f"token ids must lie in [0, {a.vocab_size}); got "
                                      f"{int(x.min())}..{int(x.max())}")
-            h = self.embed_tokens(x.to(self.device))
+            h = x.to(self.device)
         else:
             if x.dim() != 3 or x.shape[-1] != a.hidden_size or not x.dtype.is_floating_point:
                 raise LayerlineError(f"stage {self.start}:{self.end} input: expected float hidden states "
@@ -525,6 +603,17 @@ class Stage(nn.Module):
             if b > cache.batch:
                 raise LayerlineError(f"batch {b} is larger than the KV cache's {cache.batch}")
         s = start_pos + t
+        if t == 1 and cache is not None and self._step is not None:
+            pos = torch.tensor([start_pos], device=self.device)
+            # canonical strides: a [b, 1] slice of a wider tensor keeps its old strides, and the
+            # compiled step guards on them (a needless recompile)
+            h = h.clone(memory_format=torch.contiguous_format)
+            torch._dynamo.maybe_mark_dynamic(h, 0)
+            out = self._step(h, pos, [c.k for c in cache.layers], [c.v for c in cache.layers])
+            cache.length = s
+            return out
+        if self.first:
+            h = self.embed_tokens(h)
 
         pos = torch.arange(start_pos, s, device=self.device)
         freqs = pos[:, None].float() * self.inv_freq[None, :].float()
