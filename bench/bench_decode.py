@@ -7,7 +7,8 @@
     checkpoint and dtype: eager, weight-only int8, and with --compile (torch.compile of the
     decode step, inductor freezing; its warm-up is timed and left out of the rate);
 (b) three local worker processes vs one, one sequence, through the real wire;
-(c) three local stages decoding four sequences together vs one sequence on one stage;
+(c) three local stages decoding four sequences together vs one sequence on one stage
+    ((b) and (c) take turns on pipelines that both stay up);
 (d) the per-hop cost of layerline's wire (validated header + frames, both ways) vs a raw
     ZeroMQ round trip of the same bytes, each echoed by another process (as workers are),
     rounds interleaved so both see the same machine.
@@ -49,7 +50,7 @@ def ours_one_stage(ckpt: str, prompt: torch.Tensor, new: int, precision: str,
     stage(prompt[:, 2:3], start_pos=2, cache=cache)
     warm = time.perf_counter() - t0
     best = 0.0
-    for _ in range(2):
+    for _ in range(3):  # best of three: a noisy spell hits one run, not all
         cache = stage.new_cache(1, prompt.shape[1] + new + 1)
         logits = stage(prompt, start_pos=0, cache=cache)
         tok = logits[:, -1:].argmax(-1)
@@ -75,29 +76,39 @@ def transformers_generate(ckpt: str, prompt: torch.Tensor, new: int, dtype: torc
         return time.perf_counter() - t0
     run(2)
     best = 0.0
-    for _ in range(2):
+    for _ in range(3):  # best of three: a noisy spell hits one run, not all
         t1, tn = run(1), run(new + 1)
         best = max(best, new / max(1e-9, tn - t1))
     return best
 
 
-def local_pipeline(ckpt: str, stages: int, prompt: list[int], new: int, precision: str, seqs: int = 1,
-                   compile: str = "off") -> float:
-    """Aggregate decode tokens/s of `seqs` sequences generated together through local worker processes."""
+def pipelines(ckpt: str, prompt: list[int], new: int, precision: str, compile: str = "off",
+              rounds: int = 3) -> tuple[float, float, float]:
+    """Decode tokens/s of one sequence on one local worker, one sequence on three, and four
+    sequences together on three (aggregate). Both pipelines stay up and the runs take turns,
+    so a noisy spell on the machine hits every figure alike; each is the best of its rounds.
+    Idle workers sleep (GOMP_SPINCOUNT), so the waiting pipeline does not slow the running one."""
     from layerline.cli import local_stages, stop_local
     from layerline.driver import Pipeline
     from layerline.generate import generate
-    procs, first, _ = local_stages(ckpt, stages, precision, compile=compile,
-                                   compile_cache=str(ROOT / ".cache" / "inductor"))
+    procs: list = []
     try:
-        with Pipeline(first) as pipe:
-            generate(pipe, [prompt[:8]] * seqs, 4)  # warm: connections, allocations
-            best = 0.0
-            for k in range(2):
-                prompts = [[(t + 7 * i) % 1000 for t in prompt] for i in range(seqs)]
-                g = generate(pipe, prompts, new)
-                best = max(best, g.decode_tokens_per_s())
-            return best
+        firsts = []
+        for n in (1, 3):
+            ps, first, _ = local_stages(ckpt, n, precision, compile=compile,
+                                        compile_cache=str(ROOT / ".cache" / "inductor"))
+            procs += ps
+            firsts.append(first)
+        with Pipeline(firsts[0]) as one, Pipeline(firsts[1]) as three:
+            runs = [(one, 1), (three, 1), (three, 4)]
+            for pipe, seqs in runs:  # warm: connections, allocations
+                generate(pipe, [prompt[:8]] * seqs, 4)
+            best = [0.0] * len(runs)
+            for _ in range(rounds):
+                for j, (pipe, seqs) in enumerate(runs):
+                    prompts = [[(t + 7 * i) % 1000 for t in prompt] for i in range(seqs)]
+                    best[j] = max(best[j], generate(pipe, prompts, new).decode_tokens_per_s())
+            return best[0], best[1], best[2]
     finally:
         stop_local(procs)
 
@@ -201,12 +212,10 @@ def main(argv=None) -> dict:
             print(f"(a) with --compile {a.compile} --precision {prec}: {rate:.1f} tokens/s = {rate / hf:.2f}x "
                   f"transformers (warm-up {warm:.0f} s)", flush=True)
     pc = a.pipeline_compile
-    p1 = local_pipeline(ckpt, 1, prompt[0].tolist(), a.new, a.precision, compile=pc)
-    p3 = local_pipeline(ckpt, 3, prompt[0].tolist(), a.new, a.precision, compile=pc)
+    p1, p3, p34 = pipelines(ckpt, prompt[0].tolist(), a.new, a.precision, compile=pc)
     out["b"] = {"one_stage_tok_s": p1, "three_stage_tok_s": p3, "ratio": p3 / p1, "compile": pc}
     print(f"(b) three local stages vs one (--compile {pc}): {p3:.1f} vs {p1:.1f} tokens/s = {p3 / p1:.2f}x "
           "(goal 0.9x)", flush=True)
-    p34 = local_pipeline(ckpt, 3, prompt[0].tolist(), a.new, a.precision, seqs=4, compile=pc)
     out["c"] = {"one_seq_one_stage_tok_s": p1, "four_seq_three_stage_tok_s": p34, "ratio": p34 / p1, "compile": pc}
     print(f"(c) three stages, four sequences together vs one sequence on one stage: {p34:.1f} vs {p1:.1f} "
           f"tokens/s = {p34 / p1:.2f}x (goal 2.5x)", flush=True)

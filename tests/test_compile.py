@@ -103,3 +103,20 @@ def test_compiled_step_keeps_the_eager_numbers(small_ckpt, precision, one_thread
         scale = want.abs().max().item()
         assert (got - want).abs().max().item() <= 0.03 * scale, precision
         tok = want[:, -1:].argmax(-1)
+
+
+def test_a_stage_that_cannot_compile_decodes_eagerly_and_says_why(tmp_path, monkeypatch, one_thread):
+    """Inductor needs a C++ compiler on the host; without one the stage keeps serving, eagerly."""
+    import torch._inductor.config as inductor
+
+    ck = write_demo_checkpoint(tmp_path / "m", layers=2, hidden=96, vocab=310, dtype="float32", seed=5)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # nothing cached to fall back on
+    monkeypatch.setattr(inductor.cpp, "cxx", ("/nonexistent/c++",))
+    fast, eager = (load_stage(str(ck), 0, 2, True, True, "fp32") for _ in range(2))
+    fast.compile("default")
+    prompt = torch.tensor([[3, 1, 4, 1, 5]])
+    a, b = _prefilled(eager, prompt, 8), _prefilled(fast, prompt, 8)
+    got = fast(torch.tensor([[9]]), start_pos=5, cache=b)
+    assert not fast.compiled and fast.compile_error
+    torch.testing.assert_close(got, eager(torch.tensor([[9]]), start_pos=5, cache=a))
+    assert b.length == 6

@@ -187,7 +187,7 @@ class Worker:
         then batch 2 (the dynamic-batch graph every larger batch reuses)."""
         torch = self.torch
         self.stage.compile(mode)
-        if self.stage._step is None:
+        if not self.stage.compiled:
             print(f"layerline worker {self.name}: --compile {mode}: MoE stages decode eagerly "
                   "(expert routing is data-dependent)", flush=True)
             return
@@ -200,6 +200,11 @@ class Worker:
                 shape = (b, t) if self.args.first else (b, t, self.margs.hidden_size)
                 x = torch.zeros(shape, dtype=torch.int64 if self.args.first else self.stage.dtype)
                 self.stage(x.to(self.args.device), start_pos=pos, cache=cache)
+            if not self.stage.compiled:
+                print(f"layerline worker {self.name}: --compile {mode} failed, decoding eagerly: "
+                      f"{self.stage.compile_error} (install a C++ compiler on this host, or set "
+                      "layerline_compile: off)", file=sys.stderr, flush=True)
+                return
             print(f"layerline worker {self.name}: batch {b} compiled ({time.perf_counter() - t0:.0f} s)", flush=True)
         self.compile_s = time.perf_counter() - t0
 
@@ -275,7 +280,8 @@ class Worker:
                 "control": self.args.control or control_endpoint(self.args.bind),
                 "layers": [self.args.start, self.args.end], "precision": self.args.precision,
                 "device": self.args.device, "curve": self.curve_bind, "compile": self.args.compile,
-                "compile_s": self.compile_s, "time": time.time()}
+                "compiled": self.stage.compiled, "compile_s": self.compile_s,
+                "compile_error": self.stage.compile_error, "time": time.time()}
         tmp = self.args.ready_file + ".tmp"
         os.makedirs(os.path.dirname(os.path.abspath(tmp)), exist_ok=True)
         with open(tmp, "w") as f:
@@ -463,7 +469,8 @@ class Worker:
                 s = self.stats
                 reply = {"op": "ok", "name": self.name, "requests": s.requests, "errors": s.errors,
                          "rejected": s.rejected, "compute_s": s.compute_s, "sequences": len(self.caches),
-                         "compile": self.args.compile, "compile_s": self.compile_s}
+                         "compile": self.args.compile, "compile_s": self.compile_s,
+                         "compiled": self.stage.compiled, "compile_error": self.stage.compile_error}
                 if self.args.compile != "off":  # graphs compiled so far: serving should add none
                     from torch._dynamo.utils import counters
                     reply["compiled_graphs"] = int(counters["stats"]["unique_graphs"])

@@ -490,6 +490,7 @@ class Stage(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
         self.expert_store: ExpertStore | None = None  # set by the loader when experts are paged
         self._step = None  # the compiled decode_step, when compile() was asked for
+        self.compile_error: str | None = None  # why compiling failed (the stage then decodes eagerly)
 
     def compile(self, mode: str = "default") -> None:
         """Run decode steps (one token per sequence) through torch.compile with inductor freezing.
@@ -511,6 +512,17 @@ class Stage(nn.Module):
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         kw = {"mode": "max-autotune-no-cudagraphs"} if mode == "max-autotune" else {}
         self._step = torch.compile(self.decode_step, dynamic=False, **kw)
+
+    @property
+    def compiled(self) -> bool:
+        """Whether decode steps run through the compiled graph."""
+        return self._step is not None
+
+    def _compile_failed(self, e: Exception) -> None:
+        # inductor needs a C++ compiler on the host, among other things; a stage that cannot
+        # compile still serves, eagerly, and says why
+        self._step = None
+        self.compile_error = f"{e.__class__.__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
 
     def decode_step(self, x: torch.Tensor, pos: torch.Tensor, ks: list[torch.Tensor],
                     vs: list[torch.Tensor]) -> torch.Tensor:
@@ -609,9 +621,13 @@ class Stage(nn.Module):
             # compiled step guards on them (a needless recompile)
             h = h.clone(memory_format=torch.contiguous_format)
             torch._dynamo.maybe_mark_dynamic(h, 0)
-            out = self._step(h, pos, [c.k for c in cache.layers], [c.v for c in cache.layers])
-            cache.length = s
-            return out
+            try:
+                out = self._step(h, pos, [c.k for c in cache.layers], [c.v for c in cache.layers])
+            except Exception as e:  # noqa: BLE001 - a failed compile leaves the cache as it was
+                self._compile_failed(e)
+            else:
+                cache.length = s
+                return out
         if self.first:
             h = self.embed_tokens(h)
 
