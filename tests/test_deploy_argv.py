@@ -272,3 +272,14 @@ def test_bad_thread_or_compile_vars_name_the_variable(key, value):
     inv = {"w1": hv("w1", 9100, **{key: value}), "w2": hv("w2", 9102)}
     with pytest.raises(PlanError, match=key):
         plan_for_hosts(inv, COST, OBJ)
+
+
+def test_hosts_sharing_a_kernel_share_cores_whatever_their_names():
+    """Namespace hosts and containers have their own hostnames but one machine's cores."""
+    inv = {h: hv(h, 9100 + 2 * i, f"10.0.0.{i + 1}") for i, h in enumerate(("n1", "n2", "n3"))}
+    for h in ("n1", "n2"):
+        inv[h]["layerline_caps"]["machine_id"] = "boot-a"
+    inv["n3"]["layerline_caps"]["machine_id"] = "boot-b"
+    st = {s["host"]: s for s in plan_for_hosts(inv, COST, OBJ)["stages"]}
+    assert [st[h]["shares_cores_with"] for h in ("n1", "n2", "n3")] == [1, 1, 0]
+    assert st["n1"]["spin"] == st["n2"]["spin"] < st["n3"]["spin"]

@@ -40,6 +40,8 @@ def test_probe_reports_every_nodecaps_key_with_sane_values(caps):
     json.dumps(caps)  # the worker's --probe prints exactly this
     assert isinstance(caps["addr"], str) and caps["addr"] == primary_ipv4()
     assert caps["hostname"] and caps["os"]
+    with open("/proc/sys/kernel/random/boot_id") as fh:  # one kernel: one machine's cores
+        assert caps["machine_id"] == fh.read().strip()
     assert isinstance(caps["cores"], int) and caps["cores"] >= 1
     assert 0 < caps["ram_available_bytes"] <= caps["ram_total_bytes"]
     assert isinstance(caps["disk_free_bytes"], int) and caps["disk_free_bytes"] > 0

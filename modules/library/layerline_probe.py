@@ -126,6 +126,13 @@ ansible_facts:
           description: The target's host name.
           type: str
           sample: node1
+        machine_id:
+          description:
+            - The running kernel's boot id, read afresh even when the rest comes from the cache.
+            - Hosts that share one machine's cores (namespaces, containers) share it; the plan
+              gives their workers a short OpenMP spin so an idle one sleeps.
+          type: str
+          sample: 980ac8f4-3cab-43aa-a633-5d79979e7fbe
         os:
           description: Operating system name.
           type: str
@@ -203,7 +210,7 @@ LAYERLINE_IMPORT_ERROR = None
 try:
     import layerline
     from layerline.errors import LayerlineError
-    from layerline.probe import measure_rtt, probe
+    from layerline.probe import machine_id, measure_rtt, probe
 except ImportError:
     LAYERLINE_IMPORT_ERROR = traceback.format_exc()
 
@@ -288,6 +295,7 @@ def main():
     if cache_file and not params["refresh"]:
         caps = read_cache(cache_file, key)
         if caps is not None:
+            caps["machine_id"] = machine_id()  # a reboot changes it; the measurements stand
             module.exit_json(changed=False, cached=True, ansible_facts={"layerline_caps": caps})
 
     try:

@@ -99,13 +99,15 @@ SPIN_ALONE = 300_000    # libgomp's own default: a stage alone on its machine ma
 def place_threads(plan: dict, host_vars: dict[str, dict]) -> None:
     """Each stage's CPU threads, spin policy and compile mode, from where the plan put it.
 
-    Stages on one machine (same probed hostname) take turns on a token, so each may use all
-    its cores, but an idle one must sleep at once rather than spin on cores a busy one needs.
+    Stages on one machine (same probed machine_id, the kernel's boot id; else the same
+    hostname) take turns on a token, so each may use all its cores, but an idle one must
+    sleep at once rather than spin on cores a busy one needs.
     """
     machine = {}
     for st in plan["stages"]:
         caps = host_vars[st["host"]].get("layerline_caps") or {}
-        machine[st["host"]] = caps.get("hostname") or host_addr(host_vars[st["host"]], st["host"])
+        machine[st["host"]] = (caps.get("machine_id") or caps.get("hostname")
+                               or host_addr(host_vars[st["host"]], st["host"]))
     sharing: dict[str, int] = {}
     for st in plan["stages"]:
         if not str(st["device"]).startswith("cuda"):

@@ -26,10 +26,10 @@ import psutil
 
 from .errors import LayerlineError
 
-__all__ = ["probe", "NODECAPS_KEYS", "DEVICE_KEYS"]
+__all__ = ["probe", "machine_id", "NODECAPS_KEYS", "DEVICE_KEYS"]
 
 NODECAPS_KEYS = (
-    "addr", "hostname", "os", "cores", "ram_total_bytes", "ram_available_bytes",
+    "addr", "hostname", "machine_id", "os", "cores", "ram_total_bytes", "ram_available_bytes",
     "disk_free_bytes", "disk_read_bytes_per_s", "disk_read_cached", "devices", "probe_seconds",
 )
 DEVICE_KEYS = ("name", "kind", "memory_bytes", "memory_free_bytes", "flops_per_s", "mem_bw_bytes_per_s")
@@ -81,6 +81,7 @@ def probe(checkpoint: str | None = None, device: str = "cpu", addr: str | None =
     return {
         "addr": addr or primary_ipv4(),
         "hostname": socket.gethostname(),
+        "machine_id": machine_id(),
         "os": platform.system(),
         "cores": usable_cores(),
         "ram_total_bytes": ram_total,
@@ -91,6 +92,16 @@ def probe(checkpoint: str | None = None, device: str = "cpu", addr: str | None =
         "devices": devices,
         "probe_seconds": round(time.perf_counter() - started, 4),
     }
+
+
+def machine_id() -> str | None:
+    """The running kernel's boot id: the same for every host (namespace, container) that
+    shares this machine's cores, whatever its hostname; None where there is none to read."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as fh:
+            return fh.read().strip() or None
+    except OSError:
+        return None
 
 
 # --- devices -------------------------------------------------------------------------
