@@ -177,14 +177,15 @@ def hop_overhead(nbytes: int = 2048, rounds: int = 12, per_round: int = 300) -> 
 
 
 def main(argv=None) -> dict:
+    from layerline.cost import COMPILE_MODES
     ap = argparse.ArgumentParser()
     ap.add_argument("--checkpoint", default=str(ROOT / ".cache" / "demo-llama"))
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--precision", default="bf16")
-    ap.add_argument("--compile", default="max-autotune", choices=["off", "default", "max-autotune"],
+    ap.add_argument("--compile", default="max-autotune", choices=COMPILE_MODES,
                     help="the compiled setting (a) also measures (off: skip it)")
-    ap.add_argument("--pipeline-compile", default="off", choices=["off", "default", "max-autotune"],
+    ap.add_argument("--pipeline-compile", default="off", choices=COMPILE_MODES,
                     help="--compile for the workers of (b) and (c)")
     a = ap.parse_args(argv)
     ckpt = str(ensure_demo(Path(a.checkpoint)))

@@ -14,6 +14,7 @@ import sys
 import tempfile
 import time
 
+from .cost import COMPILE_MODES
 from .errors import LayerlineError
 
 
@@ -372,7 +373,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens")
     g.add_argument("--precision", default="bf16")
     g.add_argument("--threads", type=int, default=None)
-    g.add_argument("--compile", default="off", choices=["off", "default", "max-autotune"],
+    g.add_argument("--compile", default="off", choices=COMPILE_MODES,
                    help="torch.compile each worker's decode step (warm-up first; see the README)")
     g.add_argument("--curve", default="auto", choices=["auto", "on"],
                    help="on: run every local socket with CURVE, with fresh throwaway keys")

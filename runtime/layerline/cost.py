@@ -15,6 +15,8 @@ from .errors import LayerlineError
 # Bytes per parameter at each precision a worker may run. int8 carries one fp32 scale per
 # output channel; that overhead is charged per layer from its row count.
 PRECISION_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 1.0}
+# how a worker runs its decode step: eager, or torch.compile'd (layerline_compile, --compile)
+COMPILE_MODES = ("off", "default", "max-autotune")
 KV_DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
 STORED_PRECISION = {"F32": "fp32", "BF16": "bf16", "F16": "fp16", "I8": "int8"}
 EXPERT_RE = re.compile(r"\.(?:block_sparse_moe|mlp)\.experts\.\d+\.|\.ffn_(?:gate|up|down)_exps\.")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import ipaddress
 import os
 
-from .cost import CostOptions, ModelCost
+from .cost import COMPILE_MODES, CostOptions, ModelCost
 from .errors import LayerlineError
 from .planner import PlanError, Node, make_plan, parse_layers
 
@@ -91,7 +91,6 @@ def plan_for_hosts(host_vars: dict[str, dict], cost: dict | ModelCost, objective
     return plan
 
 
-COMPILE_MODES = ("off", "default", "max-autotune")
 SPIN_SHARED = 10_000    # OpenMP spins before sleeping: short, so an idle stage frees the cores
 SPIN_ALONE = 300_000    # libgomp's own default: a stage alone on its machine may spin
 

@@ -32,6 +32,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from .cost import COMPILE_MODES
 from .errors import LayerlineError
 
 MAX_BATCH = 64
@@ -65,7 +66,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--spin", type=int, default=None,
                    help="OpenMP spin count before an idle thread sleeps (GOMP_SPINCOUNT); low when stages "
                         "share a machine's cores")
-    p.add_argument("--compile", default="off", choices=["off", "default", "max-autotune"],
+    p.add_argument("--compile", default="off", choices=COMPILE_MODES,
                    help="torch.compile the decode step (warm-up before ready: about half a minute for "
                         "default, minutes for max-autotune; cached under --compile-cache)")
     p.add_argument("--compile-cache", default=None, help="inductor's cache dir (TORCHINDUCTOR_CACHE_DIR)")

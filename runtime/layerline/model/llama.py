@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..checkpoint import CheckpointError
+from ..cost import COMPILE_MODES
 from ..errors import LayerlineError
 from .moe import ExpertStore, SparseMoE
 from .quant import Int8Embedding, make_linear
@@ -41,7 +42,6 @@ from .quant import Int8Embedding, make_linear
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.bfloat16}
 QUANTIZED = ("int8",)  # precisions whose weights are held quantized (weight-only)
 
-COMPILE_MODES = ("off", "default", "max-autotune")
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "mixtral")
 _ROPE_TYPES = ("default", "linear", "llama3")
 
