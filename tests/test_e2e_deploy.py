@@ -98,6 +98,8 @@ def test_weight_staging_ships_only_each_stage(tmp_path_factory):
         out = " ".join(first.stdout.split())
         plan = json.loads((home / "plan.json").read_text())
         shipped = 0
+        # probed before staging, each host timed the disk its stage lands on (not "not measured")
+        assert all(s["disk_read_bytes_per_s"] for s in plan["stages"]), plan["stages"]
         for s in plan["stages"]:
             staged = home / "state" / s["host"] / "checkpoint"
             idx = read_index(staged)

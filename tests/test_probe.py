@@ -63,15 +63,25 @@ def test_probe_reports_every_nodecaps_key_with_sane_values(caps):
 
 
 def test_disk_speed_is_null_not_zero_when_unmeasured(tmp_path):
-    empty = probe(str(tmp_path), budget_s=0.05)  # a directory without safetensors
-    assert empty["disk_read_bytes_per_s"] is None
-    assert empty["disk_free_bytes"] > 0
     nothing = probe(None, budget_s=0.05, addr="10.1.2.3")
     assert nothing["disk_read_bytes_per_s"] is None
     assert nothing["addr"] == "10.1.2.3"
-    # A checkpoint that is not there yet: free space of the filesystem it will land on.
-    later = probe(str(tmp_path / "not" / "yet"), budget_s=0.05, measure_disk=False)
+    off = probe(str(tmp_path), budget_s=0.05, measure_disk=False)
+    assert off["disk_read_bytes_per_s"] is None and off["disk_free_bytes"] > 0
+    # A checkpoint whose parent is not there either: free space of the filesystem it will
+    # land on, but no scratch file written into some far ancestor.
+    later = probe(str(tmp_path / "not" / "yet"), budget_s=0.05)
     assert later["disk_free_bytes"] > 0 and later["disk_read_bytes_per_s"] is None
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_host_without_the_checkpoint_times_the_disk_it_will_land_on(tmp_path):
+    """With layerline_checkpoint_shared false the probe runs before staging: the stage dir is
+    not there yet, its parent (the state dir) is. A scratch file there is timed, then removed."""
+    for target in (tmp_path / "checkpoint", tmp_path):  # not made yet; made but empty
+        caps = probe(str(target), budget_s=0.1)
+        assert caps["disk_read_bytes_per_s"] is not None and caps["disk_read_bytes_per_s"] > 0
+        assert list(tmp_path.iterdir()) == [], "the scratch file must not stay behind"
 
 
 def test_disk_speed_measured_on_checkpoint_file(checkpoint, caps):

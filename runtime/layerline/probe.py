@@ -20,6 +20,7 @@ import os
 import platform
 import socket
 import sys
+import tempfile
 import time
 
 import psutil
@@ -38,6 +39,7 @@ DEVICE_KEYS = ("name", "kind", "memory_bytes", "memory_free_bytes", "flops_per_s
 CACHED_READ_BYTES_PER_S = 20e9
 DISK_READ_MAX_BYTES = 256 * 1024 * 1024
 DISK_READ_CHUNK = 8 * 1024 * 1024
+SCRATCH_BYTES = 64 * 1024 * 1024  # what a host that holds no checkpoint yet writes to time its disk
 _MiB = 1024 * 1024
 
 
@@ -77,6 +79,9 @@ def probe(checkpoint: str | None = None, device: str = "cpu", addr: str | None =
         sample = _checkpoint_sample_file(checkpoint)
         if sample is not None:
             disk_rate, disk_cached = _measure_disk_read(sample, budget_s)
+        elif _will_hold(checkpoint, disk_path):
+            # nothing there yet (a host the checkpoint is staged to): measure the disk it will be on
+            disk_rate, disk_cached = _scratch_disk_read(disk_path, budget_s)
 
     return {
         "addr": addr or primary_ipv4(),
@@ -484,6 +489,40 @@ def _checkpoint_sample_file(checkpoint: str) -> str | None:
         if size > best_size and os.path.isfile(candidate):
             best, best_size = candidate, size
     return best
+
+
+def _will_hold(checkpoint: str, existing: str) -> bool:
+    """Whether `existing` is the checkpoint dir itself or its parent (not some far ancestor
+    such as /, where a probe has no business writing), and has room for a scratch file."""
+    path = os.path.abspath(os.path.expanduser(checkpoint))
+    if existing not in (path, os.path.dirname(path)) or not os.path.isdir(existing):
+        return False
+    free = _disk_free(existing)
+    return os.access(existing, os.W_OK) and free is not None and free > 4 * SCRATCH_BYTES
+
+
+def _scratch_disk_read(directory: str, budget_s: float) -> tuple[float | None, bool]:
+    """Read speed of the disk under `directory`: a scratch file written, synced, read back
+    (page cache dropped, O_DIRECT where allowed) and removed."""
+    try:
+        fd, path = tempfile.mkstemp(prefix=".layerline-probe-", dir=directory)
+    except OSError:
+        return None, False
+    try:
+        block = os.urandom(_MiB)  # incompressible: a compressing filesystem must not flatter the disk
+        with os.fdopen(fd, "wb") as fh:
+            for _ in range(SCRATCH_BYTES // _MiB):
+                fh.write(block)
+            fh.flush()
+            os.fsync(fh.fileno())
+        return _measure_disk_read(path, budget_s)
+    except OSError:
+        return None, False
+    finally:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
 
 
 def _read_loop(fd: int, buf: mmap.mmap, limit: int, deadline: float) -> int:
