@@ -33,3 +33,31 @@ def recap(output: str) -> dict[str, dict[str, int]]:
     for m in re.finditer(r"^(\S+)\s+:\s+((?:\w+=\d+\s*)+)$", output, re.M):
         out[m.group(1)] = {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", m.group(2))}
     return out
+
+
+def wait_ready(path: str, proc: subprocess.Popen, log: Path | None = None, timeout: float = 180.0) -> None:
+    """Wait for a worker's ready file; fail with its exit status (and log tail) if it dies first."""
+    import time
+    deadline = time.time() + timeout
+    while not os.path.exists(path):
+        tail = f": {log.read_text()[-2000:]}" if log is not None else ""
+        assert proc.poll() is None, f"worker exited with {proc.returncode}{tail}"
+        assert time.time() < deadline, f"{path} did not appear"
+        time.sleep(0.05)
+
+
+def chained_greedy(stages, prompt, steps: int, max_len: int = 32):
+    """Prefill, then one-token greedy decode steps through chained in-process stages, each with
+    its own KV cache; returns the prompt with the `steps` new tokens appended."""
+    import torch
+    caches = [s.new_cache(batch=prompt.shape[0], max_len=max_len) for s in stages]
+    seq, x, pos = prompt, prompt, 0
+    for _ in range(steps):
+        h = x
+        for s, c in zip(stages, caches):
+            h = s(h, pos, c, last_only=True)
+        pos += x.shape[1]
+        x = h[:, -1].argmax(-1, keepdim=True)
+        seq = torch.cat([seq, x], dim=1)
+    assert all(c.length == pos for c in caches)
+    return seq

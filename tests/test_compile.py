@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 
+from helpers import chained_greedy
 from layerline.checkpoint import read_index, write_demo_checkpoint
 from layerline.cli import local_stages, stop_local
 from layerline.driver import Pipeline, control
@@ -78,13 +79,7 @@ def test_compiled_worker_serves_without_recompiling(small_ckpt, tmp_path):
     assert after["errors"] == 0 and after["rejected"] == 0
     full = load_stage(str(small_ckpt), 0, read_index(small_ckpt).num_layers, True, True, "fp32")
     for p, toks in zip(prompts, g.tokens):
-        cache = full.new_cache(1, len(p) + 7)
-        logits = full(torch.tensor([p]), start_pos=0, cache=cache)
-        want = []
-        for i in range(6):
-            want.append(int(logits[0, -1].argmax()))
-            logits = full(torch.tensor([[want[-1]]]), start_pos=len(p) + i, cache=cache)
-        assert toks == want
+        assert toks == chained_greedy([full], torch.tensor([p]), 6, len(p) + 7)[0, len(p):].tolist()
 
 
 @pytest.mark.parametrize("precision", ["bf16", "int8"])

@@ -15,7 +15,6 @@ import stat
 import subprocess
 import sys
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -24,6 +23,7 @@ import zmq
 import zmq.auth
 from zmq.utils.monitor import recv_monitor_message
 
+from helpers import wait_ready
 from layerline import keys, wire
 from layerline.cli import _free_ports, stop_local
 from layerline.driver import DriveError, Pipeline, control
@@ -140,14 +140,6 @@ def test_keys_readable_by_others_or_tampered_are_refused(keyset, tmp_path):
 
 
 # --- a CURVE pipeline ---------------------------------------------------------------------------
-
-def wait_ready(path: str, proc: subprocess.Popen, log: Path, timeout: float = 180.0) -> None:
-    deadline = time.time() + timeout
-    while not os.path.exists(path):
-        assert proc.poll() is None, f"worker exited with {proc.returncode}: {log.read_text()[-2000:]}"
-        assert time.time() < deadline, f"{path} did not appear"
-        time.sleep(0.05)
-
 
 @pytest.fixture(scope="module")
 def stages(small_ckpt, keyset, request):

@@ -18,6 +18,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from helpers import chained_greedy  # noqa: E402
 from layerline.checkpoint import CheckpointError, demo_config, read_index, write_demo_checkpoint  # noqa: E402
 from layerline.model.llama import ModelArgs  # noqa: E402
 from layerline.model.loader import load_stage  # noqa: E402
@@ -68,21 +69,6 @@ def _pipeline(ckpt: Path, **kw):
     return [load_stage(str(ckpt), a, b, a == 0, b == LAYERS, **kw) for a, b in SPLIT]
 
 
-def _greedy(stages, prompt: torch.Tensor, steps: int, max_len: int = 32) -> torch.Tensor:
-    """Prefill then one-token decode steps through chained stages, each with its own cache."""
-    caches = [s.new_cache(batch=prompt.shape[0], max_len=max_len) for s in stages]
-    seq, x, pos = prompt, prompt, 0
-    for _ in range(steps):
-        h = x
-        for s, c in zip(stages, caches):
-            h = s(h, pos, c, last_only=True)
-        pos += x.shape[1]
-        x = h[:, -1].argmax(-1, keepdim=True)
-        seq = torch.cat([seq, x], dim=1)
-    assert all(c.length == pos for c in caches)
-    return seq
-
-
 @pytest.mark.parametrize("arch", list(FAMILIES))
 def test_family_matches_transformers(ckpts, arch):
     ckpt = ckpts[arch]
@@ -102,7 +88,7 @@ def test_family_matches_transformers(ckpts, arch):
 
     prompt, steps = _prompt(vocab, t=7, seed=2), 10
     want = hf.generate(prompt, max_new_tokens=steps, do_sample=False, pad_token_id=0)
-    got = _greedy(_pipeline(ckpt), prompt, steps)
+    got = chained_greedy(_pipeline(ckpt), prompt, steps)
     assert torch.equal(got, want), f"{arch}: pipeline {got.tolist()} != transformers {want.tolist()}"
 
 
@@ -207,7 +193,7 @@ def test_mixtral_lru_expert_store_equals_resident(ckpts):
         hr, hp = r(hr), p(hp)
     assert torch.equal(hr, hp)
     prompt = _prompt(1000, t=5, seed=6)
-    assert torch.equal(_greedy(paged, prompt, 6), _greedy(resident, prompt, 6))
+    assert torch.equal(chained_greedy(paged, prompt, 6), chained_greedy(resident, prompt, 6))
     mid = paged[1].expert_store.stats  # layers 1 and 2: 8 experts through a 3-expert cache
     assert mid.misses > 8 and mid.evictions == mid.misses - 3  # cycling through more than fit
     assert mid.bytes_read == mid.misses * _expert_bytes(cfg, 4)

@@ -17,6 +17,7 @@ from layerline.checkpoint import write_demo_checkpoint
 from layerline.model import quant
 from layerline.model.loader import load_stage
 from layerline.model.quant import Int8Embedding, Int8Linear, dequantize_rows, int8_linear, quantize_rows
+from helpers import chained_greedy
 
 LAYERS = 4
 INT8_REL_BOUND = 0.06  # measured 0.030 on this model (max |int8 - bf16| / max |bf16|)
@@ -118,20 +119,8 @@ def test_int8_logits_within_bound_of_bf16(ckpt):
         h = s(h)
     torch.testing.assert_close(h, out, atol=1e-3, rtol=1e-3)
 
-    def greedy(ss, steps=6):
-        caches = [s.new_cache(1, 48) for s in ss]
-        seq, x, pos = ids[:, :8], ids[:, :8], 0
-        for _ in range(steps):
-            y = x
-            for s, c in zip(ss, caches):
-                y = s(y, pos, c, last_only=True)
-            pos += x.shape[1]
-            x = y[:, -1].argmax(-1, keepdim=True)
-            seq = torch.cat([seq, x], 1)
-        return seq
-
     assert stages[0].new_cache(1, 4).layers[0].k.dtype == torch.bfloat16  # int8 keeps a bf16 KV cache
-    assert torch.equal(greedy(stages), greedy([one]))
+    assert torch.equal(chained_greedy(stages, ids[:, :8], 6, 48), chained_greedy([one], ids[:, :8], 6, 48))
 
 
 def test_int8_tied_embeddings_share_the_int8_tensor(tmp_path):

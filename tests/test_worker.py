@@ -20,6 +20,7 @@ import pytest
 import torch
 import zmq
 
+from helpers import wait_ready
 from layerline import wire
 from layerline.cli import _free_ports, local_stages, stop_local
 from layerline.driver import DriveError, Pipeline, control, greedy_generate
@@ -35,14 +36,6 @@ ATOL = 1e-5
 def control_of(endpoint: str) -> str:
     host, port = endpoint.rsplit(":", 1)
     return f"{host}:{int(port) + 1}"
-
-
-def wait_for(path: str, proc: subprocess.Popen, timeout: float = 120.0) -> None:
-    deadline = time.time() + timeout
-    while not os.path.exists(path):
-        assert proc.poll() is None, f"worker exited with {proc.returncode}"
-        assert time.time() < deadline, f"{path} did not appear"
-        time.sleep(0.05)
 
 
 # --- fixtures -----------------------------------------------------------------------------------
@@ -90,7 +83,7 @@ def spare(small_ckpt, stages, request):
                              "--threads", "1"],
                             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     request.addfinalizer(lambda: (stop_local([proc]), log.close()))
-    wait_for(ready, proc)
+    wait_ready(ready, proc, timeout=120.0)
     return SimpleNamespace(proc=proc, data=bind, control=control_of(bind), ready=ready)
 
 

@@ -522,7 +522,8 @@ class Stage(nn.Module):
         # inductor needs a C++ compiler on the host, among other things; a stage that cannot
         # compile still serves, eagerly, and says why
         self._step = None
-        self.compile_error = f"{e.__class__.__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
+        text = str(e).strip()
+        self.compile_error = f"{e.__class__.__name__}: {text.splitlines()[0][:300] if text else ''}"
 
     def decode_step(self, x: torch.Tensor, pos: torch.Tensor, ks: list[torch.Tensor],
                     vs: list[torch.Tensor]) -> torch.Tensor:
