@@ -18,7 +18,7 @@ import torch
 from .driver import DriveError, Pipeline, StepResult
 from .errors import LayerlineError
 from .model.sampling import sample
-from .worker import MAX_BATCH, MAX_SEQS
+from .wire import MAX_BATCH, MAX_SEQS
 
 
 @dataclass

@@ -27,6 +27,10 @@ MAX_TENSORS = 16
 MAX_DIMS = 6
 ID_RE = re.compile(r"^[A-Za-z0-9_.:\-]{1,64}$")
 NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]{0,63}$")
+# protocol limits every side agrees on (the driver sizes its batches by them, a stage enforces them)
+MAX_BATCH = 64         # rows in one forward message
+MAX_SEQS = 64          # live sequences whose KV cache a stage keeps (LRU beyond)
+MAX_REPLY_PEERS = 16   # distinct drivers a last stage keeps sockets to
 ENDPOINT_RE = re.compile(r"^tcp://[A-Za-z0-9.\-\[\]:]{1,200}:\d{1,5}$")
 
 DTYPES: dict[str, torch.dtype] = {

@@ -35,9 +35,7 @@ from dataclasses import dataclass, field
 from .cost import COMPILE_MODES
 from .errors import LayerlineError
 
-MAX_BATCH = 64
-MAX_SEQS = 64          # live sequences whose KV cache a stage keeps (LRU beyond)
-MAX_REPLY_PEERS = 16   # distinct drivers a last stage keeps sockets to
+from .wire import MAX_BATCH, MAX_REPLY_PEERS, MAX_SEQS
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
