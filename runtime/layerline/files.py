@@ -1,0 +1,52 @@
+"""Files other processes read while we write them: one atomic write for all of layerline.
+
+A reader (the Ansible module, a worker's supervisor, a later run) sees either the old file or
+the whole new one, never half of it: the data goes to a private temporary file beside the
+target, is flushed to disk, and is renamed over it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import stat
+
+
+def atomic_write(path: str | os.PathLike, data: bytes | str, mode: int = 0o600, *, if_changed: bool = False) -> bool:
+    """Write data to path atomically with this mode; True when the file was written.
+
+    if_changed: leave a file that already holds these bytes with this mode alone (idempotent
+    writers such as the keys role report "changed" from this).
+    """
+    path = os.fspath(path)
+    if isinstance(data, str):
+        data = data.encode()
+    if if_changed:
+        try:
+            st = os.lstat(path)
+            if stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) == mode:
+                with open(path, "rb") as f:
+                    if f.read() == data:
+                        return False
+        except FileNotFoundError:
+            pass
+    tmp = f"{path}.tmp{os.getpid()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, mode & 0o600)
+    try:
+        try:
+            os.write(fd, data)
+            os.fchmod(fd, mode)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    return True
+
+
+def atomic_write_json(path: str | os.PathLike, value, mode: int = 0o600, **kw) -> bool:
+    return atomic_write(path, json.dumps(value, indent=2, sort_keys=True) + "\n", mode, **kw)
