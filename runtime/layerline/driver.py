@@ -178,6 +178,49 @@ class Pipeline:
         self.to_first.send_multipart(wire.encode({"op": "release", "seq": seq}))
 
 
+def reply_host_for(endpoint: str) -> str:
+    """An address of this machine that the endpoint's host can reach (no packets sent)."""
+    import ipaddress
+    import socket
+    host = endpoint.rsplit(":", 1)[0].split("://", 1)[-1].strip("[]")
+    try:
+        if ipaddress.ip_address(host).is_loopback:
+            return "127.0.0.1"
+    except ValueError:
+        pass
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))  # UDP connect only picks the route
+            return s.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+
+
+def active_stages(plan) -> list:
+    """The plan's active stages in pipeline order (a plan dict or a typed Plan)."""
+    stages = plan["stages"] if isinstance(plan, dict) else plan.stages
+    role = (lambda s: s["role"]) if isinstance(plan, dict) else (lambda s: s.role)
+    out = [s for s in stages if role(s) == "active"]
+    if not out:
+        raise DriveError("plan: no active stage to drive; plan first (playbooks/plan.yml or `layerline plan`)")
+    return out
+
+
+def pipeline_for_plan(plan, *, keys_dir: str | None = None, reply_host: str | None = None, curve: str = "auto",
+                      timeout_s: float = 120.0, ctx: zmq.Context | None = None) -> Pipeline:
+    """The Pipeline into a planned, running set of workers: stage 0's endpoint, its key name, a reply address.
+
+    keys_dir: the controller's keys dir (needed when CURVE is on: off loopback, or curve="on").
+    reply_host: an address of this machine the last stage can reach (default: the route to it).
+    """
+    stages = active_stages(plan)
+    get = (lambda s, k: s[k]) if isinstance(plan, dict) else getattr
+    first, last = stages[0], stages[-1]
+    endpoint = str(get(first, "endpoint"))
+    return Pipeline(endpoint, reply_host=reply_host or reply_host_for(str(get(last, "endpoint"))),
+                    timeout_s=timeout_s, ctx=ctx, keys_dir=keys_dir, first_key=str(get(first, "host")), curve=curve)
+
+
 def control(endpoint: str, op: str, timeout_s: float = 5.0, ctx: zmq.Context | None = None, *,
             keys_dir: str | None = None, peer: str | None = None, curve: str = "auto", **fields) -> dict:
     """One request to a worker's control socket (health, stats, set_next, shutdown).
