@@ -79,7 +79,7 @@ class CostOptions:
     on_unknown_kv: str = "fail"              # fail | assume | ignore
     precision_ladder: list[str] = field(default_factory=list)  # empty: the stored precision
     reserve_ram_bytes: int = 0
-    hop_s: float = 0.0005                    # per hop; measured RTT when known
+    hop_s: float | None = None               # per hop; None: the planner takes the measured round trips
 
     def __post_init__(self):
         if self.objective not in OBJECTIVES:
@@ -98,7 +98,7 @@ class CostOptions:
         kvo = self.kv_bytes_per_layer_token
         if kvo is not None and (not isinstance(kvo, int) or isinstance(kvo, bool) or kvo < 0):
             raise CostError(f"layerline_objective.kv_bytes_per_layer_token: {kvo!r} must be a non-negative integer")
-        if self.hop_s < 0 or self.reserve_ram_bytes < 0:
+        if (self.hop_s is not None and self.hop_s < 0) or self.reserve_ram_bytes < 0:
             raise CostError("layerline_objective: hop_secs and layerline_reserve_ram_gb must not be negative")
 
     @classmethod
