@@ -64,7 +64,7 @@ def bench_scale(hosts: int = 1000, layers: int = 200, repeat: int = 3, seed: int
         plan = make_plan(nodes, mc, opts, "auto")
         times.append(time.perf_counter() - t0)
     best = min(times)
-    used = sum(1 for s in plan["stages"] if s["role"] == "active")
+    used = len(plan.actives)
     return {"hosts": hosts, "layers": layers, "seconds": best, "seconds_median": statistics.median(times),
             "ratio_to_goal": best / SCALE_GOAL_S, "active_stages": used}
 
@@ -83,9 +83,9 @@ def bench_quality(clusters: int = 200, seed: int = 1) -> dict:
         specs = [(n.host, n.caps) for n in nodes]
         bottleneck = {}
         for policy in ("auto", "ram_balanced", "uniform"):
-            try:  # fresh Nodes each time: the planner fills in their budgets
+            try:
                 bottleneck[policy] = make_plan([Node(host=h, caps=c) for h, c in specs], mc, opts,
-                                               policy)["bottleneck_s"]
+                                               policy).bottleneck_s
             except PlanError:
                 infeasible[policy] += 1
         if "auto" not in bottleneck:

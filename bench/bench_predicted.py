@@ -38,7 +38,7 @@ def main(argv=None) -> dict:
     caps = probe(ckpt)
     ports = [29800, 29810, 29820]
     nodes = [Node(host=f"w{i + 1}", caps=caps, endpoint=f"tcp://127.0.0.1:{p}") for i, p in enumerate(ports)]
-    plan = make_plan(nodes, model_cost(read_index(ckpt)), CostOptions(context=512), "auto")
+    plan = make_plan(nodes, model_cost(read_index(ckpt)), CostOptions(context=512), "auto").to_dict()
     print(plan_table(plan), flush=True)
     tmp = tempfile.mkdtemp(prefix="layerline-bench-")
     stages = [s for s in plan["stages"] if s["role"] == "active"]

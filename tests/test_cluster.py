@@ -27,7 +27,8 @@ def cluster(tmp_path_factory):
     home = tmp_path_factory.mktemp("cluster")
     ckpt = write_demo_checkpoint(home / "ckpt", layers=6, hidden=128, vocab=500, dtype="float32", seed=5)
     extra = {"layerline_home": str(home), "layerline_checkpoint": str(ckpt), "layerline_demo_checkpoint": False,
-             "layerline_port_base": PORT_BASE, "layerline_seq": 10}
+             "layerline_port_base": PORT_BASE, "layerline_seq": 10,
+             "layerline_policy": "uniform"}  # every host holds layers, whatever the probes measured
     progress = io.StringIO()
     c = Cluster.from_path(ROOT / "inventory", extravars=extra, stream=progress)
     yield c, home, ckpt, progress
@@ -54,6 +55,17 @@ def test_probe_plan_launch_drive_teardown(cluster):
     assert actives[0]["layers"][0] == 0 and actives[-1]["layers"][1] == plan["num_layers"] == 6
     assert all(a["layers"][1] == b["layers"][0] for a, b in zip(actives, actives[1:]))
     assert json.loads((home / "plan.json").read_text()) == plan
+    # `layerline plan` over the same facts and inventory variables makes the very same plan
+    (home / "caps.json").write_text(json.dumps(caps))
+    (home / "vars.json").write_text(json.dumps({h: {"ansible_connection": "local", "layerline_port": PORT_BASE + 10 * i}
+                                                for i, h in enumerate(["w1", "w2", "w3"])}))
+    import subprocess
+    import sys
+    cli = subprocess.run([sys.executable, "-m", "layerline.cli", "plan", "--caps", str(home / "caps.json"),
+                          "--vars", str(home / "vars.json"), "--checkpoint", str(ckpt), "--policy", "uniform",
+                          "--context", "4096", "--reserve-ram-gb", "1", "--json"], capture_output=True, text=True)
+    assert cli.returncode == 0, cli.stderr
+    assert json.loads(cli.stdout) == plan
     table = c.plan_table()
     assert all(h in table for h in ("w1", "w2", "w3")) and "pred/token" in table
     kv = c.kv_profile()
@@ -76,18 +88,24 @@ def test_probe_plan_launch_drive_teardown(cluster):
     from layerline.model.loader import load_stage
     ids = torch.randint(0, 500, (1, 9), generator=torch.Generator().manual_seed(1))
     r = c.drive(ids, generate=3)
-    assert [t["stage"] for t in r["stages"]] == ["w1", "w2", "w3"]
-    assert [t["layers"] for t in r["stages"]] == [s["layers"] for s in actives]
-    assert all(t["s"] > 0 for t in r["stages"]) and r["wall_s"] >= sum(t["s"] for t in r["stages"])
-    assert r["logits_shape"] == [1, 9, 500]
+    assert [t["stage"] for t in r.stages] == ["w1", "w2", "w3"]
+    assert [t["layers"] for t in r.stages] == [s["layers"] for s in actives]
+    assert all(t["s"] > 0 for t in r.stages) and r.wall_s >= sum(t["s"] for t in r.stages)
+    assert r.logits_shape == [1, 9, 500]
     with torch.no_grad():
         ref = load_stage(str(ckpt), 0, 6, True, True, precision=plan["precision"])(ids)
-    assert torch.equal(r["logits"].argmax(-1), ref.argmax(-1))
-    assert float((r["logits"] - ref).abs().max()) < 1e-3
-    assert len(r["generate"]["new_tokens"]) == 3
-    assert r["generate"]["new_tokens"][0] == int(ref[0, -1].argmax())
+    assert torch.equal(r.logits.argmax(-1), ref.argmax(-1))
+    assert float((r.logits - ref).abs().max()) < 1e-3
+    assert len(r.generate["new_tokens"][0]) == 3
+    assert r.generate["new_tokens"][0][0] == int(ref[0, -1].argmax())
+    # one result shape and one report for the CLI, the drive play and Cluster.drive
+    from layerline.driver import drive_report
+    report = drive_report(r)
+    print(report)
+    assert "generated 3 tokens for 1 sequence(s)" in report and report == drive_report(r.to_dict())
+    assert json.loads(json.dumps(r.to_dict()))["generate"]["new_tokens"] == r.generate["new_tokens"]
     # default inputs: layerline_seq ids drawn with layerline_rng_seed, as the drive play does
-    assert c.drive()["logits_shape"] == [1, 10, 500]
+    assert c.drive().logits_shape == [1, 10, 500]
 
     # a failing play: one line naming the host, the task and the field, not a traceback
     c.extravars["layerline_policy"] = "bogus"

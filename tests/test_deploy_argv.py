@@ -4,9 +4,20 @@ from __future__ import annotations
 import pytest
 
 from layerline.cost import KV_DTYPE_BYTES, ModelCost
-from layerline.deploy import node_from_vars, plan_for_hosts, worker_argv
+from layerline import deploy
+from layerline.deploy import node_from_vars
 from layerline.errors import LayerlineError
 from layerline.planner import PlanError
+from layerline.spec import worker_spec
+
+
+def plan_for_hosts(*args, **kw) -> dict:
+    """The plan as the playbooks hold it (JSON)."""
+    return deploy.plan_for_hosts(*args, **kw).to_dict()
+
+
+def worker_argv(plan, host: str, hvars: dict, python: str = "python3") -> list[str]:
+    return list(worker_spec(plan, host, hvars, python).argv)
 
 GiB = 2**30
 BOOL_FLAGS = {"--first", "--last"}

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from layerline.cost import CostOptions, ModelCost
 from layerline.errors import LayerlineError
-from layerline.planner import Node, PlanError, make_plan, plan_table, validate_plan
+from layerline.planner import DEFAULT_HOP_S, Node, PlanError, make_plan, plan_table, validate_plan
 
 PB = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 1.0}
 KVB = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1}
@@ -95,7 +95,7 @@ def caps(spec: dict) -> dict:
             "devices": [{"name": "cpu", "kind": "cpu", "memory_bytes": spec["ram_total"],
                          "memory_free_bytes": spec["ram"], "flops_per_s": spec["flops"],
                          "mem_bw_bytes_per_s": spec["bw"]}],
-            "probe_seconds": 0.1}
+            "probe_seconds": 0.1, **({"machine_id": spec["machine_id"]} if "machine_id" in spec else {})}
 
 
 def spec(name: str, ram: int, flops: float = 1e12, bw: float = 1e11, **kw) -> dict:
@@ -106,7 +106,7 @@ def spec(name: str, ram: int, flops: float = 1e12, bw: float = 1e11, **kw) -> di
 
 
 def nodes_of(specs: list[dict]) -> list[Node]:
-    """Fresh Node objects (make_plan fills in budgets, so never reuse them across plans)."""
+    """Node objects (frozen: make_plan leaves its inputs as they were)."""
     out = []
     for s in specs:
         out.append(Node(host=s["host"], caps=caps(s), role=s.get("role", "active"), layers=s.get("layers"),
@@ -116,7 +116,8 @@ def nodes_of(specs: list[dict]) -> list[Node]:
 
 
 def plan(specs, mc, opts, policy="auto") -> dict:
-    return make_plan(nodes_of(specs), mc, opts, policy)
+    """The plan as its JSON (what playbooks and plan.json hold)."""
+    return make_plan(nodes_of(specs), mc, opts, policy).to_dict()
 
 
 def actives(p: dict) -> list[dict]:
@@ -134,6 +135,11 @@ def splits(L: int, n: int):
         yield [(edges[k], edges[k + 1]) for k in range(n)]
 
 
+def hop(opts) -> float:
+    """The hop the planner prices: the objective's, else (no measured round trips here) the default."""
+    return DEFAULT_HOP_S if opts.hop_s is None else opts.hop_s
+
+
 def brute(specs, mc, opts, prec):
     """(min bottleneck, min sum-of-times + hop per used stage, min hosts used) over fitting splits."""
     bud = budgets(specs, opts.reserve_ram_bytes)
@@ -145,7 +151,7 @@ def brute(specs, mc, opts, prec):
             continue
         times = [s_time(mc, prec, specs[k]["flops"], specs[k]["bw"], a, b, opts.batch) for k, a, b in used]
         best_b = min(best_b, max(times))
-        best_l = min(best_l, sum(times) + opts.hop_s * len(used))
+        best_l = min(best_l, sum(times) + hop(opts) * len(used))
         best_n = min(best_n, len(used))
     return best_b, best_l, best_n
 
@@ -280,9 +286,9 @@ def _brute_check(mc, opts, specs):
     if opts.objective == "throughput":
         assert close(p["bottleneck_s"], best_b)
     elif opts.objective == "latency":
-        total = sum(s["predicted_s"] for s in act) + opts.hop_s * len(act)
+        total = sum(s["predicted_s"] for s in act) + hop(opts) * len(act)
         assert close(total, best_l)
-        assert close(p["predicted_token_s"], best_l + opts.hop_s)
+        assert close(p["predicted_token_s"], best_l + hop(opts))
     return p, best_n
 
 
@@ -533,16 +539,46 @@ def test_bad_policy_role_precision():
 # --- shared machines -------------------------------------------------------------------------------
 
 def test_hosts_on_one_machine_split_its_ram():
+    """Hosts with one machine_id (the kernel's boot id) share its RAM, as they share its cores."""
     ram = 3 * 10**9
-    box = dict(hostname="box", ram_total=4 * 10**9)
+    box = dict(hostname="box", machine_id="boot-1", ram_total=4 * 10**9)
     specs = [spec("a", ram, **box), spec("b", ram, **box), spec("c", ram, **box),
-             spec("other", ram, hostname="box", ram_total=5 * 10**9),   # same name, other machine
+             spec("other", ram, hostname="box", machine_id="boot-2"),   # same name, other machine
              spec("solo", ram)]
     p = plan(specs, _mc(), CostOptions(context=256, reserve_ram_bytes=1000), "uniform")
     got = {s["host"]: s["mem_budget_bytes"] for s in p["stages"]}
     assert got == {"a": ram // 3 - 1000, "b": ram // 3 - 1000, "c": ram // 3 - 1000,
                    "other": ram - 1000, "solo": ram - 1000}
     assert sum(got[h] for h in "abc") <= ram
+    # the same grouping decides threads and spin: three stages share box's cores
+    shared = {s["host"]: s["shares_cores_with"] for s in p["stages"]}
+    assert shared == {"a": 2, "b": 2, "c": 2, "other": 0, "solo": 0}
+    # without a machine_id (an older probe) the hostname tells
+    legacy = plan([spec("a", ram, hostname="box"), spec("b", ram, hostname="box")], _mc(),
+                  CostOptions(context=256), "uniform")
+    assert [s["mem_budget_bytes"] for s in legacy["stages"]] == [ram // 2, ram // 2]
+
+
+def test_make_plan_leaves_its_inputs_alone():
+    nodes, mc, opts = nodes_of([spec("a", BIG), spec("b", BIG)]), _mc(), CostOptions(context=256)
+    before = (repr(nodes), repr(mc), repr(opts))
+    p1 = make_plan(nodes, mc, opts)
+    assert (repr(nodes), repr(mc), repr(opts)) == before
+    assert make_plan(nodes, mc, opts) == p1
+
+
+def test_tie_break_fewer_hops_then_faster_hosts():
+    """Equal bottleneck: fewer hops first, then the faster hosts take the work (the README says so)."""
+    mc = _mc()  # 8 equal layers
+    # two layers over three equal hosts: a third stage would add a hop and nothing else
+    mc = _mc(L=2)
+    p = plan([spec("a", BIG), spec("b", BIG), spec("c", BIG)], mc, OPTS)
+    assert [(s["host"], s["layers"]) for s in actives(p)] == [("a", [0, 1]), ("b", [1, 2])]
+    # c (1.5x) must hold the head's stage; a (1x) or b (1.2x) may hold layer 0 at the same bottleneck
+    # and the same hop count: the faster one, b, takes it, although a comes first
+    speed = lambda k: dict(flops=1e12 * k, bw=1e11 * k)  # noqa: E731
+    p = plan([spec("a", BIG, **speed(1.0)), spec("b", BIG, **speed(1.2)), spec("c", BIG, **speed(1.5))], mc, OPTS)
+    assert [(s["host"], s["layers"]) for s in actives(p)] == [("b", [0, 1]), ("c", [1, 2])]
 
 
 def test_shared_machine_budget_decides_fit():

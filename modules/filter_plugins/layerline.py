@@ -1,6 +1,7 @@
 """Filters over layerline's planner: thin adapters, no logic of their own.
 
     {{ hostvars | layerline_plan(ansible_play_hosts, cost, objective, policy, reserve_ram_gb) }}
+    {{ plan | layerline_worker_spec(inventory_hostname, hostvars[inventory_hostname], python) }}
     {{ plan | layerline_argv(inventory_hostname, hostvars[inventory_hostname], python) }}
     {{ plan | layerline_plan_table }}
     {{ plan | layerline_drive_argv(hostvars[inventory_hostname], ansible_playbook_python) }}
@@ -14,14 +15,16 @@ from ansible.errors import AnsibleFilterError
 
 try:
     from layerline import LayerlineError
-    from layerline.deploy import drive_argv, peers_of, plan_for_hosts, stage_checkpoint_argv, stage_dir, worker_argv
+    from layerline.deploy import drive_argv, peers_of, plan_for_hosts
     from layerline.planner import plan_table
+    from layerline.spec import stage_checkpoint_argv, stage_dir, worker_spec
     IMPORT_ERROR = None
 except ImportError as e:  # the controller's interpreter lacks the package
     IMPORT_ERROR = e
 
 # Host variables the planner reads; everything else stays untemplated.
 _KEYS = ("ansible_connection", "ansible_host", "ansible_port")
+# Plans are JSON here; the runtime reads them into its typed Plan (layerline.planner.Plan).
 
 
 def _need_runtime():
@@ -44,18 +47,23 @@ def layerline_plan(hostvars, hosts, cost, objective=None, policy=None, reserve_r
     _need_runtime()
     try:
         return plan_for_hosts({h: _host_vars(hostvars, h) for h in hosts}, _plain(cost), _plain(objective),
-                              _plain(policy), _plain(reserve_ram_gb))
+                              _plain(policy), _plain(reserve_ram_gb)).to_dict()
     except LayerlineError as e:
         raise AnsibleFilterError(f"layerline_plan: {e}") from None
 
 
-def layerline_argv(plan, host, hvars, python="python3"):
+def layerline_worker_spec(plan, host, hvars, python="python3"):
+    """The host's WorkerSpec as a dict: argv, state_dir, ready_file, keys_dir, ready_timeout, endpoint."""
     _need_runtime()
     try:
         hv = _plain({k: hvars[k] for k in hvars if k.startswith("layerline_") or k in _KEYS})
-        return worker_argv(_plain(plan), str(host), hv, python=str(python))
+        return worker_spec(_plain(plan), str(host), hv, python=str(python)).to_dict()
     except LayerlineError as e:
-        raise AnsibleFilterError(f"layerline_argv: {e}") from None
+        raise AnsibleFilterError(f"layerline_worker_spec: {e}") from None
+
+
+def layerline_argv(plan, host, hvars, python="python3"):
+    return layerline_worker_spec(plan, host, hvars, python)["argv"]
 
 
 def layerline_drive_argv(plan, hvars, python="python3"):
@@ -100,6 +108,7 @@ def layerline_drive_report(result):
 class FilterModule:
     def filters(self):
         return {"layerline_plan": layerline_plan, "layerline_argv": layerline_argv,
+                "layerline_worker_spec": layerline_worker_spec,
                 "layerline_plan_table": layerline_plan_table,
                 "layerline_drive_argv": layerline_drive_argv, "layerline_peers": layerline_peers,
                 "layerline_stage_argv": layerline_stage_argv, "layerline_stage_dir": layerline_stage_dir, "layerline_drive_report": layerline_drive_report}

@@ -8,14 +8,13 @@ import argparse
 import json
 import os
 import shutil
-import socket
-import subprocess
 import sys
-import tempfile
 import time
 
 from .cost import COMPILE_MODES
 from .errors import LayerlineError
+from .local import free_ports as _free_ports  # noqa: F401  (tests and benchmarks start local pipelines)
+from .local import local_keys, local_stages, stop_local  # noqa: F401
 
 
 def _progress(done: int, total: int) -> None:
@@ -66,147 +65,69 @@ def _load_caps(path: str) -> dict[str, dict]:
     raise LayerlineError(f"--caps {path}: must be a list of NodeCaps or an object of them keyed by host")
 
 
+def _load_vars(path: str | None, hosts: list[str]) -> dict[str, dict]:
+    """Per-host inventory variables (layerline_port, layerline_layers, ...) from a JSON object keyed by host."""
+    if not path:
+        return {h: {} for h in hosts}
+    try:
+        data = json.loads(open(path).read())
+    except (OSError, ValueError) as e:
+        raise LayerlineError(f"--vars {path}: cannot read JSON ({e})") from None
+    if not isinstance(data, dict) or not all(isinstance(v, dict) for v in data.values()):
+        raise LayerlineError(f"--vars {path}: must be an object of host variables keyed by host")
+    unknown = sorted(set(data) - set(hosts))
+    if unknown:
+        raise LayerlineError(f"--vars {path}: host(s) {', '.join(unknown)} have no caps in --caps")
+    return {h: dict(data.get(h) or {}) for h in hosts}
+
+
 def cmd_plan(a) -> int:
     from .checkpoint import read_index
-    from .cost import CostOptions, model_cost
-    from .planner import Node, make_plan, plan_table
+    from .cost import model_cost
+    from .deploy import plan_for_hosts
+    from .planner import plan_table
     caps = _load_caps(a.caps)
-    cost = model_cost(read_index(a.checkpoint))
-    opts = CostOptions(objective=a.objective, context=a.context, batch=a.batch,
-                       precision_ladder=a.precision_ladder.split(",") if a.precision_ladder else [],
-                       on_unknown_kv=a.on_unknown_kv)
-    nodes = [Node(host=h, caps=c, endpoint=f"tcp://{c.get('addr', '127.0.0.1')}:9100") for h, c in caps.items()]
-    plan = make_plan(nodes, cost, opts, a.policy)
-    print(json.dumps(plan, indent=2) if a.json else plan_table(plan))
+    hvars = _load_vars(a.vars, list(caps))
+    from .deploy import DEFAULT_PORT
+    per_addr: dict[str, int] = {}
+    for h, c in caps.items():
+        v = hvars[h]
+        v["layerline_caps"] = c
+        if not any(k in v for k in ("layerline_addr", "ansible_host", "ansible_connection")):
+            v["layerline_addr"] = c.get("addr") if isinstance(c, dict) else None  # its probed address
+        if "layerline_port" not in v:  # hosts on one address take 9100, 9102, ... in order
+            addr = str(v.get("layerline_addr") or v.get("ansible_host") or h)
+            v["layerline_port"] = DEFAULT_PORT + 2 * per_addr.get(addr, 0)
+            per_addr[addr] = per_addr.get(addr, 0) + 1
+    objective = {"optimize": a.objective, "context": a.context, "batch": a.batch, "on_unknown_kv": a.on_unknown_kv,
+                 "precision_ladder": a.precision_ladder.split(",") if a.precision_ladder else []}
+    if a.hop_secs is not None:
+        objective["hop_secs"] = a.hop_secs
+    plan = plan_for_hosts(hvars, model_cost(read_index(a.checkpoint)), objective, a.policy, a.reserve_ram_gb)
+    print(json.dumps(plan.to_dict(), indent=2) if a.json else plan_table(plan))
     return 0
 
 
 def cmd_drive(a) -> int:
     import torch
-    from .driver import Pipeline, drive_report, tolerance
-    from .generate import Sampling, generate
-    cfg = json.loads(open(os.path.join(a.checkpoint, "config.json")).read())
-    g = torch.Generator().manual_seed(a.seed)
+    from .driver import DriveOptions, Pipeline, drive, drive_report
+    from .generate import Sampling
     tok = None
     if a.input_ids or a.prompt:
         prompts, tok = _prompts(a)
     else:  # random prompts of --seq tokens, one per --sequences
+        cfg = json.loads(open(os.path.join(a.checkpoint, "config.json")).read())
+        g = torch.Generator().manual_seed(a.seed)
         prompts = [torch.randint(0, int(cfg["vocab_size"]), (a.seq,), generator=g).tolist()
                    for _ in range(max(1, a.sequences))]
-    ids = torch.tensor([prompts[0]])
+    opts = DriveOptions(generate=a.generate, sampling=Sampling(a.temperature, a.top_p, a.seed),
+                        eos=_eos(a.checkpoint, a.ignore_eos), reference=a.checkpoint if a.reference else None,
+                        precision=a.precision, tokenizer=tok)
     with Pipeline(a.first, reply_host=a.reply_host, timeout_s=a.timeout, keys_dir=a.keys, first_key=a.first_key,
                   curve=a.curve) as pipe:
-        pipe.forward(ids[:, :1])  # warm the path (connections, first allocations)
-        r = pipe.forward(ids)
-        result = {"tokens": ids.shape[1], "stages": r.timings, "wall_s": r.wall_s, "hop_s": r.hop_s,
-                  "logits_shape": list(r.logits.shape), "next_token": int(r.logits[0, -1].argmax())}
-        if a.generate:
-            gen = generate(pipe, prompts, a.generate, Sampling(a.temperature, a.top_p, a.seed),
-                           eos=_eos(a.checkpoint, a.ignore_eos))
-            steps = max(1, len(gen.steps))
-            result["generate"] = {
-                "new_tokens": gen.tokens, "seconds": gen.seconds, "tokens_per_s": gen.tokens_per_s,
-                "decode_tokens_per_s": gen.decode_tokens_per_s(),
-                "stage_seconds": [t / steps for t in gen.stage_seconds()]}
-            if tok is not None:
-                result["generate"]["text"] = [tok.decode(t) for t in gen.tokens]
-    if a.reference:
-        from .model.loader import load_stage
-        from .checkpoint import read_index
-        full = load_stage(a.checkpoint, 0, read_index(a.checkpoint).num_layers, True, True, precision=a.precision)
-        ref = full(ids)
-        diff = float((ref - r.logits).abs().max())
-        tol = tolerance(a.precision, ref)
-        result.update(max_abs_diff=diff, tolerance=tol, ok=diff <= tol, precision=a.precision)
-    print(json.dumps(result) if a.json else drive_report(result))
-    return 0 if result.get("ok", True) else 1
-
-
-def _free_ports(n: int) -> list[int]:
-    """n free loopback ports, each with its +1 control port also free."""
-    out: list[int] = []
-    while len(out) < n:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            p = s.getsockname()[1]
-        with socket.socket() as s2:
-            try:
-                s2.bind(("127.0.0.1", p + 1))
-            except OSError:
-                continue
-        if p not in out and p + 1 not in out and p - 1 not in out:
-            out.append(p)
-    return out
-
-
-def local_keys(tmp: str, n: int) -> str:
-    """Fresh CURVE keys for n local stages (stage0..) and the driver: tmp/keys/{store,stageI,controller}."""
-    from . import keys
-    root = os.path.join(tmp, "keys")
-    names = [f"stage{i}" for i in range(n)]
-    keys.make_store(os.path.join(root, "store"), names)
-    for name in [*names, keys.CONTROLLER]:
-        keys.install(os.path.join(root, "store"), name, os.path.join(root, name), [*names, keys.CONTROLLER])
-    return root
-
-
-def local_stages(checkpoint: str, n: int, precision: str, kv_context: int = 4096, threads: int | None = None,
-                 curve: str = "auto", compile: str = "off", compile_cache: str | None = None,
-                 ready_timeout: float | None = None):
-    """Start n workers on this machine (no Ansible); yields (procs, first endpoint, tmpdir).
-
-    compile: the workers' --compile mode; they compile before they are ready, so the wait for
-    them grows from 5 minutes to 30 unless ready_timeout says otherwise.
-
-    With curve="on" every socket runs CURVE with fresh keys under tmpdir/keys (the driver's
-    keys dir is tmpdir/keys/controller, stage 0's name "stage0").
-    """
-    from .checkpoint import read_index
-    L = read_index(checkpoint).num_layers
-    if not 1 <= n <= L:
-        raise LayerlineError(f"--local-stages {n}: must be 1..{L} (the model's layers)")
-    bounds = [round(i * L / n) for i in range(n + 1)]
-    ports = _free_ports(n)
-    tmp = tempfile.mkdtemp(prefix="layerline-local-")
-    keys_root = local_keys(tmp, n) if curve == "on" else None
-    procs = []
-    for i in range(n):
-        argv = [sys.executable, "-m", "layerline.worker", "--checkpoint", checkpoint,
-                "--layers", f"{bounds[i]}:{bounds[i + 1]}", "--precision", precision,
-                "--kv-context", str(kv_context), "--bind", f"tcp://127.0.0.1:{ports[i]}",
-                "--name", f"stage{i}", "--ready-file", os.path.join(tmp, f"ready{i}.json")]
-        if threads:
-            argv += ["--threads", str(threads)]
-        if compile != "off":
-            argv += ["--compile", compile]
-            argv += ["--compile-cache", compile_cache] if compile_cache else []
-        if keys_root:
-            argv += ["--curve", "on", "--keys", os.path.join(keys_root, f"stage{i}")]
-            argv += [] if i == n - 1 else ["--next-key", f"stage{i + 1}"]
-        argv += ["--first"] if i == 0 else []
-        argv += ["--last"] if i == n - 1 else ["--next", f"tcp://127.0.0.1:{ports[i + 1]}"]
-        procs.append(subprocess.Popen(argv, stdout=open(os.path.join(tmp, f"worker{i}.log"), "w"),
-                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
-    deadline = time.time() + (ready_timeout or (300 if compile == "off" else 1800))
-    for i, p in enumerate(procs):
-        while not os.path.exists(os.path.join(tmp, f"ready{i}.json")):
-            if p.poll() is not None or time.time() > deadline:
-                stop_local(procs)
-                log = open(os.path.join(tmp, f"worker{i}.log")).read()[-2000:]
-                raise LayerlineError(f"local stage {i} did not start: {log.strip().splitlines()[-1] if log.strip() else 'no output'}")
-            time.sleep(0.05)
-    return procs, f"tcp://127.0.0.1:{ports[0]}", tmp
-
-
-def stop_local(procs) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    for p in procs:
-        try:
-            p.wait(10)
-        except subprocess.TimeoutExpired:
-            p.kill()
+        result = drive(pipe, prompts, opts)
+    print(json.dumps(result.to_dict()) if a.json else drive_report(result))
+    return 0 if result.ok else 1
 
 
 def _prompts(a) -> tuple[list[list[int]], object | None]:
@@ -257,7 +178,7 @@ def cmd_generate(a) -> int:
         print(f"layerline generate: the workers compile their decode step first (--compile {a.compile})",
               file=sys.stderr, flush=True)
     procs, first, tmp = local_stages(a.checkpoint, a.local_stages, a.precision, threads=a.threads, curve=a.curve,
-                                     compile=a.compile)
+                                     compile=a.compile, policy=a.policy)
     try:
         keys_dir = os.path.join(tmp, "keys", "controller") if a.curve == "on" else None
         with Pipeline(first, keys_dir=keys_dir, first_key="stage0", curve=a.curve) as pipe:
@@ -327,7 +248,12 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--caps", required=True)
     pl.add_argument("--checkpoint", required=True)
     pl.add_argument("--objective", default="throughput", choices=["throughput", "latency", "memory"])
-    pl.add_argument("--policy", default="auto", choices=["auto", "ram_balanced", "uniform"])
+    pl.add_argument("--policy", default="auto", choices=["auto", "ram_balanced", "uniform", "manual"])
+    pl.add_argument("--vars", default=None,
+                    help="JSON object of inventory variables keyed by host (layerline_port, layerline_layers, "
+                         "layerline_role, ...): the playbook's host vars, so both plan alike")
+    pl.add_argument("--hop-secs", type=float, default=None, help="per-hop cost (default: the measured round trips)")
+    pl.add_argument("--reserve-ram-gb", type=float, default=0)
     pl.add_argument("--context", type=int, default=4096)
     pl.add_argument("--batch", type=int, default=1)
     pl.add_argument("--precision-ladder", default=None, help="e.g. bf16,int8")
@@ -373,6 +299,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens")
     g.add_argument("--precision", default="bf16")
     g.add_argument("--threads", type=int, default=None)
+    g.add_argument("--policy", default="uniform", choices=["auto", "ram_balanced", "uniform"],
+                   help="how the planner splits the layers over the local stages")
     g.add_argument("--compile", default="off", choices=COMPILE_MODES,
                    help="torch.compile each worker's decode step (warm-up first; see the README)")
     g.add_argument("--curve", default="auto", choices=["auto", "on"],

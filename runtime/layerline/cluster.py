@@ -20,13 +20,11 @@ Stages are looked up by host name, never by position in the inventory.
 from __future__ import annotations
 
 import copy
-import ipaddress
 import json
 import os
 import re
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import threading
@@ -199,22 +197,6 @@ def _has_group(inv: dict, group: str) -> bool:
         return True
     return any(isinstance(v, dict) and isinstance(v.get("children"), dict) and _has_group(v["children"], group)
                for v in inv.values())
-
-
-def _reply_host(endpoint: str) -> str:
-    """An address of this machine that the endpoint's host can reach (no packets sent)."""
-    host = endpoint.rsplit(":", 1)[0].split("://", 1)[-1].strip("[]")
-    try:
-        if ipaddress.ip_address(host).is_loopback:
-            return "127.0.0.1"
-    except ValueError:
-        pass
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((host, 9))  # UDP connect only picks the route
-            return s.getsockname()[0]
-    except OSError:
-        return "127.0.0.1"
 
 
 class Cluster:
@@ -682,47 +664,28 @@ class Cluster:
         return {h: str(res.get("msg", "")) for h, res in run.by_action("layerline_worker")
                 if not res.get("skipped")}
 
-    def drive(self, inputs=None, generate: int = 0, timeout_s: float = 120.0, warm: bool = True) -> dict:
-        """One forward through the planned stages (straight from Python, no Ansible), timing each.
+    def drive(self, inputs=None, generate: int = 0, timeout_s: float = 120.0, warm: bool = True):
+        """One drive through the planned stages (straight from Python, no Ansible): the same
+        `layerline.driver.drive` the drive play runs, with the same result and report.
 
         inputs: token ids, a [tokens] or [batch, tokens] integer tensor or a list of ints; None
         draws layerline_seq ids with layerline_rng_seed (as the drive play does). generate: also
-        generate this many tokens greedily from the first sequence (each stage keeps its KV cache).
-        Returns {tokens, stages: [{stage, layers, s}], wall_s, hop_s, logits_shape, next_token,
-        logits (tensor), generate?}.
+        generate this many tokens greedily for each row (each stage keeps its KV cache).
+        Returns a layerline.driver.DriveResult: .stages [{stage, layers, s}], .wall_s, .hop_s,
+        .logits, .generate, .to_dict() (drive.json's shape); `drive_report(result)` prints it.
         """
-        import time
-
-        from .driver import Pipeline, greedy_generate
+        from .driver import DriveOptions, drive, pipeline_for_plan
 
         plan = self._need_plan()
-        actives = [s for s in plan["stages"] if s["role"] == "active"]
-        first = actives[0]
+        first = next(s for s in plan["stages"] if s["role"] == "active")
         rep = self._report.get(first["host"]) or {}
         ids = self._inputs(inputs, rep)
-        endpoint = first["endpoint"]
         # as playbooks/drive.yml: CURVE (auto: off loopback) with the controller's keys from the keys role
-        with Pipeline(endpoint, reply_host=rep.get("driver_addr") or _reply_host(endpoint), timeout_s=timeout_s,
-                      keys_dir=rep.get("keys_controller_dir") or None, first_key=first["host"],
-                      curve=rep.get("curve") or "auto") as pipe:
-            if warm:
-                pipe.forward(ids[:, :1])  # connections and first allocations
-            r = pipe.forward(ids)
-            out = {"tokens": int(ids.shape[1]), "stages": r.timings, "wall_s": r.wall_s, "hop_s": r.hop_s,
-                   "logits_shape": list(r.logits.shape), "next_token": int(r.logits[0, -1].argmax()),
-                   "logits": r.logits, "input_ids": ids}
-            if generate:
-                t0 = time.perf_counter()
-                toks, steps = greedy_generate(pipe, ids[0].tolist(), int(generate),
-                                              seq=f"cluster{os.getpid()}-{id(self)}")
-                dt = time.perf_counter() - t0
-                decode = steps[1:]
-                out["generate"] = {
-                    "new_tokens": toks, "seconds": dt,
-                    "decode_tokens_per_s": len(decode) / sum(s.wall_s for s in decode) if decode else None,
-                    "stage_seconds": [sum(s.timings[i]["s"] for s in decode) / max(1, len(decode))
-                                      for i in range(len(r.timings))]}
-        return out
+        with pipeline_for_plan(plan, keys_dir=rep.get("keys_controller_dir") or None,
+                               reply_host=rep.get("driver_addr") or None, curve=rep.get("curve") or "auto",
+                               timeout_s=timeout_s) as pipe:
+            return drive(pipe, ids.tolist(), DriveOptions(generate=int(generate), warm=warm,
+                                                          precision=plan["precision"]))
 
     def _inputs(self, inputs, rep: dict):
         import torch

@@ -271,8 +271,84 @@ def greedy_generate(pipe: Pipeline, prompt: list[int], max_new_tokens: int, seq:
     return g.tokens[0], g.steps
 
 
-def drive_report(result: dict) -> str:
+@dataclass
+class DriveOptions:
+    """What one drive does besides the timed forward of the first prompt."""
+    generate: int = 0                      # new tokens per prompt (0: the forward alone)
+    sampling: object | None = None         # generate.Sampling; None: greedy
+    eos: int | None = None                 # stop token; None: generate every token
+    warm: bool = True                      # one short pass first (connections, first allocations)
+    reference: str | None = None           # checkpoint to check the forward against in one process
+    precision: str = "bf16"                # the plan's precision: the reference's and its tolerance's
+    tokenizer: object | None = None        # a tokenizers.Tokenizer: the report shows text, not ids
+
+
+@dataclass
+class DriveResult:
+    """One drive: the timed forward, the generation, the reference check. One JSON shape (to_dict)."""
+    tokens: int                            # prompt tokens in the timed forward
+    stages: list[dict]                     # per stage: {"stage", "layers", "s"}
+    wall_s: float
+    hop_s: float
+    logits_shape: list[int]
+    next_token: int
+    logits: torch.Tensor | None = field(default=None, repr=False)    # not in the JSON
+    input_ids: torch.Tensor | None = field(default=None, repr=False)
+    generate: dict | None = None           # {new_tokens, seconds, tokens_per_s, decode_tokens_per_s, stage_seconds, text?}
+    check: dict | None = None              # {max_abs_diff, tolerance, ok, precision}
+
+    @property
+    def ok(self) -> bool:
+        return self.check is None or bool(self.check["ok"])
+
+    def to_dict(self) -> dict:
+        out = {"tokens": self.tokens, "stages": self.stages, "wall_s": self.wall_s, "hop_s": self.hop_s,
+               "logits_shape": self.logits_shape, "next_token": self.next_token}
+        if self.generate is not None:
+            out["generate"] = self.generate
+        if self.check is not None:
+            out.update(self.check)
+        return out
+
+
+def drive(pipe: Pipeline, prompts: list[list[int]], options: DriveOptions | None = None) -> DriveResult:
+    """The one drive the CLI, the drive play and Cluster.drive share: a timed forward of the first
+    prompt, then (options.generate) generation for every prompt, then the one-process check."""
+    from .generate import generate  # the engine builds on the Pipeline above
+    o = options or DriveOptions()
+    if not prompts or not all(prompts):
+        raise DriveError("drive: give at least one non-empty prompt")
+    ids = torch.tensor([prompts[0]], dtype=torch.int64)
+    if o.warm:
+        pipe.forward(ids[:, :1])
+    r = pipe.forward(ids)
+    res = DriveResult(tokens=int(ids.shape[1]), stages=r.timings, wall_s=r.wall_s, hop_s=r.hop_s,
+                      logits_shape=list(r.logits.shape), next_token=int(r.logits[0, -1].argmax()),
+                      logits=r.logits, input_ids=ids)
+    if o.generate:
+        g = generate(pipe, prompts, o.generate, o.sampling, eos=o.eos)
+        steps = max(1, len(g.steps))
+        res.generate = {"new_tokens": g.tokens, "seconds": g.seconds, "tokens_per_s": g.tokens_per_s,
+                        "decode_tokens_per_s": g.decode_tokens_per_s(),
+                        "stage_seconds": [t / steps for t in g.stage_seconds()]}
+        if o.tokenizer is not None:
+            res.generate["text"] = [o.tokenizer.decode(t) for t in g.tokens]
+    if o.reference:
+        from .checkpoint import read_index
+        from .model.loader import load_stage
+        with torch.no_grad():
+            full = load_stage(o.reference, 0, read_index(o.reference).num_layers, True, True, precision=o.precision)
+            ref = full(ids)
+        diff = float((ref.float() - r.logits.float()).abs().max())
+        tol = tolerance(o.precision, ref)
+        res.check = {"max_abs_diff": diff, "tolerance": tol, "ok": diff <= tol, "precision": o.precision}
+    return res
+
+
+def drive_report(result: DriveResult | dict) -> str:
     """The drive result as lines a person reads: per-stage times, hops, the reference check."""
+    if isinstance(result, DriveResult):
+        result = result.to_dict()
     lines = []
     for t in result.get("stages", []):
         a, b = t["layers"]

@@ -15,27 +15,32 @@ that says how many bytes are short at the last rung.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from .cost import (PRECISION_BYTES, CostOptions, KvProfile, ModelCost, edge_bytes, edge_flops,
+from .caps import CapsError, NodeCaps
+from .cost import (COMPILE_MODES, PRECISION_BYTES, CostOptions, KvProfile, ModelCost, edge_bytes, edge_flops,
                    kv_profile, weight_bytes)
 from .errors import LayerlineError
 
 POLICIES = ("auto", "ram_balanced", "uniform", "manual")
 ROLES = ("active", "standby", "draining")
 GiB = 2**30
+DEFAULT_HOP_S = 0.0005  # per hop, when no round trip was measured and layerline_objective.hop_secs is unset
+SPIN_SHARED = 10_000    # OpenMP spins before sleeping: short, so an idle stage frees the cores
+SPIN_ALONE = 300_000    # libgomp's own default: a stage alone on its machine may spin
 
 
 class PlanError(LayerlineError):
     """No valid plan: the text names the host or field, and what would make it fit."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class Node:
     """One host as the planner sees it: probed caps plus its inventory knobs."""
     host: str
-    caps: dict
+    caps: NodeCaps
     device: str = "cpu"
     role: str = "active"
     layers: tuple[int, int] | None = None     # pinned [start, end)
@@ -43,12 +48,124 @@ class Node:
     standby_for: str | None = None
     max_ram_bytes: int | None = None
     endpoint: str | None = None
+    threads: int | None = None                 # pinned CPU threads; default: the host's cores
+    compile: str = "off"                       # the worker's decode step: eager or torch.compile'd
 
-    # filled in by _prepare
-    budget: int = 0
-    flops: float = 0.0
-    mem_bw: float = 0.0
-    disk_bw: float | None = None
+    def __post_init__(self):
+        if not isinstance(self.caps, NodeCaps):  # JSON from a probe: typed once, here
+            object.__setattr__(self, "caps", NodeCaps.from_dict(self.caps, self.host))
+
+
+@dataclass(frozen=True)
+class _Host:
+    """A node with what the planner derived for it: its memory budget and measured speeds."""
+    node: _Host
+    budget: int
+    flops: float
+    mem_bw: float
+    disk_bw: float | None
+
+    @property
+    def host(self) -> str:
+        return self.node.host
+
+    @property
+    def layers(self):
+        return self.node.layers
+
+    @property
+    def precision(self):
+        return self.node.precision
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One worker of the plan: everything its launch needs."""
+    host: str
+    role: str                        # active | standby
+    layers: tuple[int, int]          # [start, end)
+    device: str
+    precision: str
+    weight_bytes: int
+    kv_bytes: int
+    kv_dtype: str
+    mem_budget_bytes: int
+    predicted_s: float
+    endpoint: str | None = None
+    standby_for: str | None = None
+    experts_paged: bool = False
+    expert_cache_bytes: int = 0
+    disk_s: float = 0.0
+    disk_read_bytes_per_s: float | None = None
+    machine: str | None = None       # hosts with the same machine share its cores and RAM
+    compile: str = "off"
+    threads: int | None = None
+    shares_cores_with: int = 0       # other CPU stages on this machine
+    spin: int | None = None          # OpenMP spin before sleeping (GOMP_SPINCOUNT)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self) | {"layers": list(self.layers)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "StagePlan":
+        try:
+            kw = {k: d[k] for k in cls.__dataclass_fields__ if k in d}
+            kw["layers"] = (int(d["layers"][0]), int(d["layers"][1]))
+            return cls(**kw)
+        except (KeyError, TypeError, ValueError, IndexError) as e:
+            raise PlanError(f"plan: a stage is malformed ({e!r}); re-plan (playbooks/plan.yml or `layerline plan`)") from None
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The plan (DESIGN's contract); JSON only at the Ansible and CLI boundary (to_dict / from_dict)."""
+    precision: str
+    objective: str
+    policy: str
+    kv: KvProfile
+    num_layers: int
+    stages: tuple[StagePlan, ...]
+    predicted_token_s: float
+    bottleneck_s: float
+    hop_s: float
+    hop_source: str
+
+    @property
+    def actives(self) -> list[StagePlan]:
+        return [s for s in self.stages if s.role == "active"]
+
+    def stage(self, host: str) -> StagePlan | None:
+        """This host's stage (looked up by name, never by position)."""
+        return next((s for s in self.stages if s.host == host), None)
+
+    def next_of(self, stage: StagePlan) -> StagePlan | None:
+        """The active stage that takes this stage's output (standbys feed the same next hop)."""
+        return next((s for s in self.actives if s.layers[0] == stage.layers[1]), None)
+
+    def to_dict(self) -> dict:
+        return {"precision": self.precision, "objective": self.objective, "policy": self.policy,
+                "kv": dataclasses.asdict(self.kv), "num_layers": self.num_layers,
+                "stages": [s.to_dict() for s in self.stages],
+                "predicted_token_s": self.predicted_token_s, "bottleneck_s": self.bottleneck_s,
+                "hop": {"s": self.hop_s, "source": self.hop_source}}
+
+    @classmethod
+    def from_dict(cls, d) -> "Plan":
+        if isinstance(d, Plan):
+            return d
+        try:
+            kv = d["kv"]
+            hop = d.get("hop") or {}
+            plan = cls(precision=str(d["precision"]), objective=str(d["objective"]), policy=str(d.get("policy", "auto")),
+                       kv=KvProfile(int(kv["context"]), str(kv["dtype"]), int(kv["bytes_per_token"]),
+                                    str(kv.get("source", "index"))),
+                       num_layers=int(d["num_layers"]), stages=tuple(StagePlan.from_dict(s) for s in d["stages"]),
+                       predicted_token_s=float(d["predicted_token_s"]), bottleneck_s=float(d["bottleneck_s"]),
+                       hop_s=float(hop.get("s", DEFAULT_HOP_S)), hop_source=str(hop.get("source", "default")))
+        except (KeyError, TypeError, ValueError) as e:
+            raise PlanError(f"plan: malformed ({e!r}); re-plan (playbooks/plan.yml or `layerline plan`)") from None
+        validate_plan(plan)
+        return plan
 
 
 @dataclass
@@ -88,16 +205,16 @@ class _Table:
         dense = self.dsum[b] - self.dsum[a] + edge_bytes(self.cost, self.precision, a == 0, b == L)
         return int(dense + (b - a) * self.kv_per_layer + self.min_cache)
 
-    def paged(self, node: Node, a: int, b: int) -> bool:
+    def paged(self, node: _Host, a: int, b: int) -> bool:
         """True when the stage fits only by paging its experts (never on an unmeasured disk)."""
         return (self.mem(a, b) > node.budget and node.disk_bw is not None
                 and self.wsum[b] - self.wsum[a] > self.dsum[b] - self.dsum[a]
                 and self.paged_mem(a, b) <= node.budget)
 
-    def fits(self, node: Node, a: int, b: int) -> bool:
+    def fits(self, node: _Host, a: int, b: int) -> bool:
         return self.mem(a, b) <= node.budget or self.paged(node, a, b)
 
-    def disk_time(self, node: Node, a: int, b: int) -> float:
+    def disk_time(self, node: _Host, a: int, b: int) -> float:
         """Expert bytes a token reads from disk: the share the LRU cache misses (uniform routing)."""
         if not self.paged(node, a, b):
             return 0.0
@@ -106,7 +223,7 @@ class _Table:
         miss = max(0.0, 1.0 - cache / experts)
         return (self.esum[b] - self.esum[a]) * miss / node.disk_bw
 
-    def time(self, node: Node, a: int, b: int, batch: int) -> float:
+    def time(self, node: _Host, a: int, b: int, batch: int) -> float:
         L = self.cost.num_layers
         flops = (self.fsum[b] - self.fsum[a] + edge_flops(self.cost, b == L)) * batch
         # decode reads each weight once per step: dense bytes + the active experts' bytes
@@ -130,53 +247,54 @@ def parse_layers(value, host: str) -> tuple[int, int] | None:
     return a, b
 
 
-def _device_caps(node: Node) -> dict:
-    devices = node.caps.get("devices")
-    if not isinstance(devices, list):
-        raise PlanError(f"{node.host}: probe facts have no devices list; re-run the probe (layerline_probe)")
-    for d in devices:
-        if isinstance(d, dict) and d.get("name") == node.device:
-            return d
-    names = [d.get("name") for d in devices if isinstance(d, dict)]
-    raise PlanError(f"{node.host}: layerline_device {node.device!r} is not on this host (probed: {', '.join(map(str, names))})")
-
-
-def _prepare(nodes: list[Node], opts: CostOptions) -> None:
-    """Budget and speeds per node. Hosts sharing one machine share its RAM."""
-    share: dict[tuple, int] = {}
+def _hosts(nodes: list[Node], opts: CostOptions) -> list[_Host]:
+    """Budget and speeds per node. Hosts on one machine (NodeCaps.machine) share its RAM."""
+    share: dict[str, int] = {}
     for n in nodes:
         if n.role != "draining" and n.device == "cpu":
-            key = (n.caps.get("hostname"), n.caps.get("ram_total_bytes"))
-            share[key] = share.get(key, 0) + 1
+            share[n.caps.machine] = share.get(n.caps.machine, 0) + 1
+    out = []
     for n in nodes:
-        d = _device_caps(n)
+        try:
+            d = n.caps.device(n.device, n.host)
+        except CapsError as e:
+            raise PlanError(str(e)) from None
         for key in ("flops_per_s", "mem_bw_bytes_per_s"):
-            v = d.get(key)
+            v = getattr(d, key)
             if not isinstance(v, (int, float)) or v <= 0:
                 raise PlanError(f"{n.host}: device {n.device} has no measured {key}; re-run the probe")
-        n.flops, n.mem_bw = float(d["flops_per_s"]), float(d["mem_bw_bytes_per_s"])
-        disk = n.caps.get("disk_read_bytes_per_s")
-        n.disk_bw = float(disk) if isinstance(disk, (int, float)) and disk > 0 else None
         if n.device == "cpu":
-            avail = n.caps.get("ram_available_bytes")
+            avail = n.caps.ram_available_bytes
             if not isinstance(avail, int):
                 raise PlanError(f"{n.host}: probe facts have no ram_available_bytes; re-run the probe")
-            sharers = share.get((n.caps.get("hostname"), n.caps.get("ram_total_bytes")), 1)
-            budget = avail // max(1, sharers) - opts.reserve_ram_bytes
+            budget = avail // max(1, share.get(n.caps.machine, 1)) - opts.reserve_ram_bytes
         else:
-            budget = int(d.get("memory_free_bytes") or d.get("memory_bytes") or 0) - opts.reserve_ram_bytes
+            budget = int(d.memory_free_bytes or d.memory_bytes or 0) - opts.reserve_ram_bytes
         if n.max_ram_bytes is not None:
             budget = min(budget, n.max_ram_bytes)
-        n.budget = max(0, int(budget))
+        out.append(_Host(n, max(0, int(budget)), float(d.flops_per_s), float(d.mem_bw_bytes_per_s),
+                         n.caps.disk_read_bytes_per_s))
+    return out
+
+
+def hop_cost(nodes: list[Node], opts: CostOptions) -> tuple[float, str]:
+    """Seconds per hop and where that figure came from: the objective, the hosts' measured
+    round trips (their median), or a default."""
+    if opts.hop_s is not None:
+        return float(opts.hop_s), "layerline_objective.hop_secs"
+    rtts = sorted(v for n in nodes for v in n.caps.round_trips())
+    if rtts:
+        return rtts[len(rtts) // 2], f"measured ({len(rtts)} round trips)"
+    return DEFAULT_HOP_S, "default"
 
 
 # --- placement for one precision -----------------------------------------------------------
 
-def _fits(tab: _Table, n: Node, a: int, b: int, limit: float, batch: int) -> bool:
+def _fits(tab: _Table, n: _Host, a: int, b: int, limit: float, batch: int) -> bool:
     return tab.fits(n, a, b) and tab.time(n, a, b, batch) <= limit
 
 
-def _greedy(tabs: list[_Table], nodes: list[Node], limit: float, batch: int) -> list[tuple[int, int]] | None:
+def _greedy(tabs: list[_Table], nodes: list[_Host], limit: float, batch: int) -> list[tuple[int, int]] | None:
     """Each host in order takes as many layers as fit `limit` and its memory; None if not all fit."""
     L = tabs[0].cost.num_layers
     pins = [n.layers for n in nodes]
@@ -207,6 +325,8 @@ def _bottleneck(tabs, nodes, ranges, batch) -> float:
 
 
 def _throughput(tabs, nodes, batch) -> list[tuple[int, int]] | None:
+    """Smallest bottleneck; among splits that reach it, fewest hops, then least total stage time
+    (the faster hosts take the work)."""
     best = _greedy(tabs, nodes, math.inf, batch)
     if best is None:
         return None
@@ -221,12 +341,24 @@ def _throughput(tabs, nodes, batch) -> list[tuple[int, int]] | None:
             lo = mid
         else:
             best, hi = r, _bottleneck(tabs, nodes, r, batch)
-    return best
+    if len(nodes) * tabs[0].cost.num_layers > _TIE_BREAK_MAX_WORK:
+        return best  # very large clusters: ties go to the hosts first in pipeline order (the greedy's)
+    limit = hi * (1 + 1e-9)
+
+    def price(n, tab, a, b):  # lexicographic (hosts used, seconds): a host costs more than any time
+        t = tab.time(n, a, b, batch)
+        return math.inf if t > limit else _HOST_PRICE + t
+    return _ordered_dp(tabs, nodes, price) or best
+
+
+_HOST_PRICE = 1e6  # seconds: more than any sum of stage times
+_TIE_BREAK_MAX_WORK = 50_000  # hosts x layers up to which ties are broken by the DP (~0.1 s)
 
 
 def _ordered_dp(tabs, nodes, price) -> list[tuple[int, int]] | None:
     """Least total price of a contiguous split over hosts in order (any unpinned host may be
-    skipped); price(node, tab, a, b) is what giving layers [a, b) to that host adds."""
+    skipped); price(node, tab, a, b) is what giving layers [a, b) to that host adds (inf: not
+    allowed, nor is any longer range from a)."""
     L = tabs[0].cost.num_layers
     inf = math.inf
     best = [0.0] + [inf] * L          # best[b]: least price covering layers [0, b)
@@ -245,7 +377,10 @@ def _ordered_dp(tabs, nodes, price) -> list[tuple[int, int]] | None:
                 for b in range(a + 1, L + 1):
                     if not tab.fits(n, a, b):
                         break
-                    t = best[a] + price(n, tab, a, b)
+                    p = price(n, tab, a, b)
+                    if p == inf:  # stage cost only grows with b: nothing further fits either
+                        break
+                    t = best[a] + p
                     if t < new[b]:
                         new[b], pick[b] = t, a
         best = new
@@ -271,7 +406,7 @@ def _fewest(tabs, nodes) -> list[int] | None:
     return None if ranges is None else [k for k, (a, b) in enumerate(ranges) if b > a]
 
 
-def _proportional(nodes: list[Node], L: int, weights: list[float]) -> list[tuple[int, int]]:
+def _proportional(nodes: list[_Host], L: int, weights: list[float]) -> list[tuple[int, int]]:
     """Largest-remainder split of L layers in proportion to weights."""
     total = sum(weights) or 1.0
     exact = [L * w / total for w in weights]
@@ -285,7 +420,7 @@ def _proportional(nodes: list[Node], L: int, weights: list[float]) -> list[tuple
     return out
 
 
-def _place(policy: str, opts: CostOptions, tabs, nodes) -> list[tuple[int, int]] | None:
+def _place(policy: str, opts: CostOptions, hop_s: float, tabs, nodes) -> list[tuple[int, int]] | None:
     L = tabs[0].cost.num_layers
     if policy == "manual":
         ranges = [n.layers for n in nodes]
@@ -301,7 +436,7 @@ def _place(policy: str, opts: CostOptions, tabs, nodes) -> list[tuple[int, int]]
     elif policy == "uniform":
         ranges = _proportional(nodes, L, [1.0] * len(nodes))
     elif opts.objective == "latency":
-        return _latency(tabs, nodes, opts.batch, opts.hop_s)
+        return _latency(tabs, nodes, opts.batch, hop_s)
     elif opts.objective == "memory":
         used = _fewest(tabs, nodes)
         if used is None:
@@ -324,14 +459,14 @@ def _place(policy: str, opts: CostOptions, tabs, nodes) -> list[tuple[int, int]]
 
 # --- the plan ---------------------------------------------------------------------------------
 
-def _order(actives: list[Node]) -> list[Node]:
+def _order(actives: list[_Host]) -> list[_Host]:
     """Pipeline order: as given, except pinned hosts are put in the order of their pins."""
     pinned = sorted((n for n in actives if n.layers), key=lambda n: n.layers)
     it = iter(pinned)
     return [next(it) if n.layers else n for n in actives]
 
 
-def _shortfall(cost: ModelCost, opts: CostOptions, rung: str, actives: list[Node]) -> str:
+def _shortfall(cost: ModelCost, opts: CostOptions, rung: str, actives: list[_Host]) -> str:
     kvp = kv_profile(cost, opts, rung)
     tab = _Table(cost, rung, kvp.bytes_per_token * opts.context * opts.batch)
     need = tab.mem(0, cost.num_layers)
@@ -348,8 +483,12 @@ def _shortfall(cost: ModelCost, opts: CostOptions, rung: str, actives: list[Node
             f"or lower layerline_objective.context")
 
 
-def make_plan(nodes: list[Node], cost: ModelCost, opts: CostOptions, policy: str = "auto") -> dict:
-    """The plan (DESIGN's JSON shape) for these nodes, or PlanError naming what to change."""
+def make_plan(nodes: list[Node], cost: ModelCost, opts: CostOptions, policy: str = "auto") -> Plan:
+    """The plan for these nodes, or PlanError naming what to change. Its inputs are left as they were.
+
+    Ties between placements of equal bottleneck go to fewer hops (each host in pipeline order
+    takes as many layers as fit), then to the hosts that come first in pipeline order.
+    """
     if policy not in POLICIES:
         raise PlanError(f"layerline_policy: {policy!r} is not one of {', '.join(POLICIES)}")
     for n in nodes:
@@ -360,86 +499,109 @@ def make_plan(nodes: list[Node], cost: ModelCost, opts: CostOptions, policy: str
         if n.layers and n.layers[1] > cost.num_layers:
             raise PlanError(f"{n.host}: layerline_layers {n.layers[0]}:{n.layers[1]} is past the model's "
                             f"{cost.num_layers} layers")
-    actives = _order([n for n in nodes if n.role == "active"])
+        if n.compile not in COMPILE_MODES:
+            raise PlanError(f"{n.host}: layerline_compile {n.compile!r} must be one of {', '.join(COMPILE_MODES)}")
+        if n.threads is not None and (not isinstance(n.threads, int) or isinstance(n.threads, bool) or n.threads < 1):
+            raise PlanError(f"{n.host}: layerline_threads {n.threads!r} must be a positive integer")
+    hosts = _hosts([n for n in nodes if n.role != "draining"], opts)
+    actives = _order([h for h in hosts if h.node.role == "active"])
     if not actives:
         raise PlanError("inventory: no active hosts (every host is standby or draining)")
-    _prepare([n for n in nodes if n.role != "draining"], opts)
+    hop_s, hop_source = hop_cost(nodes, opts)
     ladder = opts.precision_ladder or [cost.stored_precision]
     for rung in ladder:
         kvs = {p: kv_profile(cost, opts, p) for p in set([rung] + [n.precision for n in actives if n.precision])}
         tabs = [_Table(cost, n.precision or rung, kvs[n.precision or rung].bytes_per_token * opts.context * opts.batch,
                        kvs[n.precision or rung].dtype) for n in actives]
-        ranges = _place(policy, opts, tabs, actives)
+        ranges = _place(policy, opts, hop_s, tabs, actives)
         if ranges is not None:
-            plan = _assemble(nodes, actives, tabs, ranges, cost, opts, kvs[rung], rung, policy)
+            plan = _assemble(hosts, actives, tabs, ranges, opts, kvs[rung], rung, policy, cost.num_layers,
+                             hop_s, hop_source)
             validate_plan(plan)  # actives cover every layer once, in order: never hand out less
             return plan
     raise PlanError(_shortfall(cost, opts, ladder[-1], actives))
 
 
-def _stage(n: Node, tab: _Table, a: int, b: int, role: str, batch: int, standby_for=None) -> dict:
-    paged = tab.paged(n, a, b)
+def _stage(h: _Host, tab: _Table, a: int, b: int, role: str, batch: int, standby_for=None) -> StagePlan:
+    paged = tab.paged(h, a, b)
     kv = (b - a) * tab.kv_per_layer
     weights = tab.paged_mem(a, b) - kv - int(tab.min_cache) if paged else tab.weight(a, b)
-    return {"host": n.host, "role": role, "layers": [a, b], "device": n.device, "precision": tab.precision,
-            "weight_bytes": weights, "kv_bytes": kv, "kv_dtype": tab.kv_dtype,
-            "mem_budget_bytes": n.budget, "predicted_s": tab.time(n, a, b, batch),
-            "experts_paged": paged, "expert_cache_bytes": n.budget - weights - kv if paged else 0,
-            "disk_s": tab.disk_time(n, a, b) * batch,
-            "standby_for": standby_for, "endpoint": n.endpoint, "disk_read_bytes_per_s": n.disk_bw}
+    return StagePlan(host=h.host, role=role, layers=(a, b), device=h.node.device, precision=tab.precision,
+                     weight_bytes=weights, kv_bytes=kv, kv_dtype=tab.kv_dtype, mem_budget_bytes=h.budget,
+                     predicted_s=tab.time(h, a, b, batch), endpoint=h.node.endpoint, standby_for=standby_for,
+                     experts_paged=paged, expert_cache_bytes=h.budget - weights - kv if paged else 0,
+                     disk_s=tab.disk_time(h, a, b) * batch, disk_read_bytes_per_s=h.disk_bw,
+                     machine=h.node.caps.machine, compile=h.node.compile)
 
 
-def _assemble(nodes, actives, tabs, ranges, cost, opts, kvp: KvProfile, rung, policy) -> dict:
-    stages = [_stage(n, t, a, b, "active", opts.batch) for n, t, (a, b) in zip(actives, tabs, ranges) if b > a]
+def _with_threads(stages: list[StagePlan], hosts: dict[str, _Host]) -> list[StagePlan]:
+    """Each stage's CPU threads and spin policy, from which stages share its machine.
+
+    Stages on one machine take turns on a token, so each may use all its cores, but an idle one
+    must sleep at once rather than spin on cores a busy one needs.
+    """
+    sharing: dict[str, int] = {}
+    for st in stages:
+        if not st.device.startswith("cuda"):
+            sharing[st.machine] = sharing.get(st.machine, 0) + 1
+    out = []
+    for st in stages:
+        n = hosts[st.host].node
+        others = sharing.get(st.machine, 1) - 1
+        out.append(dataclasses.replace(st, threads=n.threads or n.caps.cores, shares_cores_with=others,
+                                       spin=SPIN_SHARED if others else SPIN_ALONE))
+    return out
+
+
+def _assemble(hosts, actives, tabs, ranges, opts, kvp: KvProfile, rung, policy, num_layers,
+              hop_s, hop_source) -> Plan:
+    stages = [_stage(h, t, a, b, "active", opts.batch) for h, t, (a, b) in zip(actives, tabs, ranges) if b > a]
     act = list(stages)  # principals are active stages only, never another standby
-    tab_of = {n.host: t for n, t in zip(actives, tabs)}
-    used = {s["host"] for s in act}
+    tab_of = {h.host: t for h, t in zip(actives, tabs)}
+    used = {s.host for s in act}
     mirrored: dict[str, int] = {}
-    for n in nodes:
+    for h in hosts:
+        n = h.node
         if n.role != "standby":
             continue
         if n.standby_for:
-            principal = next((s for s in act if s["host"] == n.standby_for), None)
+            principal = next((s for s in act if s.host == n.standby_for), None)
             if principal is None:
                 raise PlanError(f"{n.host}: layerline_standby_for {n.standby_for!r} is not an active stage "
                                 f"of this plan (active: {', '.join(sorted(used))})")
         else:
             # the least-mirrored active stage that fits, first in pipeline order
-            fits = [s for s in act if tab_of[s["host"]].fits(n, *s["layers"])]
-            principal = min(fits, key=lambda s: mirrored.get(s["host"], 0), default=None)
+            fits = [s for s in act if tab_of[s.host].fits(h, *s.layers)]
+            principal = min(fits, key=lambda s: mirrored.get(s.host, 0), default=None)
             if principal is None:
-                raise PlanError(f"{n.host}: standby fits no active stage in its {n.budget} bytes; "
+                raise PlanError(f"{n.host}: standby fits no active stage in its {h.budget} bytes; "
                                 f"set layerline_standby_for or give it more memory")
-        tab = tab_of[principal["host"]]  # a mirror: same layers, precision and KV as its principal
-        a, b = principal["layers"]
-        if not tab.fits(n, a, b):
-            raise PlanError(f"{n.host}: standby for {principal['host']} needs {tab.mem(a, b)} bytes but has "
-                            f"{n.budget}; {tab.mem(a, b) - n.budget} bytes short")
-        mirrored[principal["host"]] = mirrored.get(principal["host"], 0) + 1
-        stages.append(_stage(n, tab, a, b, "standby", opts.batch, standby_for=principal["host"]))
-    bottleneck = max(s["predicted_s"] for s in act)
-    return {
-        "precision": rung, "objective": opts.objective, "policy": policy,
-        "kv": {"context": kvp.context, "dtype": kvp.dtype, "bytes_per_token": kvp.bytes_per_token,
-               "source": kvp.source},
-        "num_layers": cost.num_layers,
-        "stages": stages,
-        "predicted_token_s": sum(s["predicted_s"] for s in act) + opts.hop_s * (len(act) + 1),
-        "bottleneck_s": bottleneck,
-    }
+        tab = tab_of[principal.host]  # a mirror: same layers, precision and KV as its principal
+        a, b = principal.layers
+        if not tab.fits(h, a, b):
+            raise PlanError(f"{n.host}: standby for {principal.host} needs {tab.mem(a, b)} bytes but has "
+                            f"{h.budget}; {tab.mem(a, b) - h.budget} bytes short")
+        mirrored[principal.host] = mirrored.get(principal.host, 0) + 1
+        stages.append(_stage(h, tab, a, b, "standby", opts.batch, standby_for=principal.host))
+    stages = _with_threads(stages, {h.host: h for h in hosts})
+    act = [s for s in stages if s.role == "active"]
+    return Plan(precision=rung, objective=opts.objective, policy=policy, kv=kvp, num_layers=num_layers,
+                stages=tuple(stages), predicted_token_s=sum(s.predicted_s for s in act) + hop_s * (len(act) + 1),
+                bottleneck_s=max(s.predicted_s for s in act), hop_s=hop_s, hop_source=hop_source)
 
 
-def validate_plan(plan: dict) -> None:
+def validate_plan(plan: Plan | dict) -> None:
     """Actives cover every layer exactly once, in pipeline order."""
+    if isinstance(plan, dict):
+        Plan.from_dict(plan)  # validates what it reads
+        return
     a = 0
-    for s in plan["stages"]:
-        if s["role"] != "active":
-            continue
-        if s["layers"][0] != a or s["layers"][1] <= a:
-            raise PlanError(f"plan: stage on {s['host']} holds {s['layers']} but layer {a} is next")
-        a = s["layers"][1]
-    if a != plan["num_layers"]:
-        raise PlanError(f"plan: active stages end at layer {a} of {plan['num_layers']}")
+    for s in plan.actives:
+        if s.layers[0] != a or s.layers[1] <= a:
+            raise PlanError(f"plan: stage on {s.host} holds {list(s.layers)} but layer {a} is next")
+        a = s.layers[1]
+    if a != plan.num_layers:
+        raise PlanError(f"plan: active stages end at layer {a} of {plan.num_layers}")
 
 
 # --- the table --------------------------------------------------------------------------------
@@ -457,29 +619,29 @@ def _secs(s: float) -> str:
     return f"{s * 1e3:.2f} ms"
 
 
-def plan_table(plan: dict) -> str:
+def plan_table(plan: Plan | dict) -> str:
     """What each machine ends up holding, with disk speed and predicted stage time."""
+    plan = Plan.from_dict(plan)
     head = ["host", "role", "layers", "device", "prec", "threads", "weights", "kv", "budget", "disk read",
             "pred/token"]
     rows = []
-    for s in plan["stages"]:
-        role = s["role"] + (f" ({s['standby_for']})" if s.get("standby_for") else "")
-        disk = s.get("disk_read_bytes_per_s")
-        weights = _size(s["weight_bytes"]) + (" +experts from disk" if s.get("experts_paged") else "")
-        pred = _secs(s["predicted_s"]) + (f" (disk {_secs(s['disk_s'])})" if s.get("disk_s") else "")
-        prec = s["precision"] + ("+compile" if s.get("compile", "off") != "off" else "")
-        threads = "-" if s.get("threads") is None else (
-            f"{s['threads']}" + (f" (shared x{s['shares_cores_with'] + 1})" if s.get("shares_cores_with") else ""))
-        rows.append([s["host"], role, f"{s['layers'][0]}:{s['layers'][1]}", s["device"], prec, threads,
-                     weights, _size(s["kv_bytes"]), _size(s["mem_budget_bytes"]),
+    for s in plan.stages:
+        role = s.role + (f" ({s.standby_for})" if s.standby_for else "")
+        disk = s.disk_read_bytes_per_s
+        weights = _size(s.weight_bytes) + (" +experts from disk" if s.experts_paged else "")
+        pred = _secs(s.predicted_s) + (f" (disk {_secs(s.disk_s)})" if s.disk_s else "")
+        prec = s.precision + ("+compile" if s.compile != "off" else "")
+        threads = "-" if s.threads is None else (
+            f"{s.threads}" + (f" (shared x{s.shares_cores_with + 1})" if s.shares_cores_with else ""))
+        rows.append([s.host, role, f"{s.layers[0]}:{s.layers[1]}", s.device, prec, threads,
+                     weights, _size(s.kv_bytes), _size(s.mem_budget_bytes),
                      f"{_size(disk)}/s" if disk else "not measured", pred])
     widths = [max(len(str(r[i])) for r in [head] + rows) for i in range(len(head))]
     line = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
-    kv = plan["kv"]
+    kv = plan.kv
     out = [line(head), line(["-" * w for w in widths])] + [line(r) for r in rows]
-    out.append(f"precision {plan['precision']}, objective {plan['objective']}, policy {plan.get('policy', 'auto')}, "
-               f"KV {kv['dtype']} x {kv['context']} tokens ({kv['bytes_per_token']} B/token/layer)")
-    hop = plan.get("hop")
-    out.append(f"predicted token time {_secs(plan['predicted_token_s'])}, bottleneck {_secs(plan['bottleneck_s'])}"
-               + (f", hop {_secs(hop['s'])} ({hop['source']})" if hop else ""))
+    out.append(f"precision {plan.precision}, objective {plan.objective}, policy {plan.policy}, "
+               f"KV {kv.dtype} x {kv.context} tokens ({kv.bytes_per_token} B/token/layer)")
+    out.append(f"predicted token time {_secs(plan.predicted_token_s)}, bottleneck {_secs(plan.bottleneck_s)}, "
+               f"hop {_secs(plan.hop_s)} ({plan.hop_source})")
     return "\n".join(out)

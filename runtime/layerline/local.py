@@ -1,0 +1,124 @@
+"""A pipeline of workers on this machine, without Ansible (`layerline generate --local-stages N`).
+
+The split comes from the planner (this machine's probed caps, one node per stage, policy
+`uniform` unless told) and each worker's command line from the same WorkerSpec the playbooks
+use, so a local pipeline runs exactly what a deployed one would.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+from .errors import LayerlineError
+from .planner import Plan
+
+
+def free_ports(n: int) -> list[int]:
+    """n free loopback ports, each with its +1 control port also free."""
+    out: list[int] = []
+    while len(out) < n:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            p = s.getsockname()[1]
+        with socket.socket() as s2:
+            try:
+                s2.bind(("127.0.0.1", p + 1))
+            except OSError:
+                continue
+        if p not in out and p + 1 not in out and p - 1 not in out:
+            out.append(p)
+    return out
+
+
+def local_keys(tmp: str, n: int) -> str:
+    """Fresh CURVE keys for n local stages (stage0..) and the driver: tmp/keys/{store,stageI,controller}."""
+    from . import keys
+    root = os.path.join(tmp, "keys")
+    names = [f"stage{i}" for i in range(n)]
+    keys.make_store(os.path.join(root, "store"), names)
+    for name in [*names, keys.CONTROLLER]:
+        keys.install(os.path.join(root, "store"), name, os.path.join(root, name), [*names, keys.CONTROLLER])
+    return root
+
+
+def local_plan(checkpoint: str, n: int, precision: str, host_vars: dict[str, dict], kv_context: int = 4096,
+               policy: str = "uniform") -> Plan:
+    """The planner's split of the checkpoint over n stages on this machine (hosts stage0..)."""
+    from .checkpoint import read_index
+    from .cost import model_cost
+    from .deploy import plan_for_hosts
+    from .probe import probe
+    cost = model_cost(read_index(checkpoint))
+    if not 1 <= n <= cost.num_layers:
+        raise LayerlineError(f"--local-stages {n}: must be 1..{cost.num_layers} (the model's layers)")
+    caps = probe(checkpoint, budget_s=0.05, measure_disk=False)  # one machine: every stage sees the same
+    hv = {h: {**v, "layerline_caps": caps} for h, v in host_vars.items()}
+    return plan_for_hosts(hv, cost, {"context": kv_context, "precision_ladder": [precision]}, policy)
+
+
+def local_stages(checkpoint: str, n: int, precision: str, kv_context: int = 4096, threads: int | None = None,
+                 curve: str = "auto", compile: str = "off", compile_cache: str | None = None,
+                 ready_timeout: float | None = None, policy: str = "uniform"):
+    """Start n workers on this machine; returns (procs, first endpoint, tmpdir).
+
+    compile: the workers' --compile mode; they compile before they are ready, so the wait for
+    them is the spec's compile wait unless ready_timeout says otherwise.
+
+    With curve="on" every socket runs CURVE with fresh keys under tmpdir/keys (the driver's
+    keys dir is tmpdir/keys/controller, stage 0's name "stage0").
+    """
+    from .spec import worker_spec
+    ports = free_ports(n)
+    tmp = tempfile.mkdtemp(prefix="layerline-local-")
+    keys_root = local_keys(tmp, n) if curve == "on" else None
+    host_vars = {}
+    for i in range(n):
+        v = {"ansible_connection": "local", "layerline_port": ports[i], "layerline_checkpoint": checkpoint,
+             "layerline_state_dir": os.path.join(tmp, f"stage{i}"), "layerline_compile": compile,
+             "layerline_curve": curve}
+        if threads:
+            v["layerline_threads"] = threads
+        if keys_root:
+            v["layerline_keys_dir"] = os.path.join(keys_root, f"stage{i}")
+        if compile_cache:
+            v["layerline_compile_cache"] = compile_cache
+        if ready_timeout:
+            v["layerline_worker_ready_timeout"] = ready_timeout
+        host_vars[f"stage{i}"] = v
+    plan = local_plan(checkpoint, n, precision, host_vars, kv_context, policy)
+    procs, specs = [], []
+    try:
+        for st in plan.stages:
+            spec = worker_spec(plan, st.host, host_vars[st.host], python=sys.executable)
+            argv = list(spec.argv)
+            os.makedirs(spec.state_dir, mode=0o700, exist_ok=True)
+            with open(os.path.join(spec.state_dir, "worker.log"), "w") as log:
+                procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
+            specs.append(spec)
+        deadline = time.time() + max(s.ready_timeout for s in specs)
+        for p, spec in zip(procs, specs):
+            while not os.path.exists(spec.ready_file):
+                if p.poll() is not None or time.time() > deadline:
+                    log = open(os.path.join(spec.state_dir, "worker.log")).read()[-2000:].strip()
+                    raise LayerlineError(f"local stage {spec.host} did not start: "
+                                         f"{log.splitlines()[-1] if log else 'no output'}")
+                time.sleep(0.05)
+    except BaseException:
+        stop_local(procs)
+        raise
+    return procs, plan.actives[0].endpoint, tmp
+
+
+def stop_local(procs) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(10)
+        except subprocess.TimeoutExpired:
+            p.kill()
