@@ -386,12 +386,18 @@ def test_driver_off_loopback_without_keys_is_one_line(small_ckpt, keyset):
 
 
 def test_worker_argv_names_the_next_hop_key():
-    from layerline.deploy import worker_argv
-    plan = {"num_layers": 4, "kv": {"context": 64, "dtype": "fp32"}, "stages": [
-        {"host": "a", "role": "active", "layers": [0, 2], "device": "cpu", "precision": "fp32",
-         "endpoint": "tcp://10.0.0.1:9100"},
-        {"host": "b", "role": "active", "layers": [2, 4], "device": "cpu", "precision": "fp32",
-         "endpoint": "tcp://10.0.0.2:9100"}]}
+    from layerline.spec import worker_spec
+
+    def worker_argv(plan, host, hv):
+        return list(worker_spec(plan, host, hv).argv)
+
+    sizes = {"weight_bytes": 1, "kv_bytes": 0, "kv_dtype": "fp32", "mem_budget_bytes": 10, "predicted_s": 0.1}
+    plan = {"num_layers": 4, "kv": {"context": 64, "dtype": "fp32", "bytes_per_token": 8}, "precision": "fp32",
+            "objective": "throughput", "predicted_token_s": 0.2, "bottleneck_s": 0.1, "stages": [
+                {"host": "a", "role": "active", "layers": [0, 2], "device": "cpu", "precision": "fp32",
+                 "endpoint": "tcp://10.0.0.1:9100", **sizes},
+                {"host": "b", "role": "active", "layers": [2, 4], "device": "cpu", "precision": "fp32",
+                 "endpoint": "tcp://10.0.0.2:9100", **sizes}]}
     hv = {"layerline_checkpoint": "/c", "layerline_state_dir": "/s", "ansible_host": "10.0.0.1"}
     a = worker_argv(plan, "a", hv)
     assert a[a.index("--next-key") + 1] == "b" and a[a.index("--keys") + 1] == "/s/keys"

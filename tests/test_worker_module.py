@@ -1,8 +1,9 @@
-"""layerline_worker and layerline.supervise with real processes, through real ansible.
+"""layerline_worker with real processes, through real ansible.
 
 No mocks: each test writes a fake worker script into tmp_path, runs the module with the
 `ansible` ad-hoc command against localhost (local connection), and checks the processes
-themselves. A fixture kills anything left behind.
+themselves. A fixture kills anything left behind. The supervise CLI the module calls has its
+own tests in test_supervise.py.
 """
 from __future__ import annotations
 
@@ -175,6 +176,8 @@ def test_start_is_idempotent_and_restarts_on_argv_change(rig):
     again = run_module(rig.args(argv=rig.argv("--layers", "0:2")))
     assert again["changed"] is False, again
     assert (again["pid"], again["supervisor_pid"]) == (pid, sup)
+    checked = run_module(rig.args(argv=rig.argv("--layers", "0:2")), check=True)
+    assert checked["changed"] is False and checked["pid"] == pid, checked
 
     # Check mode with a new argv: says it would restart, touches nothing.
     checked = run_module(rig.args(argv=rig.argv("--layers", "2:4")), check=True)
@@ -230,21 +233,16 @@ def test_crashing_worker_fails_with_log_tail(rig):
     assert "supervisor gave up" in msg
     assert "cannot open checkpoint /nonexistent" in msg  # the log tail
     assert "supervise: giving up" in msg
+    assert any("cannot open checkpoint" in line for line in result["log_tail"])
     assert not processes_mentioning(str(rig.root))
     assert not (rig.state_dir / "worker.pid").exists()
 
 
-# -- the supervisor on its own ------------------------------------------------------------
-
-
-def test_supervisor_exit_codes(tmp_path):
-    pidfile, log = tmp_path / "s.pid", tmp_path / "s.log"
-    base = [PY, "-m", "layerline.supervise", "--pidfile", str(pidfile), "--log", str(log)]
-    ok = subprocess.run([*base, "--", PY, "-c", "print('fine')"], timeout=30)
-    assert ok.returncode == 0 and not pidfile.exists()
-    bad = subprocess.run([*base, "--max-restarts", "1", "--", PY, "-c", "raise SystemExit(3)"],
-                         timeout=30)
-    assert bad.returncode == 3 and not pidfile.exists()
-    text = log.read_text()
-    assert "fine" in text and "supervise: giving up" in text
-    assert all(" supervise: " in line for line in text.splitlines() if line.startswith("20"))
+@pytest.mark.skipif(subprocess.run(["/usr/bin/python3", "-c", "import layerline"], capture_output=True,
+                                   cwd="/").returncode == 0 or not Path("/usr/bin/python3").exists(),
+                    reason="needs a /usr/bin/python3 without layerline")
+def test_python_without_layerline_fails_clearly(rig):
+    result = run_module(rig.args(argv=rig.argv(), python="/usr/bin/python3"))
+    assert result["_status"] == "FAILED!" and "can import layerline" in result["msg"], result
+    missing = run_module(rig.args(argv=rig.argv(), python=str(rig.root / "no-such-python")))
+    assert missing["_status"] == "FAILED!" and "is not an executable" in missing["msg"], missing

@@ -201,7 +201,6 @@ ansible_facts:
 import json
 import os
 import sys
-import tempfile
 import traceback
 
 from ansible.module_utils.basic import AnsibleModule
@@ -210,6 +209,7 @@ LAYERLINE_IMPORT_ERROR = None
 try:
     import layerline
     from layerline.errors import LayerlineError
+    from layerline.files import atomic_write_json
     from layerline.probe import machine_id, measure_rtt, probe
 except ImportError:
     LAYERLINE_IMPORT_ERROR = traceback.format_exc()
@@ -243,21 +243,9 @@ def read_cache(path, key):
 
 
 def write_cache(module, path, key, caps):
-    directory = os.path.dirname(path) or "."
     try:
-        if not os.path.isdir(directory):
-            os.makedirs(directory, mode=0o700)
-        fd, tmp = tempfile.mkstemp(prefix=".layerline_probe.", dir=directory)  # mode 0600
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as fh:
-                json.dump({"key": key, "caps": caps}, fh, indent=2, sort_keys=True)
-                fh.write("\n")
-            os.chmod(tmp, 0o600)
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        os.makedirs(os.path.dirname(path) or ".", mode=0o700, exist_ok=True)
+        atomic_write_json(path, {"key": key, "caps": caps})  # mode 0600
     except OSError as e:
         module.fail_json(msg=f"cannot write cache_file {path}: {e}; choose a path the remote user can write, "
                              "or leave cache_file out")

@@ -43,6 +43,7 @@ import zmq
 from zmq.utils import z85
 
 from .errors import LayerlineError
+from .files import atomic_write
 
 CONTROLLER = "controller"         # the driver's name in every allowed/ and peers/
 SELF = "self"
@@ -147,24 +148,7 @@ def _secret_text(public: bytes, secret: bytes) -> bytes:
 
 def _write(path: str, data: bytes, mode: int) -> bool:
     """Write atomically with exactly `mode` (never wider, even for a moment); False when already so."""
-    try:
-        st = os.lstat(path)
-        if stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) == mode:
-            with open(path, "rb") as f:
-                if f.read() == data:
-                    return False
-    except FileNotFoundError:
-        pass
-    tmp = f"{path}.tmp{os.getpid()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode & 0o600)
-    try:
-        os.write(fd, data)
-        os.fchmod(fd, mode)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    return True
+    return atomic_write(path, data, mode, if_changed=True)
 
 
 def ensure_dir(path: str) -> bool:

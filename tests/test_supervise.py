@@ -1,0 +1,275 @@
+"""The `python -m layerline.supervise start|stop|status` contract, with real processes.
+
+Fake workers are small Python scripts in tmp_path (so every process a test starts names
+tmp_path on its command line, and the fixture can kill leftovers); one test runs a real
+layerline worker on the small demo checkpoint.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+VENV_PY = REPO / ".venv" / "bin" / "python"
+PY = str(VENV_PY if VENV_PY.exists() else Path(sys.executable))
+
+pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
+
+# Writes its ready file (argv[1]) atomically, then serves until SIGTERM; exits 0 on its own
+# when the file argv[1] + ".quit" appears (removing it first).
+FAKE_WORKER = """\
+import json, os, signal, sys, time
+ready = sys.argv[1]
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+with open(ready + ".tmp", "w") as fh:
+    json.dump({"pid": os.getpid(), "args": sys.argv[2:]}, fh)
+os.replace(ready + ".tmp", ready)
+print("fake worker %d serving" % os.getpid(), flush=True)
+while True:
+    if os.path.exists(ready + ".quit"):
+        os.unlink(ready + ".quit")
+        print("fake worker %d done, exiting 0" % os.getpid(), flush=True)
+        sys.exit(0)
+    time.sleep(0.05)
+"""
+
+FAKE_CRASH = """\
+import sys
+print("fake worker: cannot open checkpoint /nonexistent: no such directory", file=sys.stderr)
+sys.exit(1)
+"""
+
+FAKE_SLOW = """\
+import time
+while True:
+    time.sleep(1)
+"""
+
+
+def alive(pid) -> bool:
+    """A live process (zombies count as gone: this machine's init may not reap them)."""
+    try:
+        data = Path(f"/proc/{pid}/stat").read_bytes()
+    except (OSError, TypeError):
+        return False
+    return data[data.rfind(b")") + 2:].split()[0] not in (b"Z", b"X")
+
+
+def processes_mentioning(text: str) -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ")
+        except OSError:
+            continue
+        if text.encode() in cmdline and alive(entry):
+            pids.append(int(entry))
+    return pids
+
+
+def wait_for(predicate, timeout: float = 15.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+class Rig:
+    def __init__(self, root: Path):
+        self.root = root
+        self.state_dir = root / "state"
+        self.ready = self.state_dir / "ready.json"
+        self.log = self.state_dir / "worker.log"
+        for name, text in (("worker", FAKE_WORKER), ("crash", FAKE_CRASH), ("slow", FAKE_SLOW)):
+            (root / f"fake_{name}.py").write_text(text)
+
+    def argv(self, *extra: str, kind: str = "worker") -> list[str]:
+        return [PY, str(self.root / f"fake_{kind}.py"), str(self.ready), *extra]
+
+    def sv(self, command: str, *args: str, argv: list[str] | None = None, timeout: float = 60) -> tuple[int, dict]:
+        cmd = [PY, "-m", "layerline.supervise", command, "--state-dir", str(self.state_dir), *args]
+        if argv is not None:
+            cmd += ["--", *argv]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+        lines = proc.stdout.splitlines()
+        assert len(lines) == 1, f"not one line of JSON (rc {proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+        return proc.returncode, json.loads(lines[0])
+
+    def start(self, *extra: str, args=("--name", "stage0", "--ready-timeout", "20"), **kw):
+        return self.sv("start", *args, argv=self.argv(*extra, **kw))
+
+    def state(self) -> dict:
+        return json.loads((self.state_dir / "supervisor.json").read_text())
+
+
+@pytest.fixture
+def rig(tmp_path):
+    rig = Rig(tmp_path)
+    yield rig
+    for _ in range(3):  # supervisors first, so nothing gets restarted
+        pids = processes_mentioning(str(tmp_path))
+        if not pids:
+            break
+        sups = [p for p in pids if b"layerline.supervise" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        for pid in sups or pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.2)
+    assert not processes_mentioning(str(tmp_path)), "processes survived the test's cleanup"
+
+
+def test_start_is_idempotent_on_argv_and_restarts_on_change(rig):
+    rc, first = rig.start("--layers", "0:2")
+    assert rc == 0, first
+    assert first["changed"] is True and first["state"] == "started" and first["msg"] == "started stage0"
+    sup, worker = first["supervisor_pid"], first["worker_pid"]
+    assert alive(sup) and alive(worker) and first["ready"]["pid"] == worker
+    assert first["argv"] == rig.argv("--layers", "0:2") and first["log"] == str(rig.log)
+    assert isinstance(first["log_tail"], list)
+    rec = rig.state()
+    assert (rec["pid"], rec["worker_pid"], rec["argv"], rec["name"]) == (sup, worker, first["argv"], "stage0")
+    assert rec["restarts"] == 0 and rec["started_at"] <= time.time()
+
+    rc, again = rig.start("--layers", "0:2")
+    assert rc == 0 and again["changed"] is False, again
+    assert (again["supervisor_pid"], again["worker_pid"], again["ready"]["pid"]) == (sup, worker, worker)
+
+    rc, status = rig.sv("status")
+    assert rc == 0 and status["running"] is True, status
+    assert (status["supervisor_pid"], status["worker_pid"], status["restarts"]) == (sup, worker, 0)
+    assert status["argv"] == first["argv"] and status["ready"]["pid"] == worker and status["log"] == str(rig.log)
+
+    rc, moved = rig.start("--layers", "2:4")
+    assert rc == 0 and moved["changed"] is True and moved["msg"] == "restarted stage0", moved
+    assert moved["ready"]["args"] == ["--layers", "2:4"] and alive(moved["worker_pid"])
+    assert not alive(sup) and not alive(worker)
+
+    rc, forced = rig.sv("start", "--restart", "--ready-timeout", "20", argv=rig.argv("--layers", "2:4"))
+    assert rc == 0 and forced["changed"] is True and forced["worker_pid"] != moved["worker_pid"], forced
+
+    rc, stopped = rig.sv("stop")
+    assert rc == 0 and stopped == {**stopped, "changed": True, "state": "stopped",
+                                   "supervisor_pid": forced["supervisor_pid"]}, stopped
+    assert not alive(forced["supervisor_pid"]) and not alive(forced["worker_pid"])
+    for name in ("worker.pid", "ready.json", "supervisor.json"):
+        assert not (rig.state_dir / name).exists(), name
+    assert not processes_mentioning(str(rig.root))
+    rc, again = rig.sv("stop")
+    assert rc == 0 and again["changed"] is False and again["supervisor_pid"] is None, again
+    rc, status = rig.sv("status")
+    assert rc == 0 and status["running"] is False and status["supervisor_pid"] is None, status
+
+
+def test_worker_exiting_zero_on_its_own_is_restarted(rig):
+    rc, first = rig.start()
+    assert rc == 0, first
+    old, sup = first["worker_pid"], first["supervisor_pid"]
+    Path(str(rig.ready) + ".quit").touch()
+    new = wait_for(lambda: (p := rig.state().get("worker_pid")) not in (None, old) and rig.ready.exists()
+                   and json.loads(rig.ready.read_text())["pid"] == p and p, what="the restarted worker")
+    assert not alive(old) and alive(new) and alive(sup)
+    rc, status = rig.sv("status")
+    assert status["running"] and status["worker_pid"] == new and status["restarts"] == 1, status
+    log = rig.log.read_text()
+    assert f"child pid {old} exited with status 0" in log and "supervise: restarting in 0.5s" in log
+    rc, stopped = rig.sv("stop")
+    assert rc == 0 and stopped["changed"] is True and not alive(new) and not alive(sup)
+
+
+def test_failure_answers_with_msg_and_log_tail(rig):
+    rc, out = rig.start(args=("--name", "crashy", "--max-restarts", "1", "--ready-timeout", "20"), kind="crash")
+    assert rc == 1 and out["state"] == "failed", out
+    assert "crashy" in out["msg"] and "did not become ready" in out["msg"] and "supervisor gave up" in out["msg"]
+    assert "start again" in out["msg"]
+    tail = "\n".join(out["log_tail"])
+    assert "cannot open checkpoint /nonexistent" in tail and "supervise: giving up" in tail
+    assert not processes_mentioning(str(rig.root))
+    assert not (rig.state_dir / "worker.pid").exists() and not (rig.state_dir / "supervisor.json").exists()
+
+    rc, out = rig.start(args=("--name", "slow", "--ready-timeout", "1"), kind="slow")
+    assert rc == 1 and out["state"] == "failed", out
+    assert "within 1s" in out["msg"] and "ready timeout" in out["msg"], out
+    assert not processes_mentioning(str(rig.root))
+
+    rc, out = rig.sv("start", "--ready-timeout", "0", argv=rig.argv())
+    assert rc == 2 and "--ready-timeout" in out["msg"] and out["state"] == "failed", out
+    rc, out = rig.sv("start", argv=[])
+    assert rc == 2 and "no command given" in out["msg"], out
+
+
+def test_stale_or_reused_pids_are_not_trusted(rig):
+    rig.state_dir.mkdir(mode=0o700)
+    dead = subprocess.Popen([PY, "-c", "pass"])
+    dead.wait()
+    bystander = subprocess.Popen([PY, "-c", "import time; time.sleep(60)", str(rig.root)])
+    try:
+        start_of = lambda pid: int(Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[19])
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        record = {"pid": dead.pid, "pid_start": 1, "boot_id": boot, "name": "stage0", "argv": rig.argv(),
+                  "ready_file": str(rig.ready), "restarts": 0, "state": "running",
+                  # a live process with another start time: the pid was reused
+                  "worker_pid": bystander.pid, "worker_start": start_of(bystander.pid) - 1}
+        (rig.state_dir / "supervisor.json").write_text(json.dumps(record))
+        (rig.state_dir / "worker.pid").write_text(f"{dead.pid}\n")
+        rig.ready.write_text(json.dumps({"pid": bystander.pid}))
+        rc, status = rig.sv("status")
+        assert rc == 0 and status["running"] is False and status["supervisor_pid"] is None, status
+
+        # a live pid (this test's own) with the wrong start time is not our supervisor either
+        (rig.state_dir / "supervisor.json").write_text(json.dumps(
+            {**record, "pid": os.getpid(), "pid_start": start_of(os.getpid()) + 1}))
+        rc, status = rig.sv("status")
+        assert status["running"] is False, status
+        rc, out = rig.start()  # same argv as recorded, yet nothing trusted runs it: a fresh start
+        assert rc == 0 and out["changed"] is True and out["msg"] == "started stage0", out
+        assert out["supervisor_pid"] != os.getpid() and alive(bystander.pid)
+        rc, out = rig.sv("stop")
+        assert rc == 0 and out["changed"] is True and alive(bystander.pid)
+    finally:
+        bystander.kill()
+        bystander.wait()
+
+
+def test_stop_reaps_a_worker_whose_supervisor_was_killed(rig):
+    rc, first = rig.start()
+    assert rc == 0, first
+    os.kill(first["supervisor_pid"], signal.SIGKILL)
+    wait_for(lambda: not alive(first["supervisor_pid"]), what="the supervisor to die")
+    assert alive(first["worker_pid"])
+    rc, status = rig.sv("status")
+    assert status["running"] is False and "still alive" in status["msg"], status
+    rc, out = rig.sv("stop")
+    assert rc == 0 and out["changed"] is True, out
+    assert not alive(first["worker_pid"]) and not processes_mentioning(str(rig.root))
+
+
+def test_real_worker_under_supervise(rig, small_ckpt):
+    from layerline.cli import _free_ports
+
+    (port,) = _free_ports(1)
+    argv = [PY, "-m", "layerline.worker", "--checkpoint", str(small_ckpt), "--layers", "0:4",
+            "--precision", "fp32", "--kv-context", "64", "--bind", f"tcp://127.0.0.1:{port}",
+            "--name", "w", "--ready-file", str(rig.ready), "--first", "--last", "--threads", "1"]
+    rc, out = rig.sv("start", "--name", "w", "--ready-timeout", "120", argv=argv, timeout=180)
+    assert rc == 0, out
+    assert out["ready"]["pid"] == out["worker_pid"] and out["ready"]["layers"] == [0, 4]
+    assert out["ready_file"] == str(rig.ready)  # found in the worker's own argv
+    rc, again = rig.sv("start", "--name", "w", argv=argv)
+    assert rc == 0 and again["changed"] is False
+    rc, stopped = rig.sv("stop")
+    assert rc == 0 and stopped["changed"] is True and not alive(out["worker_pid"])
+    assert f"child pid {out['worker_pid']} exited with status 0" in rig.log.read_text()
