@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
 
-.PHONY: setup demo test lint bench clean teardown
+.PHONY: setup demo test test-unit lint bench clean teardown
 
 setup: $(VENV)/.layerline-stamp
 
@@ -23,6 +23,10 @@ teardown: setup
 
 test: setup
 	$(BIN)/python -m pytest -q tests
+
+# the fast tier only (markers: unit, e2e, multihost; tests/conftest.py assigns them): under a minute
+test-unit: setup
+	$(BIN)/python -m pytest -q -m unit tests
 
 lint: setup
 	$(BIN)/ansible-lint --profile production deploy.yml teardown.yml playbooks roles

@@ -10,6 +10,71 @@ import pytest
 import torch  # noqa: E402
 import torch._dynamo  # noqa: F401,E402
 
+# --- test tiers -----------------------------------------------------------------------------------
+# Every test gets exactly one tier marker: by its name, else by a fixture it uses, else by its module
+# (default unit):
+#   unit       in-process checks, no playbooks, no worker pipelines: `pytest -m unit` (`make test-unit`),
+#              under a minute
+#   e2e        end-to-end and slow: real ansible / ansible-runner / molecule / ansible-lint runs on this
+#              machine, worker processes, torch.compile, full probes
+#   multihost  over ssh to network-namespace hosts made by scripts/testhosts.py (needs root)
+# `make test` runs every tier. A test's own tier marker (e.g. @pytest.mark.e2e) is kept as it is.
+TIERS = ("unit", "e2e", "multihost")
+MODULE_TIER = {
+    "test_e2e_deploy": "e2e",      # deploy.yml on the default inventory
+    "test_molecule": "e2e",        # molecule test -s default (multihost below, by name)
+    "test_lint": "e2e",            # ansible-lint over every playbook and role (~50 s)
+    "test_compile": "e2e",         # torch.compile, a compiled worker process (minutes)
+    "test_generate": "e2e",        # generation across real worker processes
+    "test_worker": "e2e",          # a real two-stage worker pipeline
+    "test_worker_module": "e2e",   # layerline_worker through real ansible
+    "test_server": "e2e",          # the server over three real worker processes
+    "test_multihost": "multihost",
+}
+# "module::fixture": every test of that module using the fixture (real worker processes)
+FIXTURE_TIER = {
+    "test_curve::stages": "e2e",
+    "test_rows::pipeline": "e2e",
+}
+TEST_TIER = {  # "module::test name" (parametrized cases share their test's tier)
+    "test_cluster::test_probe_plan_launch_drive_teardown": "e2e",        # ansible-runner, three workers
+    "test_curve::test_missing_keys_dir_and_readable_secret_are_refused_by_the_worker": "e2e",  # workers
+    "test_curve::test_off_loopback_without_keys_is_one_line_naming_keys": "e2e",
+    "test_curve::test_driver_off_loopback_without_keys_is_one_line": "e2e",
+    "test_discover::test_discover_play_adds_hosts": "e2e",               # playbooks/discover.yml
+    "test_discover::test_cluster_discover_is_idempotent": "e2e",         # ansible-runner
+    "test_families::test_family_through_three_worker_processes_equals_transformers": "e2e",
+    "test_families::test_text_in_text_out_with_a_tokenizer": "e2e",      # worker processes
+    "test_probe::test_module_returns_caps_and_uses_its_cache": "e2e",    # the probe module via ansible
+    # five full probes (each ~1.5 s: the decode-bandwidth timing does not follow budget_s)
+    "test_probe::test_disk_speed_is_null_not_zero_when_unmeasured": "e2e",
+    "test_probe::test_a_host_without_the_checkpoint_times_the_disk_it_will_land_on": "e2e",
+    "test_rows::test_the_kv_budget_evicts_the_oldest_and_rows_then_name_it": "e2e",  # a worker
+    "test_supervise::test_real_worker_under_supervise": "e2e",           # a real worker process
+    "test_molecule::test_molecule_multihost": "multihost",
+}
+
+
+def _tier(item) -> str | None:
+    module = item.path.stem
+    name = getattr(item, "originalname", None) or item.name
+    tier = TEST_TIER.get(f"{module}::{name}")
+    if tier is None:
+        fixtures = getattr(item, "fixturenames", ())
+        tier = next((t for k, t in FIXTURE_TIER.items() if k.split("::")[0] == module
+                     and k.split("::")[1] in fixtures), None)
+    if tier is None and not any(m.name in TIERS for m in item.iter_markers()):
+        tier = MODULE_TIER.get(module, "unit")
+    return tier
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        tier = _tier(item)
+        if tier is not None:
+            item.add_marker(getattr(pytest.mark, tier))
+
+
 # A small Llama-family demo model: fast to write, load and run on a busy CPU.
 SMALL_CKPT = dict(layers=4, hidden=128, vocab=500, dtype="float32", seed=0)
 

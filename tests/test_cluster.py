@@ -113,7 +113,7 @@ def test_probe_plan_launch_drive_teardown(cluster):
         with pytest.raises(ClusterError) as err:
             c.plan()
     finally:
-        del c.extravars["layerline_policy"]
+        c.extravars["layerline_policy"] = "uniform"
     e = err.value
     assert e.host == "w1" and e.task == "Plan" and "layerline_policy" in e.msg and "bogus" in e.msg
     assert "\n" not in str(e) and "Traceback" not in str(e)

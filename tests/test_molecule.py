@@ -16,7 +16,7 @@ import pytest
 
 from helpers import BIN, ROOT, ansible_env
 
-pytestmark = pytest.mark.e2e
+# tiers: default is e2e, multihost is multihost (tests/conftest.py marks them)
 
 
 def molecule(scenario: str) -> None:
