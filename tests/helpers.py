@@ -5,6 +5,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -61,3 +62,39 @@ def chained_greedy(stages, prompt, steps: int, max_len: int = 32):
         seq = torch.cat([seq, x], dim=1)
     assert all(c.length == pos for c in caches)
     return seq
+
+
+# --- processes ---------------------------------------------------------------------------------------
+
+def alive(pid) -> bool:
+    """A live process (zombies count as gone: this machine's init may not reap them)."""
+    try:
+        data = Path(f"/proc/{pid}/stat").read_bytes()
+    except (OSError, TypeError):
+        return False
+    return data[data.rfind(b")") + 2:].split()[0] not in (b"Z", b"X")
+
+
+def processes_mentioning(text: str) -> list[int]:
+    """Live pids whose command line contains text."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ")
+        except OSError:
+            continue
+        if text.encode() in cmdline and alive(entry):
+            pids.append(int(entry))
+    return pids
+
+
+def wait_for(predicate, timeout: float = 15.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers import alive, processes_mentioning, wait_for
+
 REPO = Path(__file__).resolve().parents[1]
 VENV_PY = REPO / ".venv" / "bin" / "python"
 PY = str(VENV_PY if VENV_PY.exists() else Path(sys.executable))
@@ -51,39 +53,6 @@ import time
 while True:
     time.sleep(1)
 """
-
-
-def alive(pid) -> bool:
-    """A live process (zombies count as gone: this machine's init may not reap them)."""
-    try:
-        data = Path(f"/proc/{pid}/stat").read_bytes()
-    except (OSError, TypeError):
-        return False
-    return data[data.rfind(b")") + 2:].split()[0] not in (b"Z", b"X")
-
-
-def processes_mentioning(text: str) -> list[int]:
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ")
-        except OSError:
-            continue
-        if text.encode() in cmdline and alive(entry):
-            pids.append(int(entry))
-    return pids
-
-
-def wait_for(predicate, timeout: float = 15.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 class Rig:

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers import alive, processes_mentioning, wait_for
+
 REPO = Path(__file__).resolve().parents[1]
 VENV_PY = REPO / ".venv" / "bin" / "python"
 ANSIBLE = REPO / ".venv" / "bin" / "ansible"
@@ -76,40 +78,6 @@ def run_module(args: dict, check: bool = False) -> dict:
     result["_status"] = head.split("|")[-1].strip()
     result["_rc"] = proc.returncode
     return result
-
-
-def alive(pid) -> bool:
-    """A live process (zombies count as gone: this machine's init may not reap them)."""
-    try:
-        data = Path(f"/proc/{pid}/stat").read_bytes()
-    except (OSError, TypeError):
-        return False
-    return data[data.rfind(b")") + 2:].split()[0] not in (b"Z", b"X")
-
-
-def processes_mentioning(text: str) -> list[int]:
-    """Live pids whose command line contains text."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ")
-        except OSError:
-            continue
-        if text.encode() in cmdline and alive(entry):
-            pids.append(int(entry))
-    return pids
-
-
-def wait_for(predicate, timeout: float = 10.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 class Rig:
