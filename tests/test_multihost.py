@@ -58,7 +58,7 @@ def cluster():
         # layerline_policy uniform: every host holds layers (2 each), whatever the probes measure;
         # under auto the planner may validly leave a host out of a model this small.
         extra = json.dumps({"layerline_home": str(home), "layerline_checkpoint": str(ckpt),
-                            "layerline_demo_checkpoint": False, "layerline_policy": "uniform",
+                            "layerline_demo_checkpoint": False, "layerline_policy": "uniform", "layerline_serve_port": 29880,
                             "layerline_seq": 12, "layerline_generate": 4})
         yield {"info": info, "inventory": info["inventory"], "home": home, "extra": ["-e", extra]}
     finally:

@@ -52,11 +52,15 @@ def layerline_plan(hostvars, hosts, cost, objective=None, policy=None, reserve_r
         raise AnsibleFilterError(f"layerline_plan: {e}") from None
 
 
-def layerline_worker_spec(plan, host, hvars, python="python3"):
-    """The host's WorkerSpec as a dict: argv, state_dir, ready_file, keys_dir, ready_timeout, endpoint."""
+def layerline_worker_spec(plan, host, hvars, python="python3", ready_timeout=None):
+    """The host's WorkerSpec as a dict: argv, state_dir, ready_file, keys_dir, ready_timeout, endpoint.
+
+    ready_timeout: the role's layerline_worker_ready_timeout (the spec raises it for compiling stages)."""
     _need_runtime()
     try:
         hv = _plain({k: hvars[k] for k in hvars if k.startswith("layerline_") or k in _KEYS})
+        if ready_timeout is not None:
+            hv["layerline_worker_ready_timeout"] = _plain(ready_timeout)
         return worker_spec(_plain(plan), str(host), hv, python=str(python)).to_dict()
     except LayerlineError as e:
         raise AnsibleFilterError(f"layerline_worker_spec: {e}") from None

@@ -307,7 +307,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on: run every local socket with CURVE, with fresh throwaway keys")
     g.add_argument("--json", action="store_true")
     g.set_defaults(fn=cmd_generate)
+
+    from .server.cli import add_arguments as serve_arguments  # argparse only: serving loads when it runs
+    sv = sub.add_parser("serve", help="the OpenAI-compatible HTTP server over a running pipeline")
+    serve_arguments(sv)
+    sv.set_defaults(fn=cmd_serve)
     return p
+
+
+def cmd_serve(a) -> int:
+    from .server.cli import run
+    return run(a)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,7 +25,13 @@ from .errors import LayerlineError
 
 
 class DriveError(LayerlineError):
-    """A forward that did not come back: names the stage that failed or went quiet."""
+    """A forward that did not come back: names the stage that failed or went quiet.
+
+    seqs: for a `rows` message, the sequences the stage lost (replay those, resend the rest)."""
+
+    def __init__(self, message: str = "", code: str | None = None, seqs: list[str] | None = None):
+        super().__init__(message, code)
+        self.seqs = seqs
 
 
 @dataclass
@@ -38,6 +44,14 @@ class StepResult:
     def hop_s(self) -> float:
         """Wall time not spent computing: framing, copies and the links between stages."""
         return max(0.0, self.wall_s - sum(t["s"] for t in self.timings))
+
+
+@dataclass
+class Answer:
+    """What came back for one request in flight: a result or the error a stage sent."""
+    rid: str
+    result: StepResult | None
+    error: DriveError | None = None
 
 
 @dataclass
@@ -89,6 +103,7 @@ class Pipeline:
         self.reply_to = f"tcp://{self.reply_host}:{port}"
         self.curve_sockets = (to_curve, res_curve)  # (to stage 0, result socket)
         self._pending: dict[str, float] = {}  # request id -> send time
+        self._ready: list[Answer] = []        # answers read but not yet handed out
         self.poller = zmq.Poller()
         self.poller.register(self.to_first, zmq.POLLIN)
         self.poller.register(self.results, zmq.POLLIN)
@@ -116,27 +131,70 @@ class Pipeline:
     def __exit__(self, *exc):
         self.close()
 
+    def _send(self, head: dict, input_ids: torch.Tensor) -> str:
+        rid = f"r{os.getpid()}-{next(self._ids)}"
+        head.update(op="forward", id=rid, reply_to=self.reply_to, deadline=time.time() + self.timeout_s, timings=[])
+        self._pending[rid] = time.perf_counter()
+        self.to_first.send_multipart(wire.encode(head, {"input_ids": input_ids.to(torch.int64)}), copy=False)
+        return rid
+
     def submit(self, input_ids: torch.Tensor, seq: str | None = None, pos: int = 0, cache: bool = False,
                last_only: bool = False, reserve: int | None = None) -> str:
         """Send one pass of [batch, tokens] ids into stage 0 without waiting; returns its request id."""
         if input_ids.dim() == 1:
             input_ids = input_ids.unsqueeze(0)
-        rid = f"r{os.getpid()}-{next(self._ids)}"
-        head = {"op": "forward", "id": rid, "pos": pos, "cache": cache, "reply_to": self.reply_to,
-                "deadline": time.time() + self.timeout_s, "timings": []}
+        head = {"pos": pos, "cache": cache}
         if seq is not None:
             head["seq"] = seq
         if last_only:
             head["logits"] = "last"
         if reserve is not None:  # tokens this sequence may reach: each stage sizes its KV cache to it
             head["reserve"] = int(reserve)
-        self._pending[rid] = time.perf_counter()
-        self.to_first.send_multipart(wire.encode(head, {"input_ids": input_ids.to(torch.int64)}), copy=False)
-        return rid
+        return self._send(head, input_ids)
+
+    def submit_rows(self, rows: list[tuple[str, int]], input_ids: torch.Tensor) -> str:
+        """One step of B sequences, one token each, in one message: rows [(seq, pos), ...], ids [B].
+
+        Each row's sequence must already hold exactly pos tokens at every stage; the logits come
+        back [B, 1, vocab]. A stage that lost some of them answers seq_unknown with their ids
+        (DriveError.seqs) and applies nothing."""
+        return self._send({"cache": True, "logits": "last", "rows": [[str(q), int(p)] for q, p in rows]},
+                          input_ids.reshape(-1, 1))
+
+    def answers(self, sock) -> list[Answer]:
+        """Every message waiting on one of this pipeline's sockets (non-blocking), as answers to
+        requests in flight; late, repeated and malformed messages are dropped."""
+        out = []
+        while True:
+            try:
+                frames = sock.recv_multipart(copy=False, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return out
+            if sock is self.results:
+                frames = frames[1:]  # the sender's identity
+            try:
+                h, tensors = wire.decode(frames)
+            except wire.WireError:
+                continue
+            rid = h.get("id")
+            if rid not in self._pending:
+                continue  # a late or repeated answer (a stage's error comes on both sockets)
+            if h["op"] == "error":
+                self._pending.pop(rid)
+                code = h.get("code") if isinstance(h.get("code"), str) else None
+                seqs = h.get("seqs") if isinstance(h.get("seqs"), list) else None
+                out.append(Answer(rid, None, DriveError(f"stage {h.get('stage', '?')}: {h.get('error')}", code,
+                                                        [q for q in seqs if isinstance(q, str)] if seqs else None)))
+            elif h["op"] == "result" and "logits" in tensors:
+                wall = time.perf_counter() - self._pending.pop(rid)
+                out.append(Answer(rid, StepResult(tensors["logits"].clone(), h.get("timings", []), wall)))
 
     def collect(self) -> tuple[str, StepResult | DriveError]:
         """The next answer to any request in flight: a result, or the error a stage sent for it."""
         while True:
+            if self._ready:
+                a = self._ready.pop(0)
+                return a.rid, a.result if a.error is None else a.error
             if not self._pending:
                 raise DriveError("collect: no request in flight")
             oldest = min(self._pending.values())
@@ -147,20 +205,7 @@ class Pipeline:
                 raise DriveError(f"request {rid}: no result within {self.timeout_s:.0f} s; a stage after "
                                  f"{self.first} is down or slow (check each worker's log and health)")
             for sock, _ in self.poller.poll(min(left, 1.0) * 1000):
-                frames = sock.recv_multipart(copy=False)
-                if sock is self.results:
-                    frames = frames[1:]  # drop the sender's identity
-                h, tensors = wire.decode(frames)
-                rid = h.get("id")
-                if rid not in self._pending:
-                    continue  # a late or repeated answer
-                if h["op"] == "error":
-                    self._pending.pop(rid)
-                    code = h.get("code") if isinstance(h.get("code"), str) else None
-                    return rid, DriveError(f"stage {h.get('stage', '?')}: {h.get('error')}", code)
-                if h["op"] == "result" and "logits" in tensors:
-                    wall = time.perf_counter() - self._pending.pop(rid)
-                    return rid, StepResult(tensors["logits"].clone(), h.get("timings", []), wall)
+                self._ready += self.answers(sock)
 
     def forward(self, input_ids: torch.Tensor, seq: str | None = None, pos: int = 0,
                 cache: bool = False, last_only: bool = False) -> StepResult:

@@ -1,21 +1,36 @@
-"""Generation across the pipeline: prefill, then decode, several sequences in flight.
+"""Generation across the pipeline: the one engine that both `generate()` and the server drive.
 
-Prompts of equal length travel together as one batch (one message per step, one KV cache
-per stage with a row per sequence), so each stage reads its weights once for all of them.
-Batches of different lengths are in flight at the same time, so the stages work at once.
-The driver keeps every sequence's tokens: a stage that lost its cache is rebuilt by
-replaying the prefix.
+Every sequence is one row with its own KV cache at each stage (its own `seq` id on the wire)
+and its own sampling state (a seeded torch.Generator). The engine keeps each sequence's
+token history and what the stages hold of it; every step it
+
+- feeds waiting prompts in chunks (at most `chunk` tokens per message, so a long prompt never
+  stalls running streams for long; one such chunk in flight while others decode),
+- steps the decoding sequences as micro-batches of rows (`rows` messages: each row its own
+  sequence at its own position), with as many micro-batches in flight as there are stages, so
+  no stage idles while another computes; sequences join and leave at every step,
+- replays a sequence's history from position 0 when a stage lost its cache (restart,
+  promotion, eviction: error code "seq_unknown").
+
+Stages that do not speak `rows` yet get one message per sequence per step (all in flight).
+`generate()` is a thin wrapper: add every prompt, run until all are done. The server runs the
+same Engine in its own thread (`Engine.serve`), the ZeroMQ sockets owned by that thread.
 """
 from __future__ import annotations
 
 import itertools
+import math
 import os
+import queue
 import time
+from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
+import zmq
 
-from .driver import DriveError, Pipeline, StepResult
+from .driver import Answer, DriveError, Pipeline, StepResult
 from .errors import LayerlineError
 from .model.sampling import sample
 from .wire import MAX_BATCH, MAX_SEQS
@@ -35,23 +50,9 @@ class Sampling:
 
 
 @dataclass
-class _Group:
-    seq: str
-    rows: list[int]                      # indices into the caller's prompts
-    tokens: torch.Tensor                 # [B, T] everything so far (prompt + generated)
-    prompt_len: int
-    done: torch.Tensor                   # [B] bool
-    gen: torch.Generator                 # sampling draws of this group alone: reproducible by seed
-    steps: list[StepResult] = field(default_factory=list)
-    decode: list[StepResult] = field(default_factory=list)
-    started: float = field(default_factory=time.perf_counter)
-    replays: int = 0
-
-
-@dataclass
 class Generation:
     tokens: list[list[int]]              # new tokens per prompt, in the caller's order
-    steps: list[StepResult]              # every step of every batch
+    steps: list[StepResult]              # every step that gave tokens (prefill ends, decode steps)
     seconds: float
     new_tokens: int
     replays: int = 0
@@ -73,79 +74,418 @@ class Generation:
         return sum(s.logits.shape[0] for s in self.decode) / sum(s.wall_s for s in self.decode)
 
 
+# --- one sequence ---------------------------------------------------------------------------------
+
+WAITING, READY, INFLIGHT, DONE = "waiting", "ready", "inflight", "done"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One generation: its history, what the stages hold of it, and where its tokens go.
+
+    sink(kind, value) is called from the engine's thread: ("admitted", None), ("token", id),
+    ("done", "stop"|"length"|"cancelled"), ("error", message). It must not block.
+    """
+    sid: str
+    prompt: list[int]
+    max_new: int
+    sampling: Sampling = field(default_factory=Sampling)
+    eos: frozenset = frozenset()
+    sink: Callable[[str, object], None] | None = None
+    gen: torch.Generator | None = None
+    tokens: list[int] = field(default_factory=list)   # prompt + generated
+    held: int = 0                  # tokens every stage holds in its cache
+    state: str = WAITING
+    replays: int = 0
+    finish: str | None = None
+    error: str | None = None
+
+    def __post_init__(self):
+        if not self.tokens:
+            self.tokens = list(self.prompt)
+        if self.gen is None:
+            self.gen = torch.Generator().manual_seed(int(self.sampling.seed) & 0x7FFF_FFFF_FFFF_FFFF)
+
+    @property
+    def reserve(self) -> int:
+        """Tokens this sequence may reach: each stage sizes its KV cache (and the engine its budget) by it."""
+        return len(self.prompt) + self.max_new
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[len(self.prompt):]
+
+    def emit(self, kind: str, value=None) -> None:
+        if self.sink is not None:
+            self.sink(kind, value)
+
+
+# --- rows: many sequences, one token each, in one message ------------------------------------------
+
+def rows_supported(pipe: Pipeline, timeout_s: float = 30.0) -> bool:
+    """Whether the stages take `rows` messages, learnt from a probe that leaves no error behind:
+    a one-token sequence, then one rows step of it. Remembered on the pipeline."""
+    known = getattr(pipe, "_layerline_rows", None)
+    if known is not None:
+        return known
+    probe = f"rowsprobe-{os.getpid()}-{next(_counter)}"
+    poller = zmq.Poller()
+    poller.register(pipe.to_first, zmq.POLLIN)
+    poller.register(pipe.results, zmq.POLLIN)
+
+    def answer(rid: str) -> Answer:
+        deadline = time.perf_counter() + timeout_s
+        while time.perf_counter() < deadline:
+            for sock, _ in poller.poll(max(1, int((deadline - time.perf_counter()) * 1000))):
+                for a in pipe.answers(sock):
+                    if a.rid == rid:
+                        return a
+        pipe.forget([rid])
+        raise DriveError(f"no answer from the pipeline at {pipe.first} within {timeout_s:.0f} s; "
+                         "are the workers running? (check each worker's health)")
+    try:
+        a = answer(pipe.submit(torch.zeros(1, 1, dtype=torch.int64), seq=probe, pos=0, cache=True,
+                               last_only=True, reserve=2))
+        if a.error is not None:
+            raise a.error
+        a = answer(pipe.submit_rows([(probe, 1)], torch.zeros(1, 1, dtype=torch.int64)))
+        ok = a.result is not None or a.error.code == "seq_unknown"
+    finally:
+        pipe.release(probe)
+    pipe._layerline_rows = ok
+    return ok
+
+
+# --- the engine -----------------------------------------------------------------------------------
+
+class Engine:
+    """Continuous batching over one Pipeline. Owns sequences, sampling, replays, micro-batches.
+
+    Not thread-safe: one thread calls everything (generate() runs it to completion; the server
+    runs `serve` in a thread of its own and talks to it through `inbox`).
+
+    stages: micro-batches kept in flight (the pipeline's depth; learnt from the first result's
+    timings when not given). chunk: prompt tokens per message; busy_chunk: the same while other
+    sequences decode (smaller, so a prompt delays their steps less). kv_tokens: KV tokens every
+    stage can hold across sequences: a sequence is admitted when its reserve (prompt + max_new)
+    fits beside the running ones.
+    max_running: sequences admitted at once (a stage keeps at most MAX_SEQS caches).
+    """
+
+    def __init__(self, pipe: Pipeline, *, stages: int | None = None, chunk: int = 128,
+                 busy_chunk: int = 64, kv_tokens: int | None = None, max_running: int = MAX_SEQS, max_replays: int = 2,
+                 rows: bool | None = None, record: bool = False, raise_errors: bool = False,
+                 on_step: Callable[[StepResult, str, int], None] | None = None):
+        if chunk < 1:
+            raise LayerlineError(f"chunk {chunk}: must be at least 1")
+        self.pipe = pipe
+        self.stages = stages
+        self.chunk = chunk
+        self.busy_chunk = max(1, busy_chunk)
+        self.kv_tokens = kv_tokens
+        self.max_running = max(1, min(max_running, MAX_SEQS))
+        self.max_replays = max_replays
+        self.rows = rows
+        self.record = record
+        self.raise_errors = raise_errors
+        self.on_step = on_step
+        self.waiting: deque[Sequence] = deque()
+        self.running: dict[str, Sequence] = {}
+        self.kv_used = 0
+        self.inflight: dict[str, tuple[str, list[Sequence], list[int]]] = {}  # rid -> (kind, seqs, positions)
+        self.steps: list[StepResult] = []
+        self.decode_steps: list[StepResult] = []
+        self.replays = 0
+        self.poller = zmq.Poller()
+        self.poller.register(pipe.to_first, zmq.POLLIN)
+        self.poller.register(pipe.results, zmq.POLLIN)
+
+    # -- requests in
+
+    def add(self, s: Sequence) -> None:
+        if not s.prompt:
+            raise LayerlineError("input ids: give at least one non-empty prompt")
+        if s.max_new < 1:
+            raise LayerlineError(f"max new tokens {s.max_new}: must be at least 1")
+        if self.kv_tokens is not None and s.reserve > self.kv_tokens:
+            raise LayerlineError(f"sequence {s.sid}: prompt {len(s.prompt)} + max new tokens {s.max_new} = "
+                                 f"{s.reserve} tokens is over the stages' KV budget of {self.kv_tokens}")
+        s.state = WAITING
+        self.waiting.append(s)
+
+    def cancel(self, sid: str) -> None:
+        """Drop a sequence at once (its client went away): its slot and KV are free for the next."""
+        for s in self.waiting:
+            if s.sid == sid:
+                self.waiting.remove(s)
+                self._finish(s, "cancelled", release=False)
+                return
+        s = self.running.get(sid)
+        if s is not None:
+            self._finish(s, "cancelled")
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one turn: admit, dispatch, wait for answers
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.max_running:
+            s = self.waiting[0]
+            if self.kv_tokens is not None and self.kv_used + s.reserve > self.kv_tokens and self.running:
+                return  # first come, first served: later requests do not overtake it
+            self.waiting.popleft()
+            self.kv_used += s.reserve
+            self.running[s.sid] = s
+            s.state = READY
+            s.emit("admitted")
+
+    def _depth(self) -> int:
+        return max(1, self.stages or 1)
+
+    def _dispatch(self) -> None:
+        ready = [s for s in self.running.values() if s.state == READY]
+        if not ready:
+            return
+        if self.rows is None:
+            self.rows = rows_supported(self.pipe)
+        prefill = [s for s in ready if s.held == 0 or len(s.tokens) - s.held > 1 or not self.rows]
+        decode = [s for s in ready if not (s.held == 0 or len(s.tokens) - s.held > 1 or not self.rows)]
+        kinds = [k for k, _, _ in self.inflight.values()]
+        decoding = len(decode) + sum(len(seqs) for k, seqs, _ in self.inflight.values() if k == "rows")
+        # prompts fill what decode micro-batches leave of the pipeline's depth, and at least one
+        # chunk is in flight (decode steps queued behind it wait); without rows every sequence
+        # steps alone, all in flight
+        cap = len(prefill) if not self.rows else max(1, self._depth() - min(self._depth(), decoding))
+        n_pre = sum(k == "seq" for k in kinds) if self.rows else 0
+        # while others decode, prompts go in smaller chunks: a chunk delays every decode step queued behind it
+        chunk = min(self.chunk, self.busy_chunk) if (self.rows and decoding) else self.chunk
+        for s in prefill:
+            if n_pre >= cap:
+                break
+            self._submit_seq(s, chunk)
+            n_pre += 1
+        if decode:
+            per = min(MAX_BATCH, math.ceil(decoding / self._depth()))
+            n_rows = sum(k == "rows" for k in kinds)
+            while decode and n_rows < self._depth():
+                batch, decode = decode[:per], decode[per:]
+                self._submit_rows(batch)
+                n_rows += 1
+
+    def _submit_seq(self, s: Sequence, chunk: int) -> None:
+        n = min(chunk, len(s.tokens) - s.held)
+        ids = torch.tensor([s.tokens[s.held:s.held + n]], dtype=torch.int64)
+        rid = self.pipe.submit(ids, seq=s.sid, pos=s.held, cache=True, last_only=True,
+                               reserve=s.reserve if s.held == 0 else None)
+        s.state = INFLIGHT
+        self.inflight[rid] = ("seq", [s], [n])
+
+    def _submit_rows(self, batch: list[Sequence]) -> None:
+        ids = torch.tensor([[s.tokens[-1]] for s in batch], dtype=torch.int64)
+        rid = self.pipe.submit_rows([(s.sid, s.held) for s in batch], ids)
+        for s in batch:
+            s.state = INFLIGHT
+        self.inflight[rid] = ("rows", batch, [1] * len(batch))
+
+    def _wait(self, timeout_ms: int | None, wake=None) -> bool:
+        """Handle every answer that arrives within timeout_ms; True when `wake` (an fd) fired."""
+        woke = False
+        if self.inflight:
+            oldest = min(self.pipe._pending.get(r, time.perf_counter()) for r in self.inflight)
+            left_ms = int(max(0.0, self.pipe.timeout_s - (time.perf_counter() - oldest)) * 1000) + 1
+            timeout_ms = left_ms if timeout_ms is None else min(timeout_ms, left_ms)
+        for sock, _ in self.poller.poll(timeout_ms):
+            if sock is self.pipe.to_first or sock is self.pipe.results:
+                for a in self.pipe.answers(sock):
+                    self._answer(a)
+            elif sock == wake:
+                woke = True
+        self._expire()
+        return woke
+
+    def _expire(self) -> None:
+        now = time.perf_counter()
+        for rid in list(self.inflight):
+            sent = self.pipe._pending.get(rid)
+            if sent is not None and now - sent <= self.pipe.timeout_s:
+                continue
+            _, seqs, _ = self.inflight.pop(rid)
+            self.pipe.forget([rid])
+            err = DriveError(f"request {rid}: no result within {self.pipe.timeout_s:.0f} s; a stage after "
+                             f"{self.pipe.first} is down or slow (check each worker's log and health)")
+            self._fail([s for s in seqs if s.state == INFLIGHT], err)
+
+    def _fail(self, seqs: list[Sequence], err: DriveError) -> None:
+        if self.raise_errors:
+            raise err
+        for s in seqs:
+            s.error = str(err)
+            self._finish(s, "error")
+
+    def _answer(self, a: Answer) -> None:
+        got = self.inflight.pop(a.rid, None)
+        if got is None:
+            return
+        kind, seqs, fed = got
+        live = [s for s in seqs if s.state == INFLIGHT]  # cancelled ones are gone already
+        if a.error is not None:
+            if a.error.code != "seq_unknown":
+                self._fail(live, a.error)
+                return
+            lost = set(a.error.seqs) if kind == "rows" and a.error.seqs is not None else {s.sid for s in seqs}
+            for s in live:
+                if s.sid not in lost:
+                    s.state = READY  # nothing was applied: step it again
+                    continue
+                if s.replays >= self.max_replays:
+                    self._fail([s], a.error)
+                    continue
+                s.replays += 1
+                self.replays += 1
+                s.held = 0  # replay its whole history from position 0 (writes are idempotent by position)
+                s.state = READY
+            return
+        res = a.result
+        if self.on_step is not None:
+            self.on_step(res, kind, len(seqs))
+        sampled: list[tuple[int, Sequence]] = []
+        for i, (s, n) in enumerate(zip(seqs, fed)):
+            if s.state != INFLIGHT:
+                continue
+            s.held += n
+            s.state = READY
+            if s.held == len(s.tokens):
+                sampled.append((i, s))
+        if not sampled:
+            return
+        if self.record:
+            self.steps.append(res)
+            if kind == "rows" or (fed[0] == 1 and len(seqs[0].tokens) > len(seqs[0].prompt)):
+                self.decode_steps.append(res)
+        logits = res.logits[:, -1].float()
+        greedy = [i for i, s in sampled if s.sampling.temperature == 0]
+        picks = dict(zip(greedy, logits[greedy].argmax(-1).tolist())) if greedy else {}
+        for i, s in sampled:
+            tok = picks[i] if i in picks else int(sample(logits[i:i + 1], s.sampling.temperature,
+                                                         s.sampling.top_p, s.gen)[0])
+            s.tokens.append(tok)
+            s.emit("token", tok)
+            if tok in s.eos:
+                self._finish(s, "stop")
+            elif len(s.tokens) - len(s.prompt) >= s.max_new:
+                self._finish(s, "length")
+        if self.stages is None and res.timings:
+            self.stages = len(res.timings)
+
+    def _finish(self, s: Sequence, reason: str, release: bool = True) -> None:
+        if s.state == DONE:
+            return
+        was_running = self.running.pop(s.sid, None) is not None
+        if was_running:
+            self.kv_used -= s.reserve
+        s.state, s.finish = DONE, reason
+        if release and was_running:
+            try:
+                self.pipe.release(s.sid)
+            except zmq.ZMQError:
+                pass
+        if reason == "error":
+            s.emit("error", s.error)
+        else:
+            s.emit("done", reason)
+
+    # -- drivers
+
+    def run(self) -> None:
+        """Until every sequence added so far is done (generate())."""
+        while self.busy:
+            self._admit()
+            self._dispatch()
+            if self.inflight:
+                self._wait(None)
+
+    def close(self) -> None:
+        """Stop waiting for anything in flight; release every live sequence's caches."""
+        self.pipe.forget(list(self.inflight))
+        self.inflight.clear()
+        for s in list(self.running.values()):
+            self._finish(s, "cancelled")
+        while self.waiting:
+            self._finish(self.waiting.popleft(), "cancelled", release=False)
+
+    def serve(self, inbox: "queue.SimpleQueue", wake_fd: int, stopped: Callable[[], bool],
+              on_turn: Callable[["Engine"], None] | None = None) -> None:
+        """The server's loop: take ("add", Sequence) / ("cancel", sid) from inbox (a byte on
+        wake_fd says there is something), step everything, until stopped()."""
+        self.poller.register(wake_fd, zmq.POLLIN)
+        try:
+            while not stopped():
+                while True:
+                    try:
+                        op, arg = inbox.get_nowait()
+                    except queue.Empty:
+                        break
+                    if op == "add":
+                        try:
+                            self.add(arg)
+                        except LayerlineError as e:
+                            arg.error = str(e)
+                            arg.state = DONE
+                            arg.emit("error", str(e))
+                    elif op == "cancel":
+                        self.cancel(arg)
+                woke = False
+                try:
+                    self._admit()
+                    self._dispatch()
+                    if on_turn is not None:
+                        on_turn(self)
+                    woke = self._wait(1000, wake_fd)
+                except Exception as e:  # noqa: BLE001 - no request takes the engine down: it fails them
+                    self.pipe.forget(list(self.inflight))
+                    self.inflight.clear()
+                    err = e if isinstance(e, DriveError) else DriveError(f"{e.__class__.__name__}: {e}")
+                    self._fail(list(self.running.values()), err)
+                    if on_turn is not None:
+                        on_turn(self)
+                if woke:
+                    try:
+                        os.read(wake_fd, 4096)
+                    except BlockingIOError:
+                        pass
+        finally:
+            self.poller.unregister(wake_fd)
+            self.close()
+
+
 def generate(pipe: Pipeline, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling | None = None,
              eos: int | None = None, batch: bool = True, max_replays: int = 2) -> Generation:
-    """Generate for every prompt; several batches in flight at once."""
+    """Generate for every prompt, all in flight at once through the engine.
+
+    batch=False steps every sequence in a message of its own (no rows micro-batches).
+    """
     sampling = sampling or Sampling()
     if not prompts or any(not p for p in prompts):
         raise LayerlineError("input ids: give at least one non-empty prompt")
     if max_new_tokens < 1:
         raise LayerlineError(f"--max-new-tokens {max_new_tokens}: must be at least 1")
-    by_len: dict[int, list[int]] = {}
-    for i, p in enumerate(prompts):
-        by_len.setdefault(len(p) if batch else -1 - i, []).append(i)
-    # a batch is at most what a stage takes in one message
-    chunks = [rows[j:j + MAX_BATCH] for rows in by_len.values() for j in range(0, len(rows), MAX_BATCH)]
     tag = f"g{os.getpid()}-{next(_counter)}"
-    groups = {}
-    for k, rows in enumerate(chunks):
-        t = torch.tensor([prompts[r] for r in rows], dtype=torch.int64)
-        groups[f"{tag}-{k}"] = _Group(f"{tag}-{k}", rows, t, t.shape[1], torch.zeros(len(rows), dtype=torch.bool),
-                                      torch.Generator().manual_seed(sampling.seed * 1_000_003 + k))
-    waiting = list(groups.values())
-    inflight: dict[str, tuple[str, bool]] = {}  # request id -> (seq, is a decode step)
-
-    def prefill(g: _Group) -> None:  # also the replay of a lost cache: the whole history from 0
-        rid = pipe.submit(g.tokens, seq=g.seq, pos=0, cache=True, last_only=True,
-                          reserve=g.prompt_len + max_new_tokens)
-        inflight[rid] = (g.seq, False)
-
+    eng = Engine(pipe, max_replays=max_replays, record=True, raise_errors=True, rows=None if batch else False)
+    seqs = [Sequence(f"{tag}-{i}", list(p), max_new_tokens, sampling, frozenset() if eos is None else frozenset([eos]),
+                     gen=torch.Generator().manual_seed(sampling.seed * 1_000_003 + i))
+            for i, p in enumerate(prompts)]
     t0 = time.perf_counter()
+    for s in seqs:
+        eng.add(s)
     try:
-        while waiting or inflight:
-            # stages keep at most MAX_SEQS sequences: more in flight would evict each other
-            while waiting and len({q for q, _ in inflight.values()}) < MAX_SEQS:
-                prefill(waiting.pop(0))
-            rid, res = pipe.collect()
-            if rid not in inflight:
-                continue
-            seq, is_decode = inflight.pop(rid)
-            g = groups[seq]
-            if isinstance(res, DriveError):
-                # a stage lost this sequence (restart, promotion, eviction): replay its prefix
-                if res.code != "seq_unknown" or g.replays >= max_replays:
-                    raise res
-                g.replays += 1
-                prefill(g)
-                continue
-            g.steps.append(res)
-            if is_decode:
-                g.decode.append(res)
-            nxt = sample(res.logits[:, -1].float(), sampling.temperature, sampling.top_p, g.gen)
-            nxt = torch.where(g.done, torch.zeros_like(nxt), nxt)
-            g.tokens = torch.cat([g.tokens, nxt[:, None]], dim=1)
-            if eos is not None:
-                g.done |= nxt == eos
-            if g.tokens.shape[1] - g.prompt_len >= max_new_tokens or bool(g.done.all()):
-                continue
-            rid = pipe.submit(nxt[:, None], seq=g.seq, pos=g.tokens.shape[1] - 1, cache=True, last_only=True)
-            inflight[rid] = (g.seq, True)
+        eng.run()
     finally:
-        pipe.forget(inflight)
-        for g in groups.values():
-            pipe.release(g.seq)
-    out: list[list[int]] = [[] for _ in prompts]
-    steps, decode, n = [], [], 0
-    for g in groups.values():
-        steps += g.steps
-        decode += g.decode
-        for j, r in enumerate(g.rows):
-            new = g.tokens[j, g.prompt_len:].tolist()
-            if eos is not None and eos in new:
-                new = new[:new.index(eos) + 1]
-            out[r] = new
-            n += len(new)
-    return Generation(out, steps, time.perf_counter() - t0, n, sum(g.replays for g in groups.values()), decode)
+        eng.close()
+    out = [s.generated for s in seqs]
+    return Generation(out, eng.steps, time.perf_counter() - t0, sum(len(t) for t in out), eng.replays,
+                      eng.decode_steps)
 
 
 _counter = itertools.count()

@@ -1,0 +1,195 @@
+"""The checkpoint's text side: tokenizer.json, the chat template, stop tokens, incremental detokenizing.
+
+The chat template is rendered the way Hugging Face renders it: jinja2's sandboxed, immutable
+environment with trim_blocks and lstrip_blocks, `raise_exception`, the bos/eos tokens, and
+add_generation_prompt=True.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+from ..errors import LayerlineError
+
+
+class TemplateError(LayerlineError):
+    """A chat request this checkpoint cannot render (no template, or the template refused it)."""
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path) as f:
+            v = json.load(f)
+        return v if isinstance(v, dict) else {}
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:
+        raise LayerlineError(f"{path}: cannot read JSON ({e})") from None
+
+
+def _token_text(v) -> str | None:
+    """A special token from tokenizer_config: a string, or an AddedToken object {"content": ...}."""
+    if isinstance(v, dict):
+        v = v.get("content")
+    return v if isinstance(v, str) else None
+
+
+def _ids(v) -> list[int]:
+    if isinstance(v, bool):
+        return []
+    if isinstance(v, int):
+        return [v]
+    if isinstance(v, list):
+        return [x for x in v if isinstance(x, int) and not isinstance(x, bool)]
+    return []
+
+
+@dataclass
+class TextSide:
+    """What the server needs from a checkpoint dir besides the weights."""
+    tokenizer: object | None = None          # tokenizers.Tokenizer
+    template: str | None = None
+    bos_token: str | None = None
+    eos_token: str | None = None
+    eos_ids: frozenset = frozenset()
+    context: int | None = None               # max_position_embeddings
+    vocab_size: int | None = None
+    _compiled: object | None = field(default=None, repr=False)
+
+    @classmethod
+    def load(cls, checkpoint: str | None) -> "TextSide":
+        if not checkpoint:
+            return cls()
+        if not os.path.isdir(checkpoint):
+            if os.path.isfile(checkpoint):  # a .gguf: no tokenizer.json or template beside it
+                return cls()
+            raise LayerlineError(f"--checkpoint {checkpoint}: no such directory")
+        cfg = _read_json(os.path.join(checkpoint, "config.json"))
+        gen = _read_json(os.path.join(checkpoint, "generation_config.json"))
+        tcfg = _read_json(os.path.join(checkpoint, "tokenizer_config.json"))
+        tok = None
+        path = os.path.join(checkpoint, "tokenizer.json")
+        if os.path.exists(path):
+            from tokenizers import Tokenizer
+            try:
+                tok = Tokenizer.from_file(path)
+            except Exception as e:  # noqa: BLE001 - the library raises plain Exceptions
+                raise LayerlineError(f"{path}: not a tokenizers file ({e})") from None
+        template = tcfg.get("chat_template")
+        if isinstance(template, list):  # several named templates: the default one
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default")
+        if not isinstance(template, str):
+            tpath = os.path.join(checkpoint, "chat_template.jinja")
+            template = open(tpath).read() if os.path.exists(tpath) else None
+        eos_tok = _token_text(tcfg.get("eos_token"))
+        eos = set(_ids(gen.get("eos_token_id"))) | set(_ids(cfg.get("eos_token_id")))
+        if tok is not None and eos_tok is not None and tok.token_to_id(eos_tok) is not None:
+            eos.add(tok.token_to_id(eos_tok))
+        ctx = cfg.get("max_position_embeddings")
+        vocab = cfg.get("vocab_size")
+        return cls(tok, template, _token_text(tcfg.get("bos_token")), eos_tok, frozenset(eos),
+                   ctx if isinstance(ctx, int) else None, vocab if isinstance(vocab, int) else None)
+
+    # -- prompts
+
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise TemplateError("this checkpoint has no tokenizer.json: send the prompt as a list of token ids")
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def render(self, messages: list[dict]) -> str:
+        """The chat template applied to messages, with the generation prompt."""
+        if self.template is None:
+            raise TemplateError("this checkpoint has no chat template (tokenizer_config.json has no "
+                                "chat_template); use /v1/completions with a prompt instead")
+        if self._compiled is None:
+            from jinja2 import TemplateError as JinjaError
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            def raise_exception(message):
+                raise TemplateError(f"chat template: {message}")
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = raise_exception
+            try:
+                self._compiled = env.from_string(self.template)
+            except JinjaError as e:
+                raise TemplateError(f"chat template does not compile: {e}") from None
+        from jinja2 import TemplateError as JinjaError
+        try:
+            return self._compiled.render(messages=messages, bos_token=self.bos_token or "",
+                                         eos_token=self.eos_token or "", add_generation_prompt=True)
+        except JinjaError as e:
+            raise TemplateError(f"chat template: {e}") from None
+
+    def chat_ids(self, messages: list[dict]) -> list[int]:
+        return self.encode(self.render(messages))
+
+    # -- output
+
+    def decode(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return "".join(f" {i}" for i in ids)
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+class Detokenizer:
+    """Text of a growing list of token ids, handed out as deltas.
+
+    Decodes a short window (the tokens since the last whole piece of text, with the piece
+    before as context, as Hugging Face's and vLLM's incremental detokenizers do), so a long
+    generation costs the same per token; a trailing replacement character waits until its
+    bytes are complete. Stop strings end the text before their first occurrence, and a tail
+    that may grow into one is held back.
+    """
+
+    def __init__(self, side: TextSide, stop: list[str] | None = None):
+        self.side = side
+        self.stop = [s for s in (stop or []) if s]
+        self.ids: list[int] = []
+        self.prefix = 0          # window start: context for the tokens being decoded
+        self.read = 0            # tokens whose text is in self.text
+        self.text = ""           # text decoded so far
+        self.sent = 0            # characters of it handed out
+        self.stopped = False
+
+    def add(self, tok: int | None, final: bool = False) -> str:
+        """The new text after token tok ('' while it is not yet whole or may start a stop string)."""
+        if tok is not None:
+            self.ids.append(tok)
+        if self.stopped:
+            return ""
+        before = self.side.decode(self.ids[self.prefix:self.read])
+        after = self.side.decode(self.ids[self.prefix:])
+        if len(after) > len(before) and (final or not after.endswith("\ufffd")) and after.startswith(before):
+            self.text += after[len(before):]
+            self.prefix, self.read = self.read, len(self.ids)
+        elif final and after != before:
+            self.text += after[len(before):] if after.startswith(before) else ""
+        return self._out(final)
+
+    def flush(self) -> str:
+        return self.add(None, final=True)
+
+    def _out(self, final: bool) -> str:
+        text, start = self.text, self.sent
+        for s in self.stop:
+            i = text.find(s, max(0, start - len(s) + 1))
+            if i >= 0:
+                self.stopped = True
+                out = text[start:i] if i >= start else ""
+                self.sent = max(start, i)
+                return out
+        hold = 0
+        if not final:
+            for s in self.stop:
+                for k in range(min(len(s) - 1, len(text) - start), 0, -1):
+                    if text.endswith(s[:k]):
+                        hold = max(hold, k)
+                        break
+        upto = len(text) - hold
+        if upto <= start:
+            return ""
+        self.sent = upto
+        return text[start:upto]

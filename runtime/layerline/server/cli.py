@@ -1,0 +1,258 @@
+"""`layerline serve` / `python -m layerline.server`: flags, checks, and the uvicorn run.
+
+add_arguments(parser) and run(args) -> exit status are what the main CLI hooks in. Importing
+this module loads argparse only; fastapi, uvicorn and torch load inside run(). Every user
+mistake ends in one line on stderr and exit status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+
+from ..errors import LayerlineError
+
+PROG = "layerline serve"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    src = p.add_argument_group("pipeline (one of)")
+    src.add_argument("--plan", help="the plan JSON (layerline plan --json / playbooks/plan.yml): stages, KV context")
+    src.add_argument("--first", help="stage 0's data endpoint tcp://HOST:PORT (stages found by following each "
+                                     "worker's next hop)")
+    p.add_argument("--checkpoint", help="the model dir: tokenizer.json, tokenizer_config.json (chat template), "
+                                        "config.json / generation_config.json (stop tokens, context)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (non-loopback needs --api-keys)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-keys", default=None, help="file of API keys, one per line, mode 0600 (Bearer auth)")
+    p.add_argument("--keys", default=None, help="the controller's CURVE keys dir (needed off loopback)")
+    p.add_argument("--first-key", default=None, help="with --first: stage 0's host name in KEYS/peers/")
+    p.add_argument("--curve", default="auto", choices=["auto", "on"],
+                   help="auto: CURVE on each socket whose address is not loopback; on: on every socket")
+    p.add_argument("--reply-host", default=None, help="an address of this machine the last stage can reach")
+    p.add_argument("--model-name", default=None, help="the model id clients send (default: the checkpoint's dir name)")
+    p.add_argument("--max-queue", type=int, default=64, help="requests that may wait for a KV slot before 429")
+    p.add_argument("--max-running", type=int, default=48, help="sequences generated at once (at most 64)")
+    p.add_argument("--kv-tokens", type=int, default=None,
+                   help="KV tokens each stage holds across sequences (default: from the plan, else --context)")
+    p.add_argument("--context", type=int, default=None,
+                   help="tokens a sequence may reach (default: the plan's KV context, else the model's, else 4096)")
+    p.add_argument("--chunk", type=int, default=128, help="prompt tokens per prefill message")
+    p.add_argument("--busy-chunk", type=int, default=64,
+                   help="prompt tokens per prefill message while other sequences decode")
+    p.add_argument("--microbatches", type=int, default=None,
+                   help="decode micro-batches kept in flight (default: one per stage)")
+    p.add_argument("--default-max-tokens", type=int, default=256, help="chat requests that give no max_tokens")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds a step may take before it fails")
+    p.add_argument("--log-file", default=None, help="append one line per request here (default: stderr)")
+    p.add_argument("--ready-file", default=None,
+                   help="written (JSON: pid, url, model, stages) once the server listens; removed when it stops")
+    return p
+
+
+def _fail(msg: str) -> int:
+    print(f"{PROG}: {msg}", file=sys.stderr)
+    return 2
+
+
+def _check(a) -> None:
+    from .auth import is_loopback
+    if bool(a.plan) == bool(a.first):
+        raise LayerlineError("give the pipeline as --plan PLAN.json or as --first tcp://HOST:PORT (one of them)")
+    if not 0 <= a.port <= 65535:
+        raise LayerlineError(f"--port {a.port}: must be 0..65535")
+    for flag in ("max_queue", "max_running", "chunk", "busy_chunk", "default_max_tokens", "max_body_bytes"):
+        if getattr(a, flag) < 1:
+            raise LayerlineError(f"--{flag.replace('_', '-')} {getattr(a, flag)}: must be at least 1")
+    for flag in ("kv_tokens", "context", "microbatches"):
+        if getattr(a, flag) is not None and getattr(a, flag) < 1:
+            raise LayerlineError(f"--{flag.replace('_', '-')} {getattr(a, flag)}: must be at least 1")
+    if not a.api_keys and not is_loopback(a.host):
+        raise LayerlineError(f"--host {a.host}: refusing to listen off loopback without --api-keys FILE "
+                             "(keys, one per line, mode 0600)")
+
+
+def _check_port(host: str, port: int) -> None:
+    """Fail in one line, before anything starts, when the address cannot be listened on."""
+    import socket
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise LayerlineError(f"--host {host}: cannot resolve it ({e.strerror})") from None
+    family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except OSError as e:
+            raise LayerlineError(f"--host {host} --port {port}: cannot listen there ({e.strerror}); another "
+                                 "server on that port? pick another --port (layerline_serve_port)") from None
+
+
+def _stages_from_plan(plan: dict, ctl) -> list[dict]:
+    from ..driver import active_stages
+    from ..worker import control_endpoint
+    out = []
+    for s in active_stages(plan):
+        out.append({"name": str(s.get("host")), "endpoint": str(s["endpoint"]), "layers": s.get("layers"),
+                    "control": control_endpoint(str(s["endpoint"])), "peer": str(s.get("host"))})
+    return out
+
+
+def _stages_from_first(first: str, ctl, first_key: str | None) -> list[dict]:
+    """Every stage, by asking each worker's control socket for its next hop."""
+    from ..worker import control_endpoint
+    out, endpoint, peer = [], first, first_key
+    while endpoint and len(out) < 64:
+        try:
+            h = ctl(control_endpoint(endpoint), peer)
+        except LayerlineError as e:
+            raise LayerlineError(f"--first {first}: stage {len(out)} at {endpoint} does not answer ({e})") from None
+        out.append({"name": h.get("name"), "endpoint": endpoint, "layers": h.get("layers"),
+                    "control": control_endpoint(endpoint), "peer": peer})
+        endpoint, peer = h.get("next"), h.get("next_key")
+    return out
+
+
+def _kv_tokens(plan: dict) -> int | None:
+    from ..driver import active_stages
+    bpt = (plan.get("kv") or {}).get("bytes_per_token")
+    got = []
+    for s in active_stages(plan):
+        layers = s.get("layers") or [0, 0]
+        if s.get("kv_bytes") and bpt and layers[1] > layers[0]:
+            got.append(int(s["kv_bytes"]) // (int(bpt) * (layers[1] - layers[0])))
+    return min(got) if got else None
+
+
+def _logger(path: str | None) -> None:
+    log = logging.getLogger("layerline.server")
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    h = logging.FileHandler(path) if path else logging.StreamHandler(sys.stderr)
+    h.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+    log.handlers[:] = [h]
+
+
+def run(a: argparse.Namespace) -> int:
+    try:
+        _check(a)
+        _check_port(a.host, a.port)
+        keys = None
+        if a.api_keys:
+            from .auth import load_keys
+            keys = load_keys(a.api_keys)
+        plan = None
+        if a.plan:
+            try:
+                with open(a.plan) as f:
+                    plan = json.load(f)
+            except (OSError, ValueError) as e:
+                raise LayerlineError(f"--plan {a.plan}: cannot read JSON ({e})") from None
+            if not isinstance(plan, dict) or not isinstance(plan.get("stages"), list):
+                raise LayerlineError(f"--plan {a.plan}: not a plan (no stages list); make one with "
+                                     "layerline plan --json")
+        return _serve(a, plan, keys)
+    except LayerlineError as e:
+        return _fail(str(e))
+    except KeyboardInterrupt:
+        return 130
+
+
+def _serve(a, plan: dict | None, keys) -> int:
+    import uvicorn
+
+    from ..driver import Pipeline, control, pipeline_for_plan
+    from .api import ServerConfig, create_app
+    from .chat import TextSide
+    from .metrics import Metrics
+    from .scheduler import Scheduler
+
+    text = TextSide.load(a.checkpoint)
+
+    def ctl(endpoint: str, peer: str | None, timeout_s: float = 3.0) -> dict:
+        return control(endpoint, "health", timeout_s=timeout_s, keys_dir=a.keys, peer=peer, curve=a.curve)
+
+    stages = _stages_from_plan(plan, ctl) if plan else _stages_from_first(a.first, ctl, a.first_key)
+    context = a.context or (int(plan["kv"]["context"]) if plan and (plan.get("kv") or {}).get("context") else None) \
+        or text.context or 4096
+    kv_tokens = a.kv_tokens or (_kv_tokens(plan) if plan else None) or context
+
+    def open_pipe():
+        if plan:
+            return pipeline_for_plan(plan, keys_dir=a.keys, reply_host=a.reply_host, curve=a.curve,
+                                     timeout_s=a.timeout)
+        from ..driver import reply_host_for
+        return Pipeline(a.first, reply_host=a.reply_host or reply_host_for(a.first), timeout_s=a.timeout,
+                        keys_dir=a.keys, first_key=a.first_key, curve=a.curve)
+
+    def health() -> tuple[bool, list[dict]]:
+        ok, out = True, []
+        for s in stages:
+            rep = {"name": s["name"], "endpoint": s["endpoint"], "layers": s["layers"]}
+            try:
+                h = ctl(s["control"], s["peer"], 2.0)
+                rep.update(ok=True, uptime_s=h.get("uptime_s"))
+            except LayerlineError as e:
+                ok = False
+                rep.update(ok=False, error=str(e))
+            out.append(rep)
+        return ok, out
+
+    _logger(a.log_file)
+    # the engine's thread and the event loop share the GIL: hand it over sooner than the
+    # default 5 ms, or every token waits for the other thread's time slice
+    sys.setswitchinterval(0.0005)
+    name = a.model_name or (os.path.basename(os.path.normpath(a.checkpoint)) if a.checkpoint else "layerline")
+    metrics = Metrics()
+    sched = Scheduler(open_pipe, stages=a.microbatches or len(stages), kv_tokens=kv_tokens, max_running=a.max_running,
+                      max_queue=a.max_queue, chunk=a.chunk, busy_chunk=a.busy_chunk,
+                      metrics=metrics)
+    sched.start()
+    try:
+        app = create_app(sched, text, ServerConfig(name, context, kv_tokens, keys, a.max_body_bytes,
+                                                   a.default_max_tokens, health))
+        print(f"{PROG}: {name} over {len(stages)} stage(s), context {context}, KV {kv_tokens} tokens; "
+              f"listening on http://{a.host}:{a.port}{' (API keys)' if keys else ''}", file=sys.stderr, flush=True)
+        config = uvicorn.Config(app, host=a.host, port=a.port, log_level="warning", access_log=False,
+                                lifespan="off", timeout_graceful_shutdown=5)
+
+        class Server(uvicorn.Server):
+            async def startup(self, sockets=None):
+                await super().startup(sockets)
+                if self.started and a.ready_file:
+                    from ..files import atomic_write_json
+                    port = a.port
+                    for srv in getattr(self, "servers", []):
+                        for sock in srv.sockets or []:
+                            port = sock.getsockname()[1]
+                    atomic_write_json(a.ready_file, {
+                        "pid": os.getpid(), "url": f"http://{a.host}:{port}", "host": a.host, "port": port,
+                        "model": name, "stages": [s["endpoint"] for s in stages], "context": context,
+                        "kv_tokens": kv_tokens, "api_keys": bool(keys), "time": time.time()}, mode=0o644)
+        server = Server(config)
+        try:
+            server.run()
+        finally:
+            if a.ready_file:
+                try:
+                    os.unlink(a.ready_file)
+                except FileNotFoundError:
+                    pass
+        return 0 if server.started else _fail(f"cannot listen on {a.host}:{a.port} (in use, or not an address "
+                                              "of this machine)")
+    finally:
+        sched.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m layerline.server",
+                                description="OpenAI-compatible HTTP server over a running layerline pipeline")
+    add_arguments(p)
+    return run(p.parse_args(argv))

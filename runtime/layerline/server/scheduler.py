@@ -1,0 +1,224 @@
+"""The generation engine (layerline.generate.Engine) in a thread of its own, fed from asyncio.
+
+The engine's thread opens the Pipeline and alone touches its ZeroMQ sockets. Requests go in
+through a thread-safe inbox (a byte on a pipe wakes the engine's poll); tokens come out through
+loop.call_soon_threadsafe into each request's asyncio.Queue. Requests beyond the KV budget wait
+in the engine's queue; beyond `max_queue` waiting, submit refuses (the API answers 429).
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import queue
+import secrets
+import threading
+import time
+from typing import Callable
+
+from ..driver import Pipeline
+from ..errors import LayerlineError
+from ..generate import Engine, Sampling, Sequence
+from .metrics import Metrics
+
+
+class QueueFull(LayerlineError):
+    def __init__(self, waiting: int, retry_after: int = 1):
+        super().__init__(f"the server is at capacity ({waiting} requests already wait for a slot); retry later")
+        self.retry_after = retry_after
+
+
+class Stream:
+    """One request as the asyncio side sees it: its events, and when they came."""
+
+    def __init__(self, sid: str, loop: asyncio.AbstractEventLoop, prompt_tokens: int):
+        self.sid = sid
+        self.loop = loop
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.arrived = time.perf_counter()
+        self.first_token: float | None = None
+        self.last_token: float | None = None
+        self.prompt_tokens = prompt_tokens
+        self.completion_tokens = 0
+        self.admitted = False
+        self.finished = False
+
+    async def next(self, timeout: float | None = None):
+        """("token", id) | ("done", reason) | ("error", message); None after `timeout` seconds."""
+        if not self.events.empty():  # the common case under load: no task, no timer
+            return self.events.get_nowait()
+        try:
+            return await asyncio.wait_for(self.events.get(), timeout)
+        except asyncio.TimeoutError:
+            return None
+
+
+def _deliver(events: list) -> None:
+    for st, ev in events:
+        st.events.put_nowait(ev)
+
+
+class Scheduler:
+    def __init__(self, open_pipe: Callable[[], Pipeline], *, stages: int | None, kv_tokens: int | None,
+                 max_running: int, max_queue: int, chunk: int = 128, busy_chunk: int = 64,
+                 metrics: Metrics | None = None,
+                 rows: bool | None = None):
+        self.open_pipe = open_pipe
+        self.stages = stages
+        self.kv_tokens = kv_tokens
+        self.max_running = max_running
+        self.max_queue = max_queue
+        self.chunk = chunk
+        self.busy_chunk = busy_chunk
+        self.metrics = metrics or Metrics()
+        self.rows = rows
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._rfd, self._wfd = os.pipe()
+        os.set_blocking(self._rfd, False)
+        os.set_blocking(self._wfd, False)
+        self._lock = threading.Lock()
+        self._waiting = 0
+        self._stop = False
+        self._ready = threading.Event()
+        self._failed: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self._ids = itertools.count()
+        self.engine_rows: bool | None = None
+        self._out: list = []   # (stream, event) of the engine's current turn
+        self._stage_hist: dict = {}
+        self.running = 0
+
+    # -- lifecycle
+
+    def start(self, timeout_s: float = 60.0) -> None:
+        self._thread = threading.Thread(target=self._main, name="layerline-engine", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(timeout_s):
+            raise LayerlineError(f"the generation engine did not start within {timeout_s:.0f} s")
+        if self._failed is not None:
+            raise self._failed
+
+    def _main(self) -> None:
+        try:
+            pipe = self.open_pipe()
+        except BaseException as e:  # noqa: BLE001 - reported by start()
+            self._failed = e
+            self._ready.set()
+            return
+        try:
+            eng = Engine(pipe, stages=self.stages, chunk=self.chunk, busy_chunk=self.busy_chunk,
+                         kv_tokens=self.kv_tokens, max_running=self.max_running, rows=self.rows, on_step=self._on_step)
+            self._ready.set()
+            eng.serve(self.inbox, self._rfd, lambda: self._stop, self._on_turn)
+        finally:
+            pipe.close()
+
+    def stop(self) -> None:
+        self._stop = True
+        self._wake()
+        if self._thread is not None:
+            self._thread.join(10)
+        for fd in (self._rfd, self._wfd):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wfd, b"x")
+        except (BlockingIOError, OSError):
+            pass  # a full pipe wakes the engine all the same
+
+    # -- engine-thread callbacks
+
+    def _flush(self) -> None:
+        """Hand this turn's events to the asyncio loop at once (one wake-up, not one per token)."""
+        if not self._out:
+            return
+        out, self._out = self._out, []
+        by_loop: dict = {}
+        for st, ev in out:
+            by_loop.setdefault(st.loop, []).append((st, ev))
+        for loop, evs in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, evs)
+            except RuntimeError:
+                pass  # the loop is gone (shutdown)
+
+    def _on_turn(self, eng: Engine) -> None:
+        self._flush()
+        self.running = len(eng.running)
+        self.engine_rows = eng.rows
+        m = self.metrics
+        m.running.set(len(eng.running))
+        m.kv_tokens.set(eng.kv_used)
+        with self._lock:
+            m.queue_depth.set(self._waiting)
+
+    def _on_step(self, res, kind: str, n: int) -> None:
+        for t in res.timings:
+            if isinstance(t, dict) and isinstance(t.get("s"), (int, float)):
+                name = str(t.get("stage"))
+                h = self._stage_hist.get(name)
+                if h is None:
+                    h = self._stage_hist[name] = self.metrics.stage_step.labels(name)
+                h.observe(float(t["s"]))
+
+    # -- requests (asyncio side)
+
+    def submit(self, prompt: list[int], max_new: int, sampling: Sampling, eos: frozenset,
+               loop: asyncio.AbstractEventLoop) -> Stream:
+        if not self.alive:
+            raise LayerlineError("the generation engine is not running")
+        with self._lock:
+            if self._waiting >= self.max_queue:
+                raise QueueFull(self._waiting)
+            self._waiting += 1
+            self.metrics.queue_depth.set(self._waiting)
+        sid = f"s{os.getpid()}-{next(self._ids)}"
+        st = Stream(sid, loop, len(prompt))
+        m = self.metrics
+
+        def sink(kind: str, value) -> None:  # the engine's thread
+            now = time.perf_counter()
+            if kind == "admitted":
+                st.admitted = True
+                self._unwait()
+                m.prompt_tokens.inc(len(prompt))
+                return
+            if kind == "token":
+                if st.first_token is None:
+                    st.first_token = now
+                    m.ttft.observe(now - st.arrived)
+                else:
+                    m.itl.observe(now - st.last_token)
+                st.last_token = now
+                st.completion_tokens += 1
+                m.generated_tokens.inc()
+            else:
+                if not st.admitted:
+                    self._unwait()
+                if kind == "done" or kind == "error":
+                    st.finished = True
+            self._out.append((st, (kind, value)))
+
+        seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
+        seq = Sequence(sid, list(prompt), max_new, Sampling(sampling.temperature, sampling.top_p, seed), eos, sink)
+        self.inbox.put(("add", seq))
+        self._wake()
+        return st
+
+    def _unwait(self) -> None:
+        with self._lock:
+            self._waiting = max(0, self._waiting - 1)
+            self.metrics.queue_depth.set(self._waiting)
+
+    def cancel(self, sid: str) -> None:
+        """The client went away: the engine frees the sequence's slot at its next turn."""
+        self.inbox.put(("cancel", sid))
+        self._wake()
