@@ -193,7 +193,7 @@ def wire_cpu_us(nbytes: int = 2048, n: int = 20000) -> tuple[float, float]:
 
 
 def main(argv=None) -> dict:
-    from layerline.cost import COMPILE_MODES
+    from layerline.model import COMPILE_MODES
     ap = argparse.ArgumentParser()
     ap.add_argument("--checkpoint", default=str(ROOT / ".cache" / "demo-llama"))
     ap.add_argument("--prompt", type=int, default=128)

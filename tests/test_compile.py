@@ -1,21 +1,18 @@
-"""The decode step that compiles: the same numbers as the eager forward, and a compiled worker
+"""The one-token step that compiles: the same numbers as the eager forward, and a compiled worker
 that serves every batch and cache length without compiling again."""
 from __future__ import annotations
-
-import json
-import os
 
 import pytest
 import torch
 
 from helpers import chained_greedy
 from layerline.checkpoint import read_index, write_demo_checkpoint
-from layerline.cli import local_stages, stop_local
 from layerline.driver import Pipeline, control
 from layerline.errors import LayerlineError
 from layerline.generate import generate
 from layerline.model.loader import load_stage
 from layerline.worker import control_endpoint
+from stage_procs import Client, start_workers
 
 
 def _prefilled(stage, prompts: torch.Tensor, reserve: int):
@@ -25,9 +22,10 @@ def _prefilled(stage, prompts: torch.Tensor, reserve: int):
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral"])
-def test_decode_step_equals_the_eager_forward(tmp_path, arch, one_thread):
-    """decode_step attends over the whole KV buffer behind a mask; forward over the filled part.
-    Mistral's small window (4) makes the mask cut keys off the front as well."""
+def test_the_compiled_steps_view_equals_the_eager_forward(tmp_path, arch, one_thread):
+    """What compile() compiles, the one forward with views=None, attends over the whole KV buffer
+    behind a mask made from the positions; eagerly it attends over the filled part. Mistral's
+    small window (4) makes the mask cut keys off the front as well."""
     kw = {"sliding_window": 4} if arch == "mistral" else {}
     ck = write_demo_checkpoint(tmp_path / arch, layers=3, hidden=64, vocab=300, dtype="float32", seed=3,
                                arch=arch, **kw)
@@ -41,9 +39,9 @@ def test_decode_step_equals_the_eager_forward(tmp_path, arch, one_thread):
         for pos in range(6, 10):
             step = x[:, :1] if first else torch.randn(2, 1, stage.args.hidden_size, generator=g)
             want = stage(step, start_pos=pos, cache=a)
-            got = stage.decode_step(step, torch.tensor([pos]), [c.k for c in b.layers], [c.v for c in b.layers])
+            with torch.inference_mode():
+                got = stage._forward(step, torch.tensor([[pos]]), [[(c.k, c.v)] for c in b.layers], None)
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-            b.length = pos + 1
 
 
 def test_compile_mode_is_checked_and_moe_stays_eager(tmp_path, small_ckpt, one_thread):
@@ -62,24 +60,47 @@ def test_compile_mode_is_checked_and_moe_stays_eager(tmp_path, small_ckpt, one_t
 def test_compiled_worker_serves_without_recompiling(small_ckpt, tmp_path):
     """One worker with --compile default: ready only after its warm-up; then prompts of several
     lengths, batch 3 (never warmed up) and batch 1, give the eager tokens and add no compiled graph."""
-    procs, first, tmp = local_stages(str(small_ckpt), 1, "fp32", compile="default",
-                                     compile_cache=str(tmp_path / "inductor"))
+    w = start_workers(str(small_ckpt), [(0, read_index(small_ckpt).num_layers)], "fp32", kv_context=4096,
+                      threads=None, extra=["--compile", "default", "--compile-cache", str(tmp_path / "inductor")],
+                      timeout=600)
+    first = w.first
     try:
-        ready = json.loads(open(os.path.join(tmp, "ready0.json")).read())
-        assert ready["compile"] == "default" and ready["compile_s"] > 0
+        ready = w.info[0]
+        assert ready["compile"] == "default" and ready["compile_s"] > 0 and ready["compiled"]
         before = control(control_endpoint(first), "stats")
         assert before["compiled_graphs"] >= 2  # batch 1, and the dynamic batch
         prompts = [[1, 2, 3, 4], [9, 8, 7, 6], [5, 5, 5], [42], [3, 1, 4, 1, 5, 9, 2, 6], [7, 7, 1, 2]]
         with Pipeline(first, timeout_s=120) as pipe:
             g = generate(pipe, prompts, 6)
+        # rows of different sequences: one row takes the compiled step, several the eager forward
+        c = Client(first)
+        try:
+            rows = []
+            for seq, p in (("r0", prompts[0]), ("r1", prompts[2])):
+                h, t = c.call({"seq": seq, "pos": 0, "cache": True, "reserve": 16, "logits": "last"},
+                              {"input_ids": torch.tensor([p])})
+                rows.append([seq, len(p)])
+            for step in (rows, rows[:1]):
+                h, t = c.call({"rows": step, "cache": True, "logits": "last"},
+                              {"input_ids": torch.tensor([[11]] * len(step))})
+                assert h["op"] == "result", h.get("error")
+                assert t["logits"].shape == (len(step), 1, 500)
+                last = t["logits"]
+                for r in step:
+                    r[1] += 1
+        finally:
+            c.close()
         after = control(control_endpoint(first), "stats")
     finally:
-        stop_local(procs)
+        w.stop()
     assert after["compiled_graphs"] == before["compiled_graphs"], "serving compiled again"
     assert after["errors"] == 0 and after["rejected"] == 0
     full = load_stage(str(small_ckpt), 0, read_index(small_ckpt).num_layers, True, True, "fp32")
     for p, toks in zip(prompts, g.tokens):
         assert toks == chained_greedy([full], torch.tensor([p]), 6, len(p) + 7)[0, len(p):].tolist()
+    # the last one-row step: r0 after its prompt and two 11s
+    want = full(torch.tensor([prompts[0] + [11, 11]]))[0, -1]
+    assert torch.allclose(last[0, -1], want, rtol=0, atol=1e-4)
 
 
 @pytest.mark.parametrize("precision", ["bf16", "int8"])

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import pickle
+import re
 from unittest import mock
 
 import pytest
@@ -453,3 +454,29 @@ def test_endpoint_rejects_and_names_the_field(ep):
     assert msg.startswith("header.reply_to: ") and "tcp://HOST:PORT" in msg and len(msg) < 200
     with pytest.raises(WireError, match="^endpoint: "):
         wire.endpoint(ep)
+
+
+# --- rows: a step over rows of different sequences ----------------------------------------------
+
+def test_rows_are_seq_pos_pairs_each_seq_once():
+    assert wire.rows({"rows": [["a", 1], ["b.2", 7]]}, 7) == [("a", 1), ("b.2", 7)]
+    bad = {
+        "header.rows: must be a list": [None, "a", [], [["s", 1]] * 0, [[f"s{i}", 1] for i in range(wire.MAX_BATCH + 1)]],
+        "header.rows[0]: must be [seq, pos]": [[["a"]], [["a", 1, 2]], [["a", 0]], [["a", -1]], [["a", "1"]],
+                                               [["a", True]], [["a", 1.0]], [["a/b", 1]], [["", 1]], [[1, 1]],
+                                               [{"seq": "a", "pos": 1}], [["a", 8]]],
+        "header.rows[1]: seq a appears twice": [[["a", 1], ["a", 2]]],
+    }
+    for text, cases in bad.items():
+        for v in cases:
+            with pytest.raises(WireError, match=re.escape(text)):
+                wire.rows({"rows": v} if v is not None else {}, 7)
+
+
+@given(st.lists(st.tuples(st.from_regex(wire.ID_RE, fullmatch=True), st.integers(1, 10**6)), min_size=1,
+                max_size=wire.MAX_BATCH, unique_by=lambda r: r[0]))
+@SETTINGS
+def test_rows_round_trip_through_a_header(rows):
+    frames = wire.encode({"op": "forward", "rows": [list(r) for r in rows], "cache": True})
+    h, _ = wire.decode(frames)
+    assert wire.rows(h) == rows

@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from types import SimpleNamespace
 
@@ -22,7 +23,7 @@ import zmq
 
 from helpers import wait_ready
 from layerline import wire
-from layerline.cli import _free_ports, local_stages, stop_local
+from stage_procs import free_port_pairs, start_workers, stop_workers
 from layerline.driver import DriveError, Pipeline, control, greedy_generate
 from layerline.model.loader import load_stage
 
@@ -43,17 +44,17 @@ def control_of(endpoint: str) -> str:
 @pytest.fixture(scope="module")
 def stages(small_ckpt, request):
     """Two local workers: stage0 = layers 0:2 (first), stage1 = layers 2:4 (last)."""
-    procs, first, tmp = local_stages(str(small_ckpt), 2, "fp32", kv_context=KV, threads=1)
+    w = start_workers(str(small_ckpt), [(0, 2), (2, 4)], "fp32", kv_context=KV, threads=1)
+    tmp = tempfile.mkdtemp(prefix="layerline-worker-test-")
 
     def stop():
-        stop_local(procs)
+        # SIGTERM (what stop_workers sends) is a clean stop: exit status 0, not a kill
+        assert w.stop() == [0, 0]
         shutil.rmtree(tmp, ignore_errors=True)
-        # SIGTERM (what stop_local sends) is a clean stop: exit status 0, not a kill
-        assert [p.returncode for p in procs] == [0, 0]
     request.addfinalizer(stop)
-    info = [json.load(open(os.path.join(tmp, f"ready{i}.json"))) for i in range(2)]
-    assert info[0]["bind"] == first
-    return SimpleNamespace(procs=procs, first=first, tmp=tmp, info=info,
+    info = w.info
+    assert info[0]["bind"] == w.first
+    return SimpleNamespace(procs=w.procs, first=w.first, tmp=tmp, info=info,
                            data=[i["bind"] for i in info], control=[control_of(i["bind"]) for i in info])
 
 
@@ -73,7 +74,7 @@ def reference(small_ckpt):
 @pytest.fixture(scope="module")
 def spare(small_ckpt, stages, request):
     """A third worker equal to stage1 (layers 2:4, last), for set_next, shutdown and dead-stage tests."""
-    (port,) = _free_ports(1)
+    (port,) = free_port_pairs(1)
     bind = f"tcp://127.0.0.1:{port}"
     ready = os.path.join(stages.tmp, "ready-spare.json")
     log = open(os.path.join(stages.tmp, "spare.log"), "w")
@@ -82,7 +83,7 @@ def spare(small_ckpt, stages, request):
                              "--bind", bind, "--name", "spare", "--ready-file", ready, "--last",
                              "--threads", "1"],
                             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    request.addfinalizer(lambda: (stop_local([proc]), log.close()))
+    request.addfinalizer(lambda: (stop_workers([proc]), log.close()))
     wait_ready(ready, proc, timeout=120.0)
     return SimpleNamespace(proc=proc, data=bind, control=control_of(bind), ready=ready)
 

@@ -1,7 +1,8 @@
-"""Checkpoints in Hugging Face layout: the tensor index (headers only) and demo checkpoints.
+"""Checkpoints: the tensor index (headers only), the config, and demo checkpoints.
 
-The index is read from the safetensors headers alone (8-byte length + JSON), so planning a
-100 GB model costs a few kilobytes of reads.
+A checkpoint is a Hugging Face model dir or a `.gguf` file (`gguf_checkpoint`). The index is read
+from the safetensors headers alone (8-byte length + JSON), or the GGUF header alone, so planning
+a 100 GB model costs a few kilobytes of reads. Either way tensors are keyed by HF names.
 """
 from __future__ import annotations
 
@@ -33,8 +34,10 @@ class TensorEntry:
     name: str
     dtype: str
     shape: tuple[int, ...]
-    file: str  # file name relative to the checkpoint dir
-    nbytes: int
+    file: str  # file name relative to the checkpoint dir (a GGUF: the file's own name)
+    nbytes: int  # at `dtype` (a quantized GGUF tensor: its size dequantized to the planned dtype)
+    stored_type: str | None = None  # GGUF only: the on-disk tensor type (Q4_1, Q8_0, F32, ...)
+    stored_bytes: int | None = None  # GGUF only: the on-disk bytes
 
     @property
     def layer(self) -> int | None:
@@ -97,7 +100,17 @@ def _entries_of(path: Path) -> list[TensorEntry]:
     return out
 
 
+def is_gguf(ckpt: str | os.PathLike) -> bool:
+    """Whether the checkpoint is a GGUF file rather than a Hugging Face dir."""
+    from .gguf_checkpoint import is_gguf as _is_gguf
+    return _is_gguf(ckpt)
+
+
 def read_config(ckpt: str | os.PathLike) -> dict:
+    """The model's config.json dict; for a GGUF file, the same keys derived from its metadata."""
+    if is_gguf(ckpt):
+        from .gguf_checkpoint import gguf_config
+        return gguf_config(ckpt)
     p = Path(ckpt) / "config.json"
     try:
         cfg = json.loads(p.read_text())
@@ -112,11 +125,15 @@ def read_config(ckpt: str | os.PathLike) -> dict:
 
 
 def read_index(ckpt: str | os.PathLike) -> CheckpointIndex:
-    """Tensor index of a checkpoint dir, from config.json and safetensors headers only."""
+    """Tensor index of a checkpoint dir (config.json and safetensors headers only) or of a GGUF
+    file (its header only)."""
+    if is_gguf(ckpt):
+        from .gguf_checkpoint import gguf_index
+        return gguf_index(ckpt)
     root = Path(ckpt)
     if not root.is_dir():
-        raise CheckpointError(f"{root}: no such checkpoint directory; set layerline_checkpoint "
-                              "or make one with `layerline demo-checkpoint DIR`")
+        raise CheckpointError(f"{root}: no such checkpoint directory; set layerline_checkpoint to a model dir "
+                              "or a .gguf file, or make one with `layerline demo-checkpoint DIR`")
     config = read_config(root)
     files = sorted(root.glob("*.safetensors"))
     if not files:

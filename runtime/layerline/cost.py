@@ -11,13 +11,14 @@ from dataclasses import asdict, dataclass, field
 
 from .checkpoint import DTYPE_BYTES, CheckpointIndex
 from .errors import LayerlineError
+from .precision import KV_NAMES, PRECISIONS, QUANT_ROW_BYTES, kv_bytes
+from .precision import precision as precision_row
 
-# Bytes per parameter at each precision a worker may run. int8 carries one fp32 scale per
-# output channel; that overhead is charged per layer from its row count.
-PRECISION_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 1.0}
-# how a worker runs its decode step: eager, or torch.compile'd (layerline_compile, --compile)
-COMPILE_MODES = ("off", "default", "max-autotune")
-KV_DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
+# Bytes per parameter at each precision a worker may run (precision.PRECISIONS). A quantized
+# precision carries one fp32 scale per output channel; that overhead is charged per layer from
+# its row count.
+PRECISION_BYTES = {name: p.weight_bytes for name, p in PRECISIONS.items()}
+KV_DTYPE_BYTES = {name: kv_bytes(name) for name in KV_NAMES}
 STORED_PRECISION = {"F32": "fp32", "BF16": "bf16", "F16": "fp16", "I8": "int8"}
 EXPERT_RE = re.compile(r"\.(?:block_sparse_moe|mlp)\.experts\.\d+\.|\.ffn_(?:gate|up|down)_exps\.")
 OBJECTIVES = ("throughput", "latency", "memory")
@@ -170,8 +171,8 @@ def model_cost(index: CheckpointIndex) -> ModelCost:
 
 def kv_profile(cost: ModelCost, opts: CostOptions, precision: str) -> KvProfile:
     """KV bytes per token per layer after the options' override and unknown-handling."""
-    # int8 is weight-only: its stages keep the KV cache in bf16
-    dtype = opts.kv_dtype or ("bf16" if precision == "int8" else precision)
+    # the precision table's KV rule (int8 is weight-only: its stages keep the KV cache in bf16)
+    dtype = opts.kv_dtype or precision_row(precision, "precision").kv
     if opts.kv_bytes_per_layer_token is not None:
         return KvProfile(opts.context, dtype, int(opts.kv_bytes_per_layer_token), "override")
     if cost.kv_width:
@@ -186,7 +187,7 @@ def kv_profile(cost: ModelCost, opts: CostOptions, precision: str) -> KvProfile:
 
 def weight_bytes(cost: ModelCost, layer: int, precision: str, experts: bool = True) -> int:
     p = cost.dense_params[layer] + (cost.expert_params[layer] if experts else 0)
-    extra = cost.rows[layer] * 4 if precision == "int8" else 0
+    extra = cost.rows[layer] * QUANT_ROW_BYTES if PRECISIONS[precision].quantized else 0
     return int(p * PRECISION_BYTES[precision]) + extra
 
 

@@ -20,9 +20,10 @@ import math
 from dataclasses import dataclass, field
 
 from .caps import CapsError, NodeCaps
-from .cost import (COMPILE_MODES, PRECISION_BYTES, CostOptions, KvProfile, ModelCost, edge_bytes, edge_flops,
+from .cost import (PRECISION_BYTES, CostOptions, KvProfile, ModelCost, edge_bytes, edge_flops,
                    kv_profile, weight_bytes)
 from .errors import LayerlineError
+from .model import COMPILE_MODES  # how a worker runs its step: the model's to say
 
 POLICIES = ("auto", "ram_balanced", "uniform", "manual")
 ROLES = ("active", "standby", "draining")

@@ -24,7 +24,9 @@ SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokeni
 
 
 def _source_stamp(ckpt: Path) -> list:
-    """What the source is: each safetensors file's name, size and mtime."""
+    """What the source is: each safetensors file's name, size and mtime (a .gguf: the file's)."""
+    if ckpt.is_file():
+        return [[ckpt.name, ckpt.stat().st_size, int(ckpt.stat().st_mtime)]]
     return [[p.name, p.stat().st_size, int(p.stat().st_mtime)] for p in sorted(ckpt.glob("*.safetensors"))]
 
 
@@ -38,8 +40,9 @@ def _sha1(path: Path) -> str:
 
 def stage_checkpoint(src: str, start: int, end: int, first: bool, last: bool, out: str) -> dict:
     """Make (or reuse) the stage checkpoint; returns its manifest plus "changed"."""
-    from safetensors import safe_open
     from safetensors.torch import save_file
+
+    from .gguf_checkpoint import is_gguf, open_tensors, write_hf_side_files
 
     from .model.loader import stage_tensor_names
 
@@ -64,10 +67,12 @@ def stage_checkpoint(src: str, start: int, end: int, first: bool, last: bool, ou
         by_file.setdefault(idx.tensors[n].file, []).append(n)
     tensors = {}
     for fname, group in by_file.items():
-        with safe_open(str(ckpt / fname), framework="pt") as f:
+        with open_tensors(ckpt, fname) as f:  # safe_open, or a .gguf's tensors dequantized (bf16 if quantized)
             for n in group:
                 tensors[n] = f.get_tensor(n)
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    if is_gguf(ckpt):  # a GGUF stage is an HF dir: its config, tokenizer and chat template as files
+        write_hf_side_files(ckpt, tmp)
     for side in SIDE_FILES:
         if (ckpt / side).exists():
             shutil.copy2(ckpt / side, tmp / side)

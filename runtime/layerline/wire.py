@@ -2,6 +2,8 @@
 
 A message is [header, frame, frame, ...]. The header names each tensor's dtype and shape and
 how many frames carry it (tensors over 16 MB are split: zmq slows on single huge frames).
+Op-specific fields are checked by whoever reads them (`require`, `rows`: the [[seq, pos], ...]
+of a step over rows of different sequences, see layerline.worker).
 decode() validates every field against bounds before touching a byte of tensor data, so a
 bad message raises WireError (which names the field) and never crashes the receiver.
 """
@@ -128,6 +130,32 @@ def decode_header(frame) -> dict:
         if key in h and not (isinstance(h[key], str) and ID_RE.match(h[key])):
             raise WireError(f"header.{key}: must be 1-64 characters of [A-Za-z0-9_.:-]")
     return h
+
+
+def rows(header: dict, max_pos: int | None = None) -> list[tuple[str, int]]:
+    """header.rows of a batched step over rows of different sequences: [[seq, pos], ...], one
+    pair per row of the message's tensor (batch B = len(rows) <= MAX_BATCH), each seq a wire id
+    at most once, each pos an integer in [1, max_pos]: the position of the row's one new token,
+    which is also how many tokens that sequence's KV cache must already hold.
+
+    Checked by the op that reads it (a stage's forward), not by decode_header, so its error
+    reply also reaches the message's reply_to."""
+    v = header.get("rows")
+    if not isinstance(v, list) or not 1 <= len(v) <= MAX_BATCH:
+        raise WireError(f"header.rows: must be a list of 1..{MAX_BATCH} [seq, pos] pairs, one per row")
+    hi = "" if max_pos is None else f", {max_pos}"
+    out: list[tuple[str, int]] = []
+    seen: set = set()
+    for i, r in enumerate(v):
+        if not (isinstance(r, list) and len(r) == 2 and isinstance(r[0], str) and ID_RE.match(r[0])
+                and type(r[1]) is int and r[1] >= 1 and (max_pos is None or r[1] <= max_pos)):
+            raise WireError(f"header.rows[{i}]: must be [seq, pos]: seq 1-64 characters of [A-Za-z0-9_.:-], "
+                            f"pos an integer in [1{hi}]")
+        if r[0] in seen:
+            raise WireError(f"header.rows[{i}]: seq {r[0]} appears twice; step each sequence once per message")
+        seen.add(r[0])
+        out.append((r[0], r[1]))
+    return out
 
 
 def decode(frames: list, limits: Limits = Limits()) -> tuple[dict, dict[str, torch.Tensor]]:

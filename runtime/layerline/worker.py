@@ -12,6 +12,21 @@ control at --control (default: the bind port + 1; health, stats, set_next, shutd
 routing can change without a restart. Every message is validated; any failure becomes an
 error message, never a dead worker.
 
+Data messages (op forward; tensor `input_ids` [B, T] int64 at the first stage, `hidden`
+[B, T, hidden] after it; the last stage sends op result with `logits` to `reply_to`):
+- no cache: pos 0 (or none), the whole input at once;
+- one sequence: `cache: true`, `seq`, `pos` (tokens its cache holds: 0 starts it anew),
+  `reserve` (tokens to size its cache for), T tokens, B rows of that one sequence;
+- rows of different sequences (continuous batching): `cache: true`, `rows: [[seq, pos], ...]`
+  (no top-level seq or pos), one new token per row ([B, 1] ids / [B, 1, hidden], B = len(rows)),
+  row i at position pos of its own sequence, which must hold exactly pos tokens here (prefilled
+  by one-sequence messages with batch 1); `logits: "last"` gives [B, 1, vocab]. Every row is
+  checked before any is computed: rows whose sequence this stage lacks or holds at another
+  length fail the whole message with code "seq_unknown" and `seqs` (those ids) in the error
+  header, so the sender replays just them and resends.
+`op: release, seq` frees a sequence's KV cache here and on every later stage. A stage keeps at
+most MAX_SEQS sequences within its --kv-bytes budget, the least recently used going first.
+
 CURVE (layerline.keys): every socket whose address is not loopback (--curve auto), or every
 socket (--curve on), authenticates and encrypts with this host's keys from --keys DIR. The
 data and control sockets let in only clients whose public key is in DIR/allowed/; the DEALER
@@ -32,10 +47,18 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from .cost import COMPILE_MODES
 from .errors import LayerlineError
-
+from .model import COMPILE_MODES
 from .wire import MAX_BATCH, MAX_REPLY_PEERS, MAX_SEQS
+
+
+class SeqUnknown(LayerlineError):
+    """Sequences this stage lacks (or holds at another length): the sender replays them. The
+    error reply carries code "seq_unknown" and their ids in `seqs`."""
+
+    def __init__(self, message: str, seqs: list[str]):
+        super().__init__(message, "seq_unknown")
+        self.header = {"seqs": list(seqs)}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -126,7 +149,7 @@ class Worker:
         import torch
         import zmq
 
-        from . import keys, wire
+        from . import keys, precision, wire
         from .model.loader import load_stage
 
         self.torch, self.zmq, self.wire, self.keymod = torch, zmq, wire, keys
@@ -153,16 +176,15 @@ class Worker:
                                 expert_cache_bytes=args.expert_cache_bytes)
         self.margs = self.stage.args
         self.compile_s = None
-        # KV: the plan's dtype and budget (bytes this stage may hold across sequences)
-        kv_name = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(args.kv_dtype, args.kv_dtype)
-        kv_dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-        if kv_name is not None and kv_name not in kv_dtypes:
-            raise LayerlineError(f"--kv-dtype {args.kv_dtype}: must be one of {', '.join(kv_dtypes)}")
-        self.kv_dtype = kv_dtypes.get(kv_name) if kv_name else None
-        item = torch.empty((), dtype=self.kv_dtype or self.stage.dtype).element_size()
-        self.kv_bytes_per_token = 2 * self.margs.num_kv_heads * self.margs.head_dim * item * (args.end - args.start)
+        # KV: the plan's dtype (else the precision table's rule) and budget (bytes this stage may
+        # hold across sequences)
+        kv = precision.kv_name(args.precision, args.kv_dtype)
+        self.kv_dtype = precision.torch_dtype(kv)
+        self.kv_bytes_per_token = (2 * self.margs.num_kv_heads * self.margs.head_dim * precision.kv_bytes(kv)
+                                   * (args.end - args.start))
         self.kv_budget = args.kv_bytes if args.kv_bytes else args.kv_context * self.kv_bytes_per_token
-        self.caches: OrderedDict[str, list] = OrderedDict()  # seq -> [StageCache, length]
+        # seq -> its StageCache (which keeps the sequence's length and batch), least recently used first
+        self.caches: OrderedDict[str, object] = OrderedDict()
         self.stats = Stats()
         self.ctx = zmq.Context()
         self.auth = None
@@ -320,7 +342,7 @@ class Worker:
         return [{"stage": e["stage"], "layers": e["layers"], "s": float(e["s"])} for e in t]
 
     def _kv_held(self) -> int:
-        return sum(e[0].nbytes for e in self.caches.values())
+        return sum(c.nbytes for c in self.caches.values())
 
     def _new_cache(self, seq: str, batch: int, reserve: int):
         """A cache for `reserve` tokens, within the stage's KV budget (oldest sequences go first)."""
@@ -331,67 +353,118 @@ class Worker:
                                  "layerline_objective.context / batch")
         while self.caches and (len(self.caches) >= MAX_SEQS or self._kv_held() + need > self.kv_budget):
             self.caches.popitem(last=False)  # evicted sequences are replayed by the driver
-        entry = [self.stage.new_cache(batch, reserve, dtype=self.kv_dtype), 0, batch]
-        self.caches[seq] = entry
-        return entry
+        cache = self.stage.new_cache(batch, reserve, dtype=self.kv_dtype)
+        self.caches[seq] = cache
+        return cache
 
-    def forward(self, h: dict, tensors: dict) -> tuple[dict, dict]:
+    def _checked(self, h: dict) -> tuple[list, bool]:
+        """The fields every forward has: (timings so far, whether only the last logits are asked)."""
         wire = self.wire
-        pos = wire.require(h, "pos", int, 0, self.args.kv_context - 1) if "pos" in h else 0
-        use_cache = h.get("cache", False)
-        if not isinstance(use_cache, bool):
-            raise wire.WireError("header.cache: must be true or false")
         deadline = h.get("deadline")
         if deadline is not None and (isinstance(deadline, bool) or not isinstance(deadline, (int, float))
                                      or not math.isfinite(deadline)):
             raise wire.WireError("header.deadline: must be a finite number of seconds since the epoch")
         if deadline is not None and time.time() > deadline:
             raise LayerlineError(f"stage {self.name}: request {h.get('id')} missed its deadline before compute")
-        timings = self._timings(h)
+        if "logits" in h and h["logits"] not in ("last", "all"):
+            raise wire.WireError("header.logits: must be \"last\" or \"all\"")
+        return self._timings(h), h.get("logits") == "last"
+
+    def forward(self, h: dict, tensors: dict) -> tuple[dict, dict]:
+        if "rows" in h:
+            return self.forward_rows(h, tensors)
+        wire = self.wire
+        pos = wire.require(h, "pos", int, 0, self.args.kv_context - 1) if "pos" in h else 0
+        use_cache = h.get("cache", False)
+        if not isinstance(use_cache, bool):
+            raise wire.WireError("header.cache: must be true or false")
+        timings, last_only = self._checked(h)
         x = self._validate_input(h, tensors)
         cache = None
         if use_cache:
             seq = wire.require(h, "seq", str)
             reserve = wire.require(h, "reserve", int, 1, self.args.kv_context) if "reserve" in h \
                 else self.args.kv_context
-            entry = self.caches.get(seq)
-            if pos == 0 or entry is None:
+            cache = self.caches.get(seq)
+            if pos == 0 or cache is None:
                 if pos != 0:
-                    raise LayerlineError(f"stage {self.name}: seq {seq} is unknown at position {pos}; "
-                                         "replay its prefix from 0", "seq_unknown")
+                    raise SeqUnknown(f"stage {self.name}: seq {seq} is unknown at position {pos}; "
+                                     "replay its prefix from 0", [seq])
                 self.caches.pop(seq, None)
-                entry = self._new_cache(seq, x.shape[0], max(reserve, x.shape[1]))
-            elif entry[1] != pos:
-                raise LayerlineError(f"stage {self.name}: seq {seq} holds {entry[1]} tokens, got position {pos}; "
-                                     "replay its prefix from 0", "seq_unknown")
-            elif entry[2] != x.shape[0]:
-                raise wire.WireError(f"input: seq {seq} has batch {entry[2]}, this step has {x.shape[0]}")
-            if pos + x.shape[1] > entry[0].max_len:
+                cache = self._new_cache(seq, x.shape[0], max(reserve, x.shape[1]))
+            elif cache.length != pos:
+                raise SeqUnknown(f"stage {self.name}: seq {seq} holds {cache.length} tokens, got position {pos}; "
+                                 "replay its prefix from 0", [seq])
+            elif cache.batch != x.shape[0]:
+                raise wire.WireError(f"input: seq {seq} has batch {cache.batch}, this step has {x.shape[0]}")
+            if pos + x.shape[1] > cache.max_len:
                 raise LayerlineError(f"stage {self.name}: seq {seq} would exceed --kv-context {self.args.kv_context} "
-                                     f"(it reserved {entry[0].max_len} tokens)")
+                                     f"(it reserved {cache.max_len} tokens)")
             self.caches.move_to_end(seq)
-            cache = entry[0]
         elif pos != 0:
             raise wire.WireError("header.pos: must be 0 without cache")
         elif x.shape[0] * x.shape[1] > self.args.kv_context:
             raise wire.WireError(f"shape: batch x tokens must be at most {self.args.kv_context} without cache")
         t0 = time.perf_counter()
-        last_only = h.get("logits") == "last"
-        if "logits" in h and h["logits"] not in ("last", "all"):
-            raise wire.WireError("header.logits: must be \"last\" or \"all\"")
         if self.args.last:
             out = self.stage(x.to(self.args.device), start_pos=pos, cache=cache, last_only=last_only)
         else:
             out = self.stage(x.to(self.args.device), start_pos=pos, cache=cache)
+        return self._reply(h, ("id", "seq", "pos", "cache", "reply_to", "deadline", "logits", "reserve"),
+                           timings, out, t0)
+
+    def forward_rows(self, h: dict, tensors: dict) -> tuple[dict, dict]:
+        """One new token for each row's own sequence (header.rows), weights read once for all rows."""
+        wire = self.wire
+        rows = wire.rows(h, self.args.kv_context - 1)
+        extra = [k for k in ("seq", "pos") if k in h]
+        if extra:
+            raise wire.WireError(f"header.rows: a rows message names its sequences in rows only; drop header."
+                                 f"{' and header.'.join(extra)}")
+        if h.get("cache") is not True:
+            raise wire.WireError("header.cache: must be true with rows (each row steps a cached sequence)")
+        if "reserve" in h:
+            wire.require(h, "reserve", int, 1, self.args.kv_context)
+        timings, _ = self._checked(h)
+        x = self._validate_input(h, tensors)
+        if x.shape[1] != 1:
+            raise wire.WireError(f"header.rows: one new token per row, but the tensor holds {x.shape[1]} per row")
+        if x.shape[0] != len(rows):
+            raise wire.WireError(f"header.rows: {len(rows)} rows but the tensor's batch is {x.shape[0]}")
+        bad = []
+        for seq, pos in rows:
+            c = self.caches.get(seq)
+            if c is None:
+                bad.append((seq, "unknown"))
+            elif c.length != pos:
+                bad.append((seq, f"holds {c.length} tokens, row pos {pos}"))
+        if bad:
+            raise SeqUnknown(f"stage {self.name}: rows name sequences this stage lacks or holds at another length: "
+                             f"{', '.join(f'{s} ({why})' for s, why in bad)}; replay them from 0 and resend",
+                             [s for s, _ in bad])
+        caches = []
+        for i, (seq, pos) in enumerate(rows):
+            c = self.caches[seq]
+            if c.batch != 1:
+                raise wire.WireError(f"header.rows[{i}]: seq {seq} has batch {c.batch}; a row steps a sequence of "
+                                     "batch 1")
+            if pos + 1 > c.max_len:
+                raise LayerlineError(f"stage {self.name}: seq {seq} would exceed --kv-context {self.args.kv_context} "
+                                     f"(it reserved {c.max_len} tokens)")
+            caches.append(c)
+        for seq, _ in rows:
+            self.caches.move_to_end(seq)
+        t0 = time.perf_counter()
+        out = self.stage.forward_rows(x.to(self.args.device), [p for _, p in rows], caches)
+        return self._reply(h, ("id", "rows", "cache", "reply_to", "deadline", "logits", "reserve"), timings, out, t0)
+
+    def _reply(self, h: dict, keep: tuple, timings: list, out, t0: float) -> tuple[dict, dict]:
         if self.args.device != "cpu":
             self.torch.cuda.synchronize()
         dt = time.perf_counter() - t0
-        if cache is not None:
-            entry[1] = pos + x.shape[1]
         self.stats.compute_s += dt
-        timings = timings + [{"stage": self.name, "layers": [self.args.start, self.args.end], "s": dt}]
-        head = {k: h[k] for k in ("id", "seq", "pos", "cache", "reply_to", "deadline", "logits", "reserve") if k in h}
-        head["timings"] = timings
+        head = {k: h[k] for k in keep if k in h}
+        head["timings"] = timings + [{"stage": self.name, "layers": [self.args.start, self.args.end], "s": dt}]
         if self.args.last:
             return {**head, "op": "result"}, {"logits": out.to("cpu")}
         return {**head, "op": "forward"}, {"hidden": out.to("cpu")}
@@ -427,7 +500,7 @@ class Worker:
         except Exception as e:  # noqa: BLE001 - the worker never dies of one request
             self.stats.errors += 1
             text = str(e) if isinstance(e, LayerlineError) else f"{e.__class__.__name__}: {e}"
-            self._error(ident, h, text, getattr(e, "code", None))
+            self._error(ident, h, text, getattr(e, "code", None), getattr(e, "header", None))
 
     def _send(self, sock, msg: list, where: str | None) -> None:
         """Never block the loop on a peer that is gone or full: the control socket must stay live."""
@@ -437,10 +510,12 @@ class Worker:
             raise LayerlineError(f"stage {self.name}: {where} is not taking messages (down, or its queue is "
                                  "full); check that worker's health") from None
 
-    def _error(self, ident, h: dict | None, text: str, code: str | None = None) -> None:
+    def _error(self, ident, h: dict | None, text: str, code: str | None = None, extra: dict | None = None) -> None:
         reply = {"op": "error", "stage": self.name, "error": text[:2000]}
         if code:
             reply["code"] = code
+        if extra:
+            reply.update(extra)
         if h and isinstance(h.get("id"), str):
             reply["id"] = h["id"]
         msg = self.wire.encode(reply)

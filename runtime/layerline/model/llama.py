@@ -21,7 +21,14 @@ sparse mixture of experts (`moe.SparseMoE`, experts behind an `ExpertStore`).
 
 Precision int8 (weight-only): every Linear weight, the token embedding and the LM head are held as
 int8 with a float32 scale per output row (`quant`); norms, biases, the Mixtral router, the
-activations and the KV cache are bf16.
+activations and the KV cache are bf16 (the precision table, `layerline.precision`).
+
+One forward (`Stage._forward`, after gpt-fast's `Transformer.forward`): the new tokens come with a
+positions tensor, each layer writes their K/V there with one update (`kv_update`) and attends to
+the keys in view. A prefill, a one-token decode step and a step over rows of *different*
+sequences, each at its own position (continuous batching: `Stage.forward_rows`), are that one
+path; only the key range differs: eagerly the filled part of the cache, compiled (`compile()`,
+the one-token step) the whole buffer behind a mask, so its shapes do not change as it fills.
 """
 from __future__ import annotations
 
@@ -33,14 +40,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..checkpoint import CheckpointError
-from ..cost import COMPILE_MODES
 from ..errors import LayerlineError
+from ..precision import of_dtype, torch_dtype
+from . import COMPILE_MODES
 from .moe import ExpertStore, SparseMoE
 from .quant import Int8Embedding, make_linear
-
-# precision name -> the dtype activations, norms and the KV cache compute in
-PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.bfloat16}
-QUANTIZED = ("int8",)  # precisions whose weights are held quantized (weight-only)
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "mixtral")
 _ROPE_TYPES = ("default", "linear", "llama3")
@@ -272,6 +276,23 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+ROWS_PAD = 32  # a step over rows of several sequences pads their keys to a multiple of this
+
+
+def kv_update(kbuf: torch.Tensor, vbuf: torch.Tensor, pos: torch.Tensor, k: torch.Tensor,
+              v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The one KV cache update (gpt-fast's `KVCache.update`): write k, v [b, n_kv, T, hd] at
+    positions `pos` (int64 [T]) of the buffers [batch >= b, n_kv, max_len, hd] and return the
+    buffers' first b rows, every position (the caller narrows them to the keys it attends)."""
+    if kbuf.shape[0] != k.shape[0]:  # a cache of more rows than this step has
+        kbuf, vbuf = kbuf[:k.shape[0]], vbuf[:k.shape[0]]
+    if k.dtype != kbuf.dtype:
+        k, v = k.to(kbuf.dtype), v.to(vbuf.dtype)
+    kbuf.index_copy_(2, pos, k)
+    vbuf.index_copy_(2, pos, v)
+    return kbuf, vbuf
+
+
 class KVCache(nn.Module):
     """One layer's keys and values: buffers [batch, n_kv_heads, max_len, head_dim]."""
 
@@ -282,19 +303,14 @@ class KVCache(nn.Module):
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
-    def update(self, start_pos: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k, v [B, n_kv, T, hd] at positions start_pos.. and return all keys/values up to them."""
-        b, end = k.shape[0], start_pos + k.shape[2]
-        self.k[:b, :, start_pos:end] = k
-        self.v[:b, :, start_pos:end] = v
-        ks, vs = self.k[:b, :, :end], self.v[:b, :, :end]
-        if ks.dtype != k.dtype:  # a KV cache kept in another dtype than the compute
-            ks, vs = ks.to(k.dtype), vs.to(k.dtype)
-        return ks, vs
+    def update(self, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k, v [B, n_kv, T, hd] at positions `pos` (int64 [T]); the buffers' first B rows."""
+        return kv_update(self.k, self.v, pos, k, v)
 
 
 class StageCache:
-    """The KV caches of one stage's layers for one batch of sequences, and how many tokens they hold."""
+    """The KV caches of one stage's layers for one sequence (of `batch` rows), and how many
+    tokens they hold: the one record of a sequence's length (the stage's forward keeps it)."""
 
     def __init__(self, layers: list[KVCache]):
         self.layers = layers
@@ -307,6 +323,10 @@ class StageCache:
     @property
     def max_len(self) -> int:
         return self.layers[0].k.shape[2]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.layers[0].k.dtype
 
     @property
     def nbytes(self) -> int:
@@ -333,9 +353,17 @@ class Attention(nn.Module):
         self.v_proj = make_linear(h, args.num_kv_heads * hd, args.attention_bias, dtype, int8)
         self.o_proj = make_linear(args.num_heads * hd, h, args.o_proj_bias, dtype, int8)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
-                start_pos: int, kv: KVCache | None, lo: int = 0) -> torch.Tensor:
-        """`mask` [t, s - lo] (True: may attend) over keys lo..s-1; None when every key is visible."""
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: list,
+                kv: list | None, view: list) -> torch.Tensor:
+        """x [B, T, hidden] at positions pos[g] ([T] per row group g; cos/sin [P, 1, T, hd]).
+
+        One group (P = 1) is one sequence of B rows; B groups (P = B, T = 1) are B sequences, row
+        i at pos[i] with its own cache. kv: per group, the layer's (k, v) buffers, or None without
+        a cache. view: per group, (lo, hi, mask): the key positions lo..hi-1 it attends (None: the
+        whole buffer) and a [T, keys] mask (True: may attend), or None when every key is visible.
+        The projections run over all B rows at once, and so does the attention of B groups: each
+        row's keys are gathered, left-aligned, into one padded batch behind a length mask.
+        """
         b, t, _ = x.shape
         nh, nkv, hd = self.n_heads, self.n_kv_heads, self.head_dim
         q = self.q_proj(x).view(b, t, nh, hd).transpose(1, 2)
@@ -343,10 +371,44 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(b, t, nkv, hd).transpose(1, 2)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
+        if len(view) > 1:
+            return self.o_proj(self._attend_rows(q, k, v, pos, kv, view))
         if kv is not None:
-            k, v = kv.update(start_pos, k, v)
-        if lo:  # a sliding window: only the last keys are visible to these queries
-            k, v = k[:, :, lo:], v[:, :, lo:]
+            k, v = kv_update(kv[0][0], kv[0][1], pos[0], k, v)
+        lo, hi, mask = view[0]
+        if hi is not None:  # only the keys in view (without a cache: the new ones, from 0)
+            k, v = k[:, :, lo:hi], v[:, :, lo:hi]
+        if k.dtype != q.dtype:  # a KV cache kept in another dtype than the compute
+            k, v = k.to(q.dtype), v.to(q.dtype)
+        return self.o_proj(self._attend(q, k, v, mask))
+
+    def _attend_rows(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: list, kv: list,
+                     view: list) -> torch.Tensor:
+        """B sequences, one new token each (q [B, nh, 1, hd], k/v [B, nkv, 1, hd]): write row i's
+        k/v into its own cache at pos[i], gather its keys lo..hi-1 into row i of a padded batch
+        [B, nkv, longest, hd], and attend all rows at once with the padding masked out."""
+        b, hd, nkv = q.shape[0], self.head_dim, self.n_kv_heads
+        spans = [(lo, hi) for lo, hi, _ in view]
+        lens = [hi - lo for lo, hi in spans]
+        # the padded length rounded up: a shape that repeats from step to step, so the matmul
+        # libraries reuse their plans for it (oneDNN builds one per new bf16 shape)
+        longest = -(-max(lens) // ROWS_PAD) * ROWS_PAD
+        keys = q.new_empty(b, nkv, longest, hd)
+        vals = q.new_zeros(b, nkv, longest, hd)  # zeros: a padded value times probability 0 must be 0
+        for i, (lo, hi) in enumerate(spans):
+            kb, vb = kv_update(kv[i][0], kv[i][1], pos[i], k[i:i + 1], v[i:i + 1])
+            keys[i, :, :hi - lo] = kb[0, :, lo:hi]
+            vals[i, :, :hi - lo] = vb[0, :, lo:hi]
+        # [B, 1, 1, 1, longest]: row i sees its first lens[i] keys
+        mask = (torch.arange(longest, device=q.device)[None, :]
+                < torch.tensor(lens, device=q.device)[:, None])[:, None, None, None, :]
+        return self._attend(q, keys, vals, mask)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """q [b, nh, t, hd] over k, v [b, nkv, s, hd] -> [b, t, nh * hd]; mask (True: may attend)
+        broadcasts against [b, nkv, g, t, s] ([t, s] for one sequence)."""
+        b, _, t, hd = q.shape
+        nh, nkv = self.n_heads, self.n_kv_heads
         s = k.shape[2]
         g = nh // nkv
         # GQA without copying K/V: query head j*g + r uses kv head j (HF's repeat_kv order), so fold
@@ -358,34 +420,7 @@ class Attention(nn.Module):
             scores = scores.view(b, nkv, g * t, s)
         probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         out = torch.matmul(probs, v)  # [b, nkv, g*t, hd]
-        out = out.view(b, nh, t, hd).transpose(1, 2).reshape(b, t, nh * hd)
-        return self.o_proj(out)
-
-    def decode(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
-               kbuf: torch.Tensor, vbuf: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-        """One new token per sequence at position `pos` (int64 [1]) over the whole KV buffer.
-
-        Every shape is fixed by the cache, not by how many tokens it holds, so a compiled step
-        is reused for the whole generation; `visible` [max_len] masks keys not (yet) in view.
-        """
-        b = x.shape[0]
-        nh, nkv, hd = self.n_heads, self.n_kv_heads, self.head_dim
-        q = self.q_proj(x).view(b, 1, nh, hd).transpose(1, 2)
-        k = self.k_proj(x).view(b, 1, nkv, hd).transpose(1, 2)
-        v = self.v_proj(x).view(b, 1, nkv, hd).transpose(1, 2)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        ks, vs = kbuf[:b], vbuf[:b]
-        ks.index_copy_(2, pos, k.to(ks.dtype))
-        vs.index_copy_(2, pos, v.to(vs.dtype))
-        if ks.dtype != q.dtype:
-            ks, vs = ks.to(q.dtype), vs.to(q.dtype)
-        q = q.reshape(b, nkv, nh // nkv, hd)
-        scores = torch.matmul(q, ks.transpose(2, 3)) * self.scale  # [b, nkv, g, max_len]
-        scores = scores.masked_fill(visible.logical_not(), float("-inf"))
-        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        out = torch.matmul(probs, vs)  # [b, nkv, g, hd]
-        return self.o_proj(out.reshape(b, 1, nh * hd))
+        return out.view(b, nh, t, hd).transpose(1, 2).reshape(b, t, nh * hd)
 
 
 class MLP(nn.Module):
@@ -420,12 +455,8 @@ class DecoderLayer(nn.Module):
         """The feed-forward part: `mlp`, or Mixtral's `block_sparse_moe`."""
         return self._modules.get("block_sparse_moe") or self._modules["mlp"]
 
-    def forward(self, x, cos, sin, mask, start_pos, kv, lo=0):
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, start_pos, kv, lo)
-        return h + self.ffn(self.post_attention_layernorm(h))
-
-    def decode(self, x, cos, sin, pos, kbuf, vbuf, visible):
-        h = x + self.self_attn.decode(self.input_layernorm(x), cos, sin, pos, kbuf, vbuf, visible)
+    def forward(self, x, cos, sin, pos, kv, view):
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, pos, kv, view)
         return h + self.ffn(self.post_attention_layernorm(h))
 
 
@@ -436,22 +467,24 @@ def hf_name(key: str, args: ModelArgs) -> str:
     return "model." + key
 
 
-def _masks(start_pos: int, t: int, windows: set, device) -> dict:
-    """Per attention window (None: full causal): (lo, mask over keys lo..start_pos+t-1 or None)."""
-    s = start_pos + t
+def _views(starts: list[int], t: int, windows, device) -> dict:
+    """Per attention window (None: full causal), per row group whose T new tokens start at
+    position s: (lo, hi, mask) over the key positions lo..hi-1 the group attends: from the first
+    key its first query may see to its last query; mask [T, hi - lo] (True: may attend), None
+    when every key in that range is visible to every query (one new token)."""
     out = {}
-    q = torch.arange(start_pos, s, device=device)[:, None]
     for w in windows:
-        if w is None:
-            # key s' is visible to query t' when s' <= start_pos + t'; one new token sees everything
-            out[w] = (0, torch.ones(t, s, dtype=torch.bool, device=device).tril(start_pos) if t > 1 else None)
-            continue
-        lo = max(0, start_pos + 1 - w)  # the first key the first new query may see
-        if t == 1:  # one query, keys lo..start_pos: all inside its window
-            out[w] = (lo, None)
-            continue
-        k = torch.arange(lo, s, device=device)[None, :]
-        out[w] = (lo, (k <= q) & (k > q - w))
+        views = []
+        for s in starts:
+            hi = s + t
+            lo = 0 if w is None else max(0, s + 1 - w)
+            mask = None
+            if t > 1:
+                q = torch.arange(s, hi, device=device)[:, None]
+                k = torch.arange(lo, hi, device=device)[None, :]
+                mask = k <= q if w is None else (k <= q) & (k > q - w)
+            views.append((lo, hi, mask))
+        out[w] = views
     return out
 
 
@@ -461,6 +494,12 @@ class Stage(nn.Module):
     `int8`: hold the weights as int8 + per-row scales (`dtype` is then the compute dtype, bf16).
     `resident_experts`: False builds Mixtral's MoE blocks without experts; attach an
     `ExpertStore` with `set_expert_store` before running.
+
+    One forward (`_forward`, gpt-fast's `Transformer.forward`): tokens at a positions tensor, K/V
+    written there by one update (`kv_update`). A prefill, a one-token step and a step over rows of
+    different sequences (`forward_rows`) are the same code; `compile()` compiles it for the
+    one-token step of one sequence, which then attends over its whole KV buffer behind a mask
+    (shapes fixed by the cache, so one graph serves a whole generation).
     """
 
     def __init__(self, args: ModelArgs, start: int, end: int, first: bool, last: bool, dtype: torch.dtype,
@@ -471,6 +510,11 @@ class Stage(nn.Module):
                                  f"0:{args.num_layers}; choose A:B with 0 <= A < B <= {args.num_layers}")
         self.args, self.start, self.end = args, start, end
         self.first, self.last, self.dtype, self.int8 = first, last, dtype, int8
+        # the KV cache's dtype unless asked otherwise: the precision table's rule (int8 -> bf16)
+        try:
+            self.kv_dtype = torch_dtype(of_dtype(str(dtype).removeprefix("torch."), int8).kv)
+        except LayerlineError:
+            self.kv_dtype = dtype
         if first:
             if int8:
                 self.embed_tokens = Int8Embedding(args.vocab_size, args.hidden_size, dtype)
@@ -482,6 +526,7 @@ class Stage(nn.Module):
         # keyed by global layer index, so state_dict keys read as the checkpoint's names
         self.layers = nn.ModuleDict({str(i): DecoderLayer(args, dtype, i, int8, resident_experts)
                                      for i in range(start, end)})
+        self.windows = tuple(dict.fromkeys(layer.window for layer in self.layers.values()))
         if last:
             self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
             self.lm_head = make_linear(args.hidden_size, args.vocab_size, False, dtype, int8)
@@ -489,15 +534,16 @@ class Stage(nn.Module):
                 self.tie_head()
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
         self.expert_store: ExpertStore | None = None  # set by the loader when experts are paged
-        self._step = None  # the compiled decode_step, when compile() was asked for
-        self.compile_error: str | None = None  # why compiling failed (the stage then decodes eagerly)
+        self._step = None  # the compiled _forward, when compile() was asked for
+        self.compile_error: str | None = None  # why compiling failed (the stage then steps eagerly)
 
     def compile(self, mode: str = "default") -> None:
-        """Run decode steps (one token per sequence) through torch.compile with inductor freezing.
+        """Run one-token steps of one sequence through torch.compile with inductor freezing.
 
         mode: "off" (eager), "default", or "max-autotune" (searches GEMM kernels: slower to warm
-        up, faster after). Prefill and replays stay eager: their lengths vary, a step's do not.
-        Mixtral's routing is data-dependent, so MoE stages stay eager.
+        up, faster after). Prefills, replays and steps over rows of several sequences run the same
+        forward eagerly: their shapes vary, a step's do not. Mixtral's routing is data-dependent,
+        so MoE stages stay eager.
         """
         if mode not in COMPILE_MODES:
             raise LayerlineError(f"--compile {mode}: not one of {', '.join(COMPILE_MODES)}")
@@ -511,11 +557,11 @@ class Stage(nn.Module):
         torch._inductor.config.freezing = True
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         kw = {"mode": "max-autotune-no-cudagraphs"} if mode == "max-autotune" else {}
-        self._step = torch.compile(self.decode_step, dynamic=False, **kw)
+        self._step = torch.compile(self._forward, dynamic=False, **kw)
 
     @property
     def compiled(self) -> bool:
-        """Whether decode steps run through the compiled graph."""
+        """Whether one-token steps run through the compiled graph."""
         return self._step is not None
 
     def _compile_failed(self, e: Exception) -> None:
@@ -525,23 +571,34 @@ class Stage(nn.Module):
         text = str(e).strip()
         self.compile_error = f"{e.__class__.__name__}: {text.splitlines()[0][:300] if text else ''}"
 
-    def decode_step(self, x: torch.Tensor, pos: torch.Tensor, ks: list[torch.Tensor],
-                    vs: list[torch.Tensor]) -> torch.Tensor:
-        """One token per sequence at position `pos` (int64 [1]) through every layer, over the full
-        KV buffers `ks`/`vs` (one per layer): the part of decoding that compiles."""
-        h = self.embed_tokens(x) if self.first else x
-        freqs = pos[:, None].float() * self.inv_freq[None, :].float()
-        emb = torch.cat((freqs, freqs), dim=-1)
+    def _forward(self, h: torch.Tensor, pos: torch.Tensor, kv: list | None, views: dict | None,
+                 last_only: bool = False) -> torch.Tensor:
+        """The one forward. h: token ids [B, T] (first stage) or hidden [B, T, hidden].
+
+        pos: int64 [P, T], the new tokens' positions: P = 1, one sequence of B rows at the same
+        positions; P = B (T = 1), B sequences, row i at pos[i].
+        kv: per layer, per sequence, its (k, v) buffers; None without a KV cache.
+        views: per attention window, per sequence, (lo, hi, mask) (see `_views`); None: attend
+        over the whole buffer behind a mask made from `pos` (the compiled step: fixed shapes).
+        """
+        if self.first:
+            h = self.embed_tokens(h)
+        freqs = pos[..., None].float() * self.inv_freq.float()  # [P, T, hd / 2]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [P, 1, T, hd]: broadcast over heads
         cos, sin = emb.cos().to(h.dtype), emb.sin().to(h.dtype)
-        idx = torch.arange(ks[0].shape[2], device=pos.device)
-        visible: dict = {}
-        for layer, kb, vb in zip(self.layers.values(), ks, vs):
-            w = layer.window
-            if w not in visible:
-                visible[w] = (idx <= pos) if w is None else (idx <= pos) & (idx > pos - w)
-            h = layer.decode(h, cos, sin, pos, kb, vb, visible[w])
+        rows = pos.unbind(0)  # each row group's positions [T]
+        if views is None:
+            idx = torch.arange(kv[0][0][0].shape[2], device=pos.device)
+            views = {}
+            for w in self.windows:
+                p = [r[:, None] for r in rows]
+                views[w] = [(None, None, (idx <= q) if w is None else (idx <= q) & (idx > q - w)) for q in p]
+        for i, layer in enumerate(self.layers.values()):
+            h = layer(h, cos, sin, rows, kv[i] if kv is not None else None, views[layer.window])
         if not self.last:
             return h
+        if last_only:
+            h = h[:, -1:]
         return self.lm_head(self.norm(h)).float()
 
     def tie_head(self) -> None:
@@ -563,11 +620,11 @@ class Stage(nn.Module):
         return self.inv_freq.device
 
     def new_cache(self, batch: int, max_len: int, dtype: torch.dtype | None = None) -> StageCache:
-        """Empty KV caches for `batch` sequences of up to `max_len` tokens (dtype: the stage's by default)."""
+        """Empty KV caches for `batch` rows of up to `max_len` tokens (dtype: the stage's KV dtype by default)."""
         if batch <= 0 or max_len <= 0:
             raise LayerlineError(f"KV cache of batch {batch} x {max_len} tokens: both must be positive")
         a = self.args
-        layers = [KVCache(batch, a.num_kv_heads, max_len, a.head_dim, dtype or self.dtype, self.device)
+        layers = [KVCache(batch, a.num_kv_heads, max_len, a.head_dim, dtype or self.kv_dtype, self.device)
                   for _ in self.layers]
         if self._step is not None:  # one compiled step serves every cache length
             for c in layers:
@@ -576,15 +633,8 @@ class Stage(nn.Module):
                     torch._dynamo.mark_dynamic(t, 2)
         return StageCache(layers)
 
-    @torch.inference_mode()
-    def forward(self, x: torch.Tensor, start_pos: int = 0, cache: StageCache | None = None,
-                *, last_only: bool = False) -> torch.Tensor:
-        """Run the stage on T new tokens at positions start_pos..start_pos+T-1.
-
-        first stage: x is int64 token ids [B, T]; others: hidden states [B, T, hidden].
-        Last stage returns float32 logits [B, T, vocab] ([B, 1, vocab] with last_only);
-        others return hidden [B, T, hidden] in the stage dtype.
-        """
+    def _input(self, x: torch.Tensor) -> torch.Tensor:
+        """x checked and on the stage's device (hidden states in its dtype)."""
         a = self.args
         if self.first:
             if x.dim() != 2 or x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
@@ -599,9 +649,65 @@ class Stage(nn.Module):
                 raise LayerlineError(f"stage {self.start}:{self.end} input: expected float hidden states "
                                      f"[batch, tokens, {a.hidden_size}], got {x.dtype} {tuple(x.shape)}")
             h = x.to(device=self.device, dtype=self.dtype)
-        b, t = h.shape[:2]
-        if t == 0:
+        if h.shape[1] == 0:
             raise LayerlineError("stage input holds no tokens")
+        return h
+
+    def _run(self, h: torch.Tensor, starts: list[int], caches: list[StageCache] | None,
+             last_only: bool) -> torch.Tensor:
+        """h's T tokens per sequence at positions starts[i].. of caches[i] (one sequence: its B
+        rows; several: row i each), through the compiled step when it applies, else eagerly."""
+        t = h.shape[1]
+        if len(starts) == 1:
+            pos = torch.arange(starts[0], starts[0] + t, device=self.device)[None]
+        else:
+            pos = torch.tensor(starts, device=self.device)[:, None]
+        kv = None
+        if caches is not None:
+            kv = [[(c.layers[i].k, c.layers[i].v) for c in caches] for i in range(len(self.layers))]
+        out = None
+        if t == 1 and caches is not None and len(caches) == 1 and self._step is not None:
+            # canonical strides: a [b, 1] slice of a wider tensor keeps its old strides, and the
+            # compiled step guards on them (a needless recompile)
+            h = h.clone(memory_format=torch.contiguous_format)
+            torch._dynamo.maybe_mark_dynamic(h, 0)
+            try:
+                out = self._step(h, pos, kv, None)
+            except Exception as e:  # noqa: BLE001 - a failed compile leaves the cache as it was
+                self._compile_failed(e)
+        if out is None:
+            views = _views(starts, t, self.windows, self.device)
+            if t == 1 and len(starts) == 1 and caches is not None and self.dtype != torch.float32:
+                views = self._padded(views, caches[0].max_len)
+            out = self._forward(h, pos, kv, views, last_only)
+        for c, s in zip(caches or (), starts):
+            c.length = s + t
+        return out
+
+    def _padded(self, views: dict, max_len: int) -> dict:
+        """A one-token step's key ranges rounded up to a multiple of ROWS_PAD (within the cache),
+        the extra keys masked out: the attention matmuls then see a shape that repeats from step
+        to step, and oneDNN (bf16, fp16) reuses its plan for it instead of building one per step."""
+        out = {}
+        for w, ((lo, hi, _),) in views.items():
+            n = -(-(hi - lo) // ROWS_PAD) * ROWS_PAD
+            if n == hi - lo or lo + n > max_len:
+                out[w] = [(lo, hi, None)]
+                continue
+            out[w] = [(lo, lo + n, (torch.arange(n, device=self.device) < hi - lo)[None])]
+        return out
+
+    @torch.inference_mode()
+    def forward(self, x: torch.Tensor, start_pos: int = 0, cache: StageCache | None = None,
+                *, last_only: bool = False) -> torch.Tensor:
+        """Run the stage on T new tokens at positions start_pos..start_pos+T-1 of one sequence.
+
+        first stage: x is int64 token ids [B, T]; others: hidden states [B, T, hidden].
+        Last stage returns float32 logits [B, T, vocab] ([B, 1, vocab] with last_only);
+        others return hidden [B, T, hidden] in the stage dtype.
+        """
+        h = self._input(x)
+        b, t = h.shape[:2]
         if cache is None:
             if start_pos != 0:
                 raise LayerlineError(f"start_pos {start_pos} without a KV cache: a forward without cache "
@@ -615,38 +721,34 @@ class Stage(nn.Module):
                                      "raise --kv-context")
             if b > cache.batch:
                 raise LayerlineError(f"batch {b} is larger than the KV cache's {cache.batch}")
-        s = start_pos + t
-        if t == 1 and cache is not None and self._step is not None:
-            pos = torch.tensor([start_pos], device=self.device)
-            # canonical strides: a [b, 1] slice of a wider tensor keeps its old strides, and the
-            # compiled step guards on them (a needless recompile)
-            h = h.clone(memory_format=torch.contiguous_format)
-            torch._dynamo.maybe_mark_dynamic(h, 0)
-            try:
-                out = self._step(h, pos, [c.k for c in cache.layers], [c.v for c in cache.layers])
-            except Exception as e:  # noqa: BLE001 - a failed compile leaves the cache as it was
-                self._compile_failed(e)
-            else:
-                cache.length = s
-                return out
-        if self.first:
-            h = self.embed_tokens(h)
+        return self._run(h, [start_pos], None if cache is None else [cache], last_only)
 
-        pos = torch.arange(start_pos, s, device=self.device)
-        freqs = pos[:, None].float() * self.inv_freq[None, :].float()
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos().to(h.dtype), emb.sin().to(h.dtype)
-        layers = list(self.layers.values())
-        masks = _masks(start_pos, t, {layer.window for layer in layers}, self.device)
+    @torch.inference_mode()
+    def forward_rows(self, x: torch.Tensor, positions: list[int], caches: list[StageCache]) -> torch.Tensor:
+        """One new token for each of B sequences: row i of x ([B, 1] ids or [B, 1, hidden]) at
+        position positions[i] of its own cache caches[i] (a one-row cache), attending to that
+        sequence's keys only. The projections and the MLP run over all B rows at once.
 
-        kvs = cache.layers if cache is not None else [None] * len(layers)
-        for layer, kv in zip(layers, kvs):
-            lo, mask = masks[layer.window]
-            h = layer(h, cos, sin, mask, start_pos, kv, lo)
-        if cache is not None:
-            cache.length = s
-        if not self.last:
-            return h
-        if last_only:
-            h = h[:, -1:]
-        return self.lm_head(self.norm(h)).float()
+        Returns [B, 1, vocab] float32 logits (last stage) or [B, 1, hidden]. Everything is
+        checked before any cache is written.
+        """
+        h = self._input(x)
+        b, t = h.shape[:2]
+        if t != 1:
+            raise LayerlineError(f"rows: one new token per row, got {t}")
+        if len(positions) != b or len(caches) != b:
+            raise LayerlineError(f"rows: {len(positions)} positions and {len(caches)} caches for a batch of {b}")
+        if len({id(c) for c in caches}) != b:
+            raise LayerlineError("rows: a sequence appears twice; step each sequence once per message")
+        for i, (p, c) in enumerate(zip(positions, caches)):
+            if type(p) is not int or not 0 <= p <= c.length:
+                raise LayerlineError(f"rows[{i}]: position {p!r}: its KV cache holds {c.length} tokens; "
+                                     "positions must continue from at most there (replay the prefix)")
+            if p + 1 > c.max_len:
+                raise LayerlineError(f"rows[{i}]: KV cache full: {p + 1} tokens do not fit its {c.max_len}")
+            if c.batch != 1:
+                raise LayerlineError(f"rows[{i}]: a KV cache of {c.batch} rows; a row steps a one-row sequence")
+            if len(c.layers) != len(self.layers):
+                raise LayerlineError(f"rows[{i}]: a KV cache of {len(c.layers)} layers, this stage has "
+                                     f"{len(self.layers)}")
+        return self._run(h, list(positions), list(caches), False)

@@ -19,25 +19,24 @@ from safetensors import safe_open
 
 from ..checkpoint import CheckpointError, CheckpointIndex, read_index
 from ..errors import LayerlineError
-from .llama import PRECISIONS, QUANTIZED, ModelArgs, Stage, hf_name
+from ..gguf_checkpoint import GGUFTensors, is_gguf
+from ..precision import precision as precision_row
+from ..precision import torch_dtype
+from .llama import ModelArgs, Stage, hf_name
 from .moe import LRUExpertStore
 from .quant import quantize_rows
 
-_PRECISION_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
 _FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
 
 
 def precision_name(precision: str) -> str:
     """The canonical precision name (fp32 | bf16 | fp16 | int8) of a name or alias."""
-    p = _PRECISION_ALIASES.get(precision, precision)
-    if p not in PRECISIONS:
-        raise LayerlineError(f"--precision {precision}: unknown; choose one of {', '.join(PRECISIONS)}")
-    return p
+    return precision_row(precision).name
 
 
 def resolve_precision(precision: str) -> torch.dtype:
     """The dtype a stage of this precision computes in (bf16 for int8, whose weights are int8)."""
-    return PRECISIONS[precision_name(precision)]
+    return torch_dtype(precision_row(precision).compute)
 
 
 def _check_range(args: ModelArgs, start: int, end: int, first: bool, last: bool) -> None:
@@ -89,9 +88,9 @@ def load_stage(ckpt_dir: str, start: int, end: int, first: bool, last: bool,
     leaves experts on disk and serves them through an LRUExpertStore holding at most that many
     bytes (`stage.expert_store`, with hit/miss/bytes_read counters in `.stats`).
     """
-    pname = precision_name(precision)
-    dtype = PRECISIONS[pname]
-    int8 = pname in QUANTIZED
+    prec = precision_row(precision)
+    dtype = torch_dtype(prec.compute)
+    int8 = prec.quantized
     if expert_cache_bytes is not None and (isinstance(expert_cache_bytes, bool) or expert_cache_bytes < 0):
         raise LayerlineError(f"expert cache of {expert_cache_bytes!r} bytes: give a non-negative byte count")
     try:
@@ -136,7 +135,8 @@ def load_stage(ckpt_dir: str, start: int, end: int, first: bool, last: bool,
     for fname, names in by_file.items():
         path = Path(ckpt_dir) / fname
         try:
-            with safe_open(str(path), framework="pt", device=load_dev) as f:
+            with (GGUFTensors(ckpt_dir, load_dev) if is_gguf(ckpt_dir)  # a .gguf: dequantized, HF layout
+                  else safe_open(str(path), framework="pt", device=load_dev)) as f:
                 for name in names:
                     if name in quantized:
                         loaded[name], scales[name] = quantize_rows(f.get_tensor(name))

@@ -1,7 +1,8 @@
 """Weight-only int8 with one scale per output channel (row).
 
 A float weight W [N, K] is held as q = round(W / s) in int8 [N, K] and s = max|W[n, :]| / 127 in
-float32 [N] (the 1 byte per weight + 4 bytes per row that cost.PRECISION_BYTES budgets). The
+float32 [N] (the 1 byte per weight + 4 bytes per row that the precision table,
+`layerline.precision`, budgets). The
 matmul computes in the stage's activation dtype (bf16): on the CPU through
 `torch._weight_int8pack_mm` (int8 weights straight into the kernel, no float copy of W), elsewhere
 or when the kernel refuses, by dequantizing the weight for the matmul.

@@ -1,0 +1,88 @@
+"""The one table of precisions a worker may run: compute dtype, weight bytes, quantized or not, KV dtype.
+
+Torch-free (the cost model and the planner read it without loading torch); `torch_dtype` imports
+torch when a caller actually wants a dtype object.
+
+    name   compute    weight bytes/param   quantized   KV cache by default
+    fp32   float32    4                    no          fp32
+    bf16   bfloat16   2                    no          bf16
+    fp16   float16    2                    no          fp16
+    int8   bfloat16   1 (+ 4 per row)      yes         bf16   (weight-only: activations and KV stay bf16)
+
+A quantized precision also carries one float32 scale per output row of every matrix
+(`QUANT_ROW_BYTES`). The KV cache is held in one of `KV_DTYPES` (a plan's `kv_dtype`, the worker's
+`--kv-dtype`); without one it follows its precision's `kv` column.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import LayerlineError
+
+
+@dataclass(frozen=True)
+class Precision:
+    name: str
+    compute: str          # torch dtype name activations, norms and biases compute in
+    weight_bytes: float   # bytes per weight parameter
+    quantized: bool       # weights held quantized (weight-only), one float32 scale per output row
+    kv: str               # the KV cache's dtype (a KV_DTYPES name) unless a plan says otherwise
+
+
+PRECISIONS: dict[str, Precision] = {p.name: p for p in (
+    Precision("fp32", "float32", 4.0, False, "fp32"),
+    Precision("bf16", "bfloat16", 2.0, False, "bf16"),
+    Precision("fp16", "float16", 2.0, False, "fp16"),
+    Precision("int8", "bfloat16", 1.0, True, "bf16"),  # int8 is weight-only: its KV cache is bf16
+)}
+QUANT_ROW_BYTES = 4  # a quantized matrix's float32 scale per output row
+
+# KV cache dtypes: name -> (torch dtype name, bytes per element)
+KV_DTYPES: dict[str, tuple[str, int]] = {"fp32": ("float32", 4), "bf16": ("bfloat16", 2), "fp16": ("float16", 2)}
+# other spellings of the float precisions (torch's dtype names, "half")
+ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
+# KV dtype spellings a plan or --kv-dtype may use: the names and torch's dtype names
+KV_NAMES = {**{k: k for k in KV_DTYPES}, **{t: k for k, (t, _) in KV_DTYPES.items()}}
+
+
+def precision(name: str, field: str = "--precision") -> Precision:
+    """The table row of a precision name or alias; LayerlineError naming `field` otherwise."""
+    p = PRECISIONS.get(ALIASES.get(name, name)) if isinstance(name, str) else None
+    if p is None:
+        raise LayerlineError(f"{field} {name}: unknown; choose one of {', '.join(PRECISIONS)}")
+    return p
+
+
+def kv_name(precision_name: str, kv_dtype: str | None = None, field: str = "--kv-dtype") -> str:
+    """The KV cache dtype name (a KV_DTYPES key) of a stage: `kv_dtype` when given, else its precision's."""
+    if kv_dtype is None:
+        return precision(precision_name).kv
+    k = KV_NAMES.get(kv_dtype) if isinstance(kv_dtype, str) else None
+    if k is None:
+        raise LayerlineError(f"{field} {kv_dtype}: must be one of {', '.join(KV_DTYPES)}")
+    return k
+
+
+def kv_bytes(name: str) -> int:
+    """Bytes per KV element of a KV dtype name or torch spelling."""
+    return KV_DTYPES[KV_NAMES[name]][1]
+
+
+def torch_dtype(name: str):
+    """The torch dtype of a torch dtype name ("bfloat16"), a precision ("int8": its compute dtype)
+    or a KV dtype name."""
+    import torch
+    if name in KV_NAMES:
+        name = KV_DTYPES[KV_NAMES[name]][0]
+    elif name in PRECISIONS or name in ALIASES:
+        name = precision(name).compute
+    return getattr(torch, name)
+
+
+def of_dtype(compute: str, quantized: bool = False) -> Precision:
+    """The precision that computes in torch dtype name `compute` (int8 when `quantized`)."""
+    for p in PRECISIONS.values():
+        if p.compute == compute and p.quantized == quantized:
+            return p
+    raise LayerlineError(f"no precision computes in {compute}{' with quantized weights' if quantized else ''}; "
+                         f"choose one of {', '.join(PRECISIONS)}")

@@ -1,0 +1,145 @@
+"""Real worker processes started straight from their argv (no planner, no Ansible), and a raw
+wire client for them: what the worker tests (and bench/bench_rows.py) drive pipelines with."""
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from types import SimpleNamespace
+
+_ids = itertools.count()
+
+
+def free_port_pairs(n: int) -> list[int]:
+    """n ports p, each with p + 1 (the worker's control socket) free as well."""
+    out: list[int] = []
+    while len(out) < n:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            p = s.getsockname()[1]
+        if p + 1 > 65535 or p in out or p + 1 in out or p - 1 in out:
+            continue
+        try:
+            with socket.socket() as s2:
+                s2.bind(("127.0.0.1", p + 1))
+        except OSError:
+            continue
+        out.append(p)
+    return out
+
+
+def start_workers(ckpt: str, splits: list[tuple[int, int]], precision: str = "fp32", kv_context: int = 128,
+                  threads: int | None = 1, extra: list[str] | None = None, names: list[str] | None = None,
+                  timeout: float = 180.0) -> SimpleNamespace:
+    """One `python -m layerline.worker` per [A, B) split, chained; waits for every ready file.
+
+    Returns procs, data (bind endpoints), control (their control endpoints), info (ready files),
+    tmp, first (stage 0's endpoint) and stop() (SIGTERM, then the exit statuses)."""
+    tmp = tempfile.mkdtemp(prefix="layerline-stages-")
+    ports = free_port_pairs(len(splits))
+    data = [f"tcp://127.0.0.1:{p}" for p in ports]
+    names = names or [f"stage{i}" for i in range(len(splits))]
+    procs, ready = [], []
+    try:
+        for i, (a, b) in enumerate(splits):
+            ready.append(os.path.join(tmp, f"ready{i}.json"))
+            argv = [sys.executable, "-m", "layerline.worker", "--checkpoint", str(ckpt), "--layers", f"{a}:{b}",
+                    "--precision", precision, "--kv-context", str(kv_context), "--bind", data[i],
+                    "--name", names[i], "--ready-file", ready[i], *(extra or [])]
+            if threads:
+                argv += ["--threads", str(threads)]
+            argv += ["--first"] if i == 0 else []
+            argv += ["--last"] if i == len(splits) - 1 else ["--next", data[i + 1]]
+            log = open(os.path.join(tmp, f"worker{i}.log"), "w")
+            procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
+            log.close()
+        deadline = time.time() + timeout
+        for i, (p, r) in enumerate(zip(procs, ready)):
+            while not os.path.exists(r):
+                if p.poll() is not None or time.time() > deadline:
+                    text = open(os.path.join(tmp, f"worker{i}.log")).read()[-2000:]
+                    raise AssertionError(f"worker {i} did not start (exit {p.poll()}): {text}")
+                time.sleep(0.05)
+    except BaseException:
+        stop_workers(procs)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+    def stop() -> list:
+        stop_workers(procs)
+        shutil.rmtree(tmp, ignore_errors=True)
+        return [p.returncode for p in procs]
+
+    def control_of(endpoint: str) -> str:
+        host, port = endpoint.rsplit(":", 1)
+        return f"{host}:{int(port) + 1}"
+    info = [json.load(open(r)) for r in ready]
+    return SimpleNamespace(procs=procs, data=data, control=[control_of(d) for d in data], info=info, tmp=tmp,
+                           first=data[0], stop=stop)
+
+
+def stop_workers(procs) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(15)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+class Client:
+    """Raw wire messages into stage 0 (a DEALER) and answers at a result socket (reply_to), the
+    way a server talks to a pipeline; `send` returns the request id, `recv` (id, header, tensors)."""
+
+    def __init__(self, first: str):
+        import zmq
+        self.zmq = zmq
+        self.ctx = zmq.Context()
+        self.out = self.ctx.socket(zmq.DEALER)
+        self.out.setsockopt(zmq.LINGER, 0)
+        self.out.connect(first)
+        self.res = self.ctx.socket(zmq.ROUTER)
+        self.res.setsockopt(zmq.LINGER, 0)
+        port = self.res.bind_to_random_port("tcp://127.0.0.1")
+        self.reply_to = f"tcp://127.0.0.1:{port}"
+
+    def send(self, header: dict, tensors: dict | None = None) -> str:
+        from layerline import wire
+        rid = header.get("id") or f"r{next(_ids)}"
+        h = {"op": "forward", "id": rid, "reply_to": self.reply_to, **header}
+        self.out.send_multipart(wire.encode(h, tensors), copy=False)
+        return rid
+
+    def recv(self, timeout_s: float = 60.0):
+        from layerline import wire
+        assert self.res.poll(timeout_s * 1000), f"no answer within {timeout_s} s"
+        frames = self.res.recv_multipart(copy=False)
+        h, t = wire.decode(frames[1:])
+        return h.get("id"), h, t
+
+    def call(self, header: dict, tensors: dict | None = None, timeout_s: float = 60.0):
+        """send, then the answer to that request (header, tensors); other answers are dropped."""
+        rid = self.send(header, tensors)
+        while True:
+            got, h, t = self.recv(timeout_s)
+            if got == rid:
+                return h, t
+
+    def release(self, seq: str) -> None:
+        from layerline import wire
+        self.out.send_multipart(wire.encode({"op": "release", "seq": seq}))
+
+    def close(self) -> None:
+        self.out.close(0)
+        self.res.close(0)
+        self.ctx.term()

@@ -1,0 +1,328 @@
+"""A batched step over rows of different sequences (continuous batching), each at its own position.
+
+In process: Stage.forward_rows equals per-sequence one-token steps (llama, a sliding window
+shorter than the prompts, Qwen2's biases, Mixtral's experts). Through real workers (three stages,
+fp32, the small demo checkpoint): a `rows` message steps several sequences at once with the
+tokens and logits each gets stepped alone; a row whose sequence a stage lacks or holds at
+another length fails the whole message with code seq_unknown and the offending ids, nothing
+applied; every malformed rows message gets an error reply and the worker lives on; release and
+the KV budget's evictions show up as seq_unknown.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from layerline import wire
+from layerline.checkpoint import read_index, write_demo_checkpoint
+from layerline.driver import control
+from layerline.errors import LayerlineError
+from layerline.model.loader import load_stage
+from stage_procs import Client, start_workers
+
+KV = 64
+VOCAB = 500
+HIDDEN = 128
+ATOL = 1e-5
+
+
+# --- in process ---------------------------------------------------------------------------------
+
+def _model(tmp_path, arch):
+    kw = {"sliding_window": 4} if arch == "mistral" else {}
+    ck = write_demo_checkpoint(tmp_path / arch, arch=arch, layers=3, hidden=64, vocab=300, dtype="float32",
+                               seed=7, **kw)
+    return str(ck), read_index(ck).num_layers
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "mixtral"])
+def test_forward_rows_equals_one_step_per_sequence(tmp_path, arch, one_thread):
+    """Three sequences at positions 3, 7 and 5 (past Mistral's window of 4) stepped together give
+    each one's own step; the first and a later stage (hidden in, hidden out; logits out)."""
+    ck, n = _model(tmp_path, arch)
+    g = torch.Generator().manual_seed(1)
+    lens = [3, 7, 5]
+    for first, last, lo, hi in ((True, False, 0, 2), (False, True, 2, n)):
+        stage = load_stage(ck, lo, hi, first, last, "fp32")
+
+        def inp(t):
+            return (torch.randint(0, 300, (1, t), generator=g) if first
+                    else torch.randn(1, t, stage.args.hidden_size, generator=g))
+        prompts = [inp(t) for t in lens]
+        alone = [stage.new_cache(1, 16) for _ in lens]
+        rows = [stage.new_cache(1, 16) for _ in lens]
+        for p, a, r in zip(prompts, alone, rows):
+            stage(p, 0, a)
+            stage(p, 0, r)
+        pos = list(lens)
+        for _ in range(3):
+            x = torch.cat([inp(1) for _ in lens])
+            want = torch.cat([stage(x[i:i + 1], pos[i], alone[i]) for i in range(len(lens))])
+            got = stage.forward_rows(x, pos, rows)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            pos = [p + 1 for p in pos]
+            assert [c.length for c in rows] == pos
+
+
+def test_forward_rows_checks_everything_before_writing(small_ckpt, one_thread):
+    stage = load_stage(str(small_ckpt), 0, 4, True, True, "fp32")
+    a, b = stage.new_cache(1, 8), stage.new_cache(1, 8)
+    stage(torch.tensor([[1, 2, 3]]), 0, a)
+    stage(torch.tensor([[4, 5]]), 0, b)
+    before = [c.layers[0].k.clone() for c in (a, b)]
+    x = torch.tensor([[7], [8]])
+    for positions, caches, text in (([3, 3], [a, b], "rows\\[1\\]: position 3"),
+                                    ([3, 2], [a, a], "appears twice"),
+                                    ([3], [a], "1 positions"),
+                                    ([3, 0], [a, stage.new_cache(2, 8)], "2 rows")):
+        with pytest.raises(LayerlineError, match=text):
+            stage.forward_rows(x, positions, caches)
+    full = stage.new_cache(1, 3)
+    stage(torch.tensor([[1, 2, 3]]), 0, full)
+    with pytest.raises(LayerlineError, match="KV cache full"):
+        stage.forward_rows(x, [3, 2], [full, b])
+    assert (a.length, b.length) == (3, 2)
+    for c, k in zip((a, b), before):
+        assert torch.equal(c.layers[0].k, k)
+
+
+def test_a_padded_bf16_step_equals_the_exact_key_range(small_ckpt, one_thread):
+    """bf16 one-token steps attend over a key range rounded up to ROWS_PAD behind a mask (a shape
+    oneDNN can reuse); the numbers are those of the exact range, to bf16 rounding."""
+    from layerline.model.llama import ROWS_PAD, _views
+    stage = load_stage(str(small_ckpt), 0, 4, True, True, "bf16")
+    a, b = stage.new_cache(1, 64), stage.new_cache(1, 64)
+    prompt = torch.tensor([[3, 1, 4, 1, 5, 9, 2]])
+    stage(prompt, 0, a)
+    stage(prompt, 0, b)
+    tok = torch.tensor([[6]])
+    for pos in range(7, 7 + ROWS_PAD + 2):  # across a multiple of ROWS_PAD
+        got = stage(tok, pos, a)
+        with torch.inference_mode():
+            kv = [[(c.k, c.v)] for c in b.layers]
+            want = stage._forward(tok, torch.tensor([[pos]]), kv, _views([pos], 1, stage.windows, "cpu"))
+        b.length = pos + 1
+        torch.testing.assert_close(got, want, rtol=0.02, atol=0.02 * want.abs().max().item())
+        tok = want[:, -1:].argmax(-1)
+
+
+# --- real workers -------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def pipeline(small_ckpt, request):
+    """Three workers of the 4-layer small checkpoint: 0:2 (first), 2:3, 3:4 (last), each with
+    KV room for every sequence these tests keep (the default budget holds one full context)."""
+    w = start_workers(str(small_ckpt), [(0, 2), (2, 3), (3, 4)], kv_context=KV, extra=["--kv-bytes", str(2**26)])
+    request.addfinalizer(lambda: w.stop())
+    return w
+
+
+@pytest.fixture(scope="module")
+def client(pipeline, request):
+    c = Client(pipeline.first)
+    request.addfinalizer(c.close)
+    return c
+
+
+@pytest.fixture(scope="module")
+def reference(small_ckpt):
+    return load_stage(str(small_ckpt), 0, 4, True, True, "fp32")
+
+
+def ok(h, t):
+    assert h["op"] == "result", h.get("error")
+    return t["logits"]
+
+
+def prefill(client, seq: str, prompt: list[int], chunks: int = 1) -> torch.Tensor:
+    """The ordinary per-sequence messages, in `chunks` pieces; the last logits row."""
+    bounds = [round(i * len(prompt) / chunks) for i in range(chunks + 1)]
+    for a, b in zip(bounds, bounds[1:]):
+        h, t = client.call({"seq": seq, "pos": a, "cache": True, "reserve": 24, "logits": "last"},
+                           {"input_ids": torch.tensor([prompt[a:b]])})
+        logits = ok(h, t)
+    return logits[0, -1]
+
+
+def step_alone(client, seq: str, pos: int, tok: int) -> torch.Tensor:
+    h, t = client.call({"seq": seq, "pos": pos, "cache": True, "logits": "last"}, {"input_ids": torch.tensor([[tok]])})
+    return ok(h, t)[0, -1]
+
+
+def step_rows(client, rows: list[tuple[str, int, int]]):
+    """rows: (seq, pos, token) -> the reply header and tensors."""
+    return client.call({"rows": [[s, p] for s, p, _ in rows], "cache": True, "logits": "last"},
+                       {"input_ids": torch.tensor([[tok] for _, _, tok in rows])})
+
+
+def seq_lengths(pipeline) -> list[int]:
+    return [control(c, "stats")["sequences"] for c in pipeline.control]
+
+
+PROMPTS = {"a": [3, 17, 42, 99, 7], "b": [250, 1], "c": [8, 8, 9, 1, 2, 3, 4, 5, 6, 7, 11], "d": [400]}
+
+
+def test_rows_step_many_sequences_as_each_alone(client, reference):
+    """Four sequences at positions 5, 2, 11 and 1, stepped together for six greedy steps (in
+    varying order and subsets), give the tokens and logits each gets stepped alone."""
+    n = 6
+    alone = {}
+    for s, p in PROMPTS.items():  # alone: the ordinary per-sequence messages
+        logits = prefill(client, f"alone-{s}", p)
+        toks, steps = [int(logits.argmax())], [logits]
+        for i in range(n - 1):
+            steps.append(step_alone(client, f"alone-{s}", len(p) + i, toks[-1]))
+            toks.append(int(steps[-1].argmax()))
+        alone[s] = (toks, steps)
+        client.release(f"alone-{s}")
+    got = {s: ([], []) for s in PROMPTS}
+    for s, p in PROMPTS.items():
+        logits = prefill(client, f"rows-{s}", p, chunks=2 if len(p) > 3 else 1)
+        got[s][0].append(int(logits.argmax()))
+        got[s][1].append(logits)
+    orders = [list("abcd"), list("dcba"), list("ca"), list("bd"), list("abcd"), list("bacd"), list("db"), list("ca")]
+    for order in orders:
+        live = [s for s in order if len(got[s][0]) < n]
+        if not live:
+            continue
+        h, t = step_rows(client, [(f"rows-{s}", len(PROMPTS[s]) + len(got[s][0]) - 1, got[s][0][-1]) for s in live])
+        logits = ok(h, t)
+        assert logits.shape == (len(live), 1, VOCAB) and logits.dtype == torch.float32
+        assert h["rows"] == [[f"rows-{s}", len(PROMPTS[s]) + len(got[s][0]) - 1] for s in live]
+        assert [e["stage"] for e in h["timings"]] == ["stage0", "stage1", "stage2"]
+        for i, s in enumerate(live):
+            got[s][1].append(logits[i, -1])
+            got[s][0].append(int(logits[i, -1].argmax()))
+    for s, p in PROMPTS.items():
+        assert got[s][0] == alone[s][0], s
+        for a, b in zip(got[s][1], alone[s][1]):
+            assert torch.allclose(a, b, rtol=0, atol=ATOL), (s, float((a - b).abs().max()))
+        # and the whole-model reference, recomputed without a cache
+        full = reference(torch.tensor([p + got[s][0][:-1]]))
+        assert torch.allclose(got[s][1][-1], full[0, -1], rtol=0, atol=1e-4)
+        client.release(f"rows-{s}")
+
+
+def test_unknown_or_stale_rows_fail_the_whole_message_and_apply_nothing(client, pipeline):
+    prefill(client, "x1", [1, 2, 3])
+    prefill(client, "x2", [4, 5])
+    h, _ = step_rows(client, [("x1", 3, 9), ("ghost", 4, 9), ("x2", 5, 9)])
+    assert h["op"] == "error" and h["code"] == "seq_unknown" and h["stage"] == "stage0"
+    assert h["seqs"] == ["ghost", "x2"]
+    assert "ghost (unknown)" in h["error"] and "x2 (holds 2 tokens, row pos 5)" in h["error"]
+    # nothing was applied: x1 still holds 3 tokens, so the same step (with x2 right) goes through
+    h, t = step_rows(client, [("x1", 3, 9), ("x2", 2, 9)])
+    assert ok(h, t).shape == (2, 1, VOCAB)
+    for s in ("x1", "x2"):
+        client.release(s)
+
+
+def test_a_later_stage_that_lost_a_row_names_it_at_reply_to(client, pipeline):
+    """stage1 alone forgets y2: stage0 steps both rows, stage1 refuses, the sender hears which."""
+    import zmq
+    prefill(client, "y1", [5, 6, 7])
+    prefill(client, "y2", [8, 9])
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 1000)
+    s.connect(pipeline.data[1])
+    s.send_multipart(wire.encode({"op": "release", "seq": "y2"}))  # frees y2 on stage1 and stage2
+    s.close()
+    import time
+    deadline = time.time() + 5
+    while seq_lengths(pipeline)[1:] != [1, 1]:
+        assert time.time() < deadline, seq_lengths(pipeline)
+        time.sleep(0.05)
+    h, _ = step_rows(client, [("y1", 3, 1), ("y2", 2, 1)])
+    assert h["op"] == "error" and h["code"] == "seq_unknown" and h["stage"] == "stage1" and h["seqs"] == ["y2"]
+    for q in ("y1", "y2"):
+        client.release(q)
+
+
+def test_release_frees_a_row_sequence(client, pipeline):
+    import time
+    before = seq_lengths(pipeline)
+    prefill(client, "z1", [1, 2])
+    assert seq_lengths(pipeline) == [n + 1 for n in before]
+    client.release("z1")
+    deadline = time.time() + 5
+    while seq_lengths(pipeline) != before:
+        assert time.time() < deadline
+        time.sleep(0.05)
+    h, _ = step_rows(client, [("z1", 2, 3)])
+    assert h["code"] == "seq_unknown" and h["seqs"] == ["z1"]
+
+
+def bad_rows() -> dict:
+    """case -> (header fields, input_ids, text the error must contain)."""
+    one = torch.tensor([[1]])
+    two = torch.tensor([[1], [2]])
+    return {
+        "rows not a list": ({"rows": "b1"}, one, "header.rows"),
+        "empty rows": ({"rows": []}, one, "header.rows"),
+        "row not a pair": ({"rows": [["b1"]]}, one, "header.rows[0]"),
+        "pos 0": ({"rows": [["b1", 0]]}, one, "header.rows[0]"),
+        "pos not an int": ({"rows": [["b1", "2"]]}, one, "header.rows[0]"),
+        "pos a bool": ({"rows": [["b1", True]]}, one, "header.rows[0]"),
+        "pos beyond kv context": ({"rows": [["b1", KV]]}, one, "header.rows[0]"),
+        "bad seq id": ({"rows": [["b/1", 2]]}, one, "header.rows[0]"),
+        "duplicate seq": ({"rows": [["b1", 2], ["b1", 2]]}, two, "header.rows[1]: seq b1 appears twice"),
+        "more rows than the batch": ({"rows": [["b1", 2], ["b2", 2]]}, one, "header.rows: 2 rows but the tensor's batch is 1"),
+        "fewer rows than the batch": ({"rows": [["b1", 2]]}, two, "header.rows: 1 rows but the tensor's batch is 2"),
+        "over MAX_BATCH": ({"rows": [[f"s{i}", 1] for i in range(wire.MAX_BATCH + 1)]},
+                           torch.zeros(wire.MAX_BATCH + 1, 1, dtype=torch.int64), "header.rows"),
+        "top-level seq": ({"rows": [["b1", 2]], "seq": "b1"}, one, "drop header.seq"),
+        "top-level pos": ({"rows": [["b1", 2]], "pos": 2}, one, "drop header.pos"),
+        "without cache": ({"rows": [["b1", 2]], "cache": False}, one, "header.cache"),
+        "two tokens per row": ({"rows": [["b1", 2]]}, torch.tensor([[1, 2]]), "one new token per row"),
+        "bad reserve": ({"rows": [["b1", 2]], "reserve": 0}, one, "header.reserve"),
+        "bad logits": ({"rows": [["b1", 2]], "logits": "first"}, one, "header.logits"),
+        "token id out of range": ({"rows": [["b1", 2]]}, torch.tensor([[VOCAB]]), "input_ids"),
+    }
+
+
+def test_bad_rows_messages_get_errors_and_never_kill_a_worker(client, pipeline):
+    prefill(client, "b1", [1, 2])
+    before = control(pipeline.control[0], "stats")
+    for case, (fields, ids, text) in bad_rows().items():
+        h, _ = client.call({"cache": True, **fields}, {"input_ids": ids})
+        assert h["op"] == "error" and h["stage"] == "stage0", case
+        assert text in h["error"], f"{case}: {h['error']!r} lacks {text!r}"
+        assert all(p.poll() is None for p in pipeline.procs), f"{case} killed a worker"
+    after = control(pipeline.control[0], "stats")
+    assert after["rejected"] - before["rejected"] == len(bad_rows())
+    # a batch-2 sequence cannot be a row
+    h, t = client.call({"seq": "wide", "pos": 0, "cache": True, "logits": "last"}, {"input_ids": torch.tensor([[1], [2]])})
+    ok(h, t)
+    h, _ = step_rows(client, [("wide", 1, 3)])
+    assert h["op"] == "error" and "seq wide has batch 2" in h["error"]
+    # b1 was never touched: it still steps from position 2
+    h, t = step_rows(client, [("b1", 2, 3)])
+    assert ok(h, t).shape == (1, 1, VOCAB)
+    for s in ("b1", "wide"):
+        client.release(s)
+
+
+def test_the_kv_budget_evicts_the_oldest_and_rows_then_name_it(small_ckpt):
+    """A stage whose --kv-bytes holds two sequences of 16 tokens: a third evicts the oldest."""
+    cfg = read_index(small_ckpt).config
+    per_token = 2 * cfg["num_key_value_heads"] * (cfg["hidden_size"] // cfg["num_attention_heads"]) * 4 * 4
+    w = start_workers(str(small_ckpt), [(0, 4)], kv_context=KV, extra=["--kv-bytes", str(2 * 16 * per_token)])
+    c = Client(w.first)
+    try:
+        for s in ("e1", "e2", "e3"):
+            h, t = c.call({"seq": s, "pos": 0, "cache": True, "reserve": 16, "logits": "last"},
+                          {"input_ids": torch.tensor([[1, 2, 3]])})
+            ok(h, t)
+        assert control(w.control[0], "stats")["sequences"] == 2
+        h, _ = step_rows(c, [("e3", 3, 1), ("e1", 3, 1), ("e2", 3, 1)])
+        assert h["code"] == "seq_unknown" and h["seqs"] == ["e1"]
+        h, t = step_rows(c, [("e3", 3, 1), ("e2", 3, 1)])
+        assert ok(h, t).shape == (2, 1, VOCAB)
+    finally:
+        c.close()
+        assert w.stop() == [0]
+
+
+def test_a_per_sequence_step_of_an_unknown_sequence_names_it_too(client):
+    h, _ = client.call({"seq": "nope", "pos": 3, "cache": True}, {"input_ids": torch.tensor([[1]])})
+    assert h["op"] == "error" and h["code"] == "seq_unknown" and h["seqs"] == ["nope"]
