@@ -21,7 +21,7 @@ def run_vars(tmp_path_factory):
     # under auto the planner may validly leave a host out of a model this small.
     extra = json.dumps({"layerline_home": str(home), "layerline_checkpoint": str(ckpt),
                         "layerline_demo_checkpoint": False, "layerline_policy": "uniform",
-                        "layerline_port_base": 29400,
+                        "layerline_port_base": 29400, "layerline_prompt": "",  # random ids: no tokenizer
                         "layerline_seq": 12, "layerline_generate": 4, "layerline_sequences": 2,
                         "layerline_sampling": {"temperature": 0.8, "top_p": 0.9}})
     yield home, ["-e", extra]
@@ -30,7 +30,7 @@ def run_vars(tmp_path_factory):
 
 def _pids(home):
     out = {}
-    for h in ("w1", "w2", "w3"):
+    for h in ("w1", "w2", "w3", "server"):
         ready = home / "state" / h / "ready.json"
         out[h] = json.loads(ready.read_text())["pid"] if ready.exists() else None
     return out
@@ -62,13 +62,27 @@ def test_deploy_drive_idempotent_teardown(run_vars):
         os.kill(ready["pid"], 0)
         argv = json.loads((home / "state" / s["host"] / "argv.json").read_text())
         assert argv[argv.index("--precision") + 1] == plan["precision"]
-    # nothing changed: nothing restarts, the play reports no change
+    # the deployed server answers the official OpenAI client with the one-process greedy tokens
+    from openai import OpenAI
+    import torch
+    from layerline.model.loader import load_stage
+    assert "serving at http://127.0.0.1:29490/v1" in out and "curl -s http://127.0.0.1:29490/v1/completions" in out
+    client = OpenAI(base_url="http://127.0.0.1:29490/v1", api_key="unused", max_retries=0, timeout=60)
+    [model] = [m.id for m in client.models.list().data]
+    got = client.completions.create(model=model, prompt=[5, 17, 3, 99], max_tokens=4, temperature=0)
+    ids = torch.tensor([[5, 17, 3, 99]])
+    full = load_stage(str(home / "ckpt"), 0, 6, True, True, precision=plan["precision"])
+    with torch.no_grad():
+        for _ in range(4):
+            ids = torch.cat([ids, full(ids)[:, -1:].argmax(-1)], dim=1)
+    assert got.choices[0].token_ids == ids[0, 4:].tolist() and got.usage.completion_tokens == 4
+    # nothing changed: nothing restarts (workers nor server), the play reports no change
     second = playbook("deploy.yml", *extra)
     counts = recap(second.stdout)
     assert set(counts) == {"w1", "w2", "w3"}
     assert all(c["changed"] == 0 and c["failed"] == 0 for c in counts.values()), second.stdout[-3000:]
     assert _pids(home) == pids
-    # teardown stops every worker
+    # teardown stops every worker and the server
     playbook("teardown.yml", *extra)
     for h, pid in pids.items():
         assert not (home / "state" / h / "ready.json").exists()
@@ -97,7 +111,8 @@ def test_weight_staging_ships_only_each_stage(tmp_path_factory):
     extra = ["-e", json.dumps({"layerline_home": str(home), "layerline_checkpoint": str(ckpt),
                                "layerline_checkpoint_shared": False, "layerline_demo_checkpoint": False,
                                "layerline_policy": "uniform",  # every host gets a stage to ship
-                               "layerline_port_base": 29460, "layerline_seq": 8, "layerline_generate": 0})]
+                               "layerline_port_base": 29460, "layerline_seq": 8, "layerline_generate": 0,
+                               "layerline_prompt": ""})]
     try:
         first = playbook("deploy.yml", *extra)
         out = " ".join(first.stdout.split())

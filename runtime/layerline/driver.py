@@ -321,11 +321,12 @@ class DriveOptions:
     """What one drive does besides the timed forward of the first prompt."""
     generate: int = 0                      # new tokens per prompt (0: the forward alone)
     sampling: object | None = None         # generate.Sampling; None: greedy
-    eos: int | None = None                 # stop token; None: generate every token
+    eos: int | list[int] | None = None     # stop token(s); None: generate every token
     warm: bool = True                      # one short pass first (connections, first allocations)
     reference: str | None = None           # checkpoint to check the forward against in one process
     precision: str = "bf16"                # the plan's precision: the reference's and its tolerance's
     tokenizer: object | None = None        # a tokenizers.Tokenizer: the report shows text, not ids
+    questions: list[str] | None = None     # the prompts as the user wrote them, for the report
 
 
 @dataclass
@@ -377,7 +378,9 @@ def drive(pipe: Pipeline, prompts: list[list[int]], options: DriveOptions | None
                         "decode_tokens_per_s": g.decode_tokens_per_s(),
                         "stage_seconds": [t / steps for t in g.stage_seconds()]}
         if o.tokenizer is not None:
-            res.generate["text"] = [o.tokenizer.decode(t) for t in g.tokens]
+            res.generate["text"] = [o.tokenizer.decode(t, skip_special_tokens=True).strip() for t in g.tokens]
+        if o.questions:
+            res.generate["questions"] = list(o.questions)
     if o.reference:
         from .checkpoint import read_index
         from .model.loader import load_stage
@@ -406,8 +409,12 @@ def drive_report(result: DriveResult | dict) -> str:
         n = sum(len(t) for t in gen["new_tokens"])
         lines.append(f"generated {n} tokens for {len(gen['new_tokens'])} sequence(s) in {gen['seconds']:.2f} s: "
                      f"{gen['tokens_per_s']:.1f} tokens/s; per-stage ms per step [{per}]")
+        questions = gen.get("questions") or []
         for i, t in enumerate(gen.get("text") or gen["new_tokens"]):
-            lines.append(f"  [{i}] {t if isinstance(t, str) else ' '.join(map(str, t))}")
+            if i < len(questions):
+                lines.append(f"  [{i}] {questions[i]}")
+            lines.append(f"  [{i}] {'-> ' if i < len(questions) else ''}"
+                         f"{t if isinstance(t, str) else ' '.join(map(str, t))}")
     if "max_abs_diff" in result:
         verdict = "matches" if result["ok"] else "DOES NOT MATCH"
         lines.append(f"max |logits - one-process forward| = {result['max_abs_diff']:.3g} "

@@ -10,7 +10,11 @@ token history and what the stages hold of it; every step it
   sequence at its own position), with as many micro-batches in flight as there are stages, so
   no stage idles while another computes; sequences join and leave at every step,
 - replays a sequence's history from position 0 when a stage lost its cache (restart,
-  promotion, eviction: error code "seq_unknown").
+  promotion, eviction: error code "seq_unknown"),
+- fails over when told a stage is gone (`fail_over`): forgets every request in flight (late
+  answers are dropped as unknown), marks every running sequence for a replay from position 0
+  and dispatches nothing until `resume` (after `replace_pipe` when stage 0 changed), or fails
+  them all with `unavailable` (a "stage_down" error, HTTP 503) when nothing came back.
 
 Stages that do not speak `rows` yet get one message per sequence per step (all in flight).
 `generate()` is a thin wrapper: add every prompt, run until all are done. The server runs the
@@ -84,7 +88,8 @@ class Sequence:
     """One generation: its history, what the stages hold of it, and where its tokens go.
 
     sink(kind, value) is called from the engine's thread: ("admitted", None), ("token", id),
-    ("done", "stop"|"length"|"cancelled"), ("error", message). It must not block.
+    ("done", "stop"|"length"|"cancelled"), ("error", message), ("unavailable", message) (a stage
+    is down and nothing took its place in time). It must not block.
     """
     sid: str
     prompt: list[int]
@@ -196,6 +201,9 @@ class Engine:
         self.steps: list[StepResult] = []
         self.decode_steps: list[StepResult] = []
         self.replays = 0
+        self.paused: str | None = None   # why nothing is dispatched (a failover in progress)
+        self.down: str | None = None     # why requests are refused (no route serves)
+        self.failovers = 0
         self.poller = zmq.Poller()
         self.poller.register(pipe.to_first, zmq.POLLIN)
         self.poller.register(pipe.results, zmq.POLLIN)
@@ -245,12 +253,15 @@ class Engine:
         return max(1, self.stages or 1)
 
     def _dispatch(self) -> None:
+        if self.paused is not None:
+            return
         ready = [s for s in self.running.values() if s.state == READY]
         if not ready:
             return
         if self.rows is None:
             self.rows = rows_supported(self.pipe)
         prefill = [s for s in ready if s.held == 0 or len(s.tokens) - s.held > 1 or not self.rows]
+        prefill.sort(key=lambda s: len(s.tokens) == len(s.prompt))  # replays (they have tokens) go out first
         decode = [s for s in ready if not (s.held == 0 or len(s.tokens) - s.held > 1 or not self.rows)]
         kinds = [k for k, _, _ in self.inflight.values()]
         decoding = len(decode) + sum(len(seqs) for k, seqs, _ in self.inflight.values() if k == "rows")
@@ -391,10 +402,66 @@ class Engine:
                 self.pipe.release(s.sid)
             except zmq.ZMQError:
                 pass
-        if reason == "error":
+        if reason == "unavailable":
+            s.emit("unavailable", s.error)
+        elif reason == "error":
             s.emit("error", s.error)
         else:
             s.emit("done", reason)
+
+    # -- failover (the server's monitor calls these in the engine's thread)
+
+    def fail_over(self, reason: str) -> int:
+        """A stage is gone: forget everything in flight, replay every running sequence from position 0
+        once dispatching resumes, dispatch nothing until then. Returns how many sequences replay."""
+        self.paused = reason
+        self.failovers += 1
+        self.pipe.forget(list(self.inflight))  # late answers to these are dropped as unknown
+        self.inflight.clear()
+        n = 0
+        for s in self.running.values():
+            if s.state in (READY, INFLIGHT):
+                if s.held or s.state == INFLIGHT:
+                    n += 1
+                    self.replays += 1
+                s.held = 0   # its cache at the restarted or promoted stage is gone; writes are idempotent elsewhere
+                s.state = READY
+        return n
+
+    def resume(self) -> None:
+        """Dispatch again (the replays go out first)."""
+        self.paused = None
+        self.down = None
+
+    def unavailable(self, message: str) -> int:
+        """Nothing took the lost stage's place: fail every request (HTTP 503) and refuse new ones
+        until resume(). Returns how many failed."""
+        self.paused = self.down = message
+        self.pipe.forget(list(self.inflight))
+        self.inflight.clear()
+        seqs = list(self.running.values()) + list(self.waiting)
+        self.waiting.clear()
+        for s in seqs:
+            s.error = message
+            self._finish(s, "unavailable", release=False)
+        return len(seqs)
+
+    def replace_pipe(self, pipe: Pipeline) -> None:
+        """Drive a new stage 0 (a promoted standby): the old pipeline's sockets close, answers still
+        on their way to it are lost with them (fail_over has forgotten their requests)."""
+        old = self.pipe
+        for sock in (old.to_first, old.results):
+            if sock is not None:
+                try:
+                    self.poller.unregister(sock)
+                except KeyError:
+                    pass
+        self.pipe = pipe
+        self.poller.register(pipe.to_first, zmq.POLLIN)
+        self.poller.register(pipe.results, zmq.POLLIN)
+        if getattr(old, "_layerline_rows", None) is not None:
+            pipe._layerline_rows = old._layerline_rows
+        old.close()
 
     # -- drivers
 
@@ -428,6 +495,11 @@ class Engine:
                     except queue.Empty:
                         break
                     if op == "add":
+                        if self.down is not None:
+                            arg.error = self.down
+                            arg.state = DONE
+                            arg.emit("unavailable", self.down)
+                            continue
                         try:
                             self.add(arg)
                         except LayerlineError as e:
@@ -436,6 +508,12 @@ class Engine:
                             arg.emit("error", str(e))
                     elif op == "cancel":
                         self.cancel(arg)
+                    elif op == "call":  # (fn, box): fn(engine) in this thread, its result or error in box
+                        fn, box = arg
+                        try:
+                            box.put((True, fn(self)))
+                        except Exception as e:  # noqa: BLE001 - handed to the caller
+                            box.put((False, e))
                 woke = False
                 try:
                     self._admit()
@@ -461,7 +539,7 @@ class Engine:
 
 
 def generate(pipe: Pipeline, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling | None = None,
-             eos: int | None = None, batch: bool = True, max_replays: int = 2) -> Generation:
+             eos: int | list[int] | None = None, batch: bool = True, max_replays: int = 2) -> Generation:
     """Generate for every prompt, all in flight at once through the engine.
 
     batch=False steps every sequence in a message of its own (no rows micro-batches).
@@ -473,7 +551,7 @@ def generate(pipe: Pipeline, prompts: list[list[int]], max_new_tokens: int, samp
         raise LayerlineError(f"--max-new-tokens {max_new_tokens}: must be at least 1")
     tag = f"g{os.getpid()}-{next(_counter)}"
     eng = Engine(pipe, max_replays=max_replays, record=True, raise_errors=True, rows=None if batch else False)
-    seqs = [Sequence(f"{tag}-{i}", list(p), max_new_tokens, sampling, frozenset() if eos is None else frozenset([eos]),
+    seqs = [Sequence(f"{tag}-{i}", list(p), max_new_tokens, sampling, frozenset() if eos is None else frozenset([eos] if isinstance(eos, int) else eos),
                      gen=torch.Generator().manual_seed(sampling.seed * 1_000_003 + i))
             for i, p in enumerate(prompts)]
     t0 = time.perf_counter()

@@ -120,6 +120,7 @@ class ServerConfig:
     max_body_bytes: int = 1 << 20
     default_max_tokens: int = 256      # chat requests without max_tokens
     health: Callable[[], tuple[bool, list[dict]]] | None = None   # (all ok, per-stage reports); blocking
+    standbys: Callable[[], list[dict]] | None = None  # the standby stages as the health monitor last saw them
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -267,6 +268,10 @@ def create_app(sched: Scheduler, text: TextSide, cfg: ServerConfig) -> FastAPI:
                     done = True
                     yield det.flush(), [], "stop" if value == "stop" else "length" if value == "length" else value
                     return
+                elif kind == "unavailable":  # a stage is down and nothing took its place in time
+                    done = True
+                    raise _BadRequest(f"service unavailable: {value}", None, "stage_down", 503, "server_error",
+                                      {"Retry-After": "5"})
                 else:
                     done = True
                     raise _BadRequest(f"generation failed: {value}", None, "generation_failed", 502, "server_error")
@@ -419,6 +424,8 @@ def create_app(sched: Scheduler, text: TextSide, cfg: ServerConfig) -> FastAPI:
         ok = ok and sched.alive
         body = {"status": "ok" if ok else "unavailable", "stages": stages, "engine": sched.alive,
                 "rows": sched.engine_rows}
+        if cfg.standbys is not None:
+            body["standbys"] = cfg.standbys()
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics")

@@ -6,7 +6,6 @@ add_generation_prompt=True.
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 
@@ -15,34 +14,6 @@ from ..errors import LayerlineError
 
 class TemplateError(LayerlineError):
     """A chat request this checkpoint cannot render (no template, or the template refused it)."""
-
-
-def _read_json(path: str) -> dict:
-    try:
-        with open(path) as f:
-            v = json.load(f)
-        return v if isinstance(v, dict) else {}
-    except FileNotFoundError:
-        return {}
-    except (OSError, ValueError) as e:
-        raise LayerlineError(f"{path}: cannot read JSON ({e})") from None
-
-
-def _token_text(v) -> str | None:
-    """A special token from tokenizer_config: a string, or an AddedToken object {"content": ...}."""
-    if isinstance(v, dict):
-        v = v.get("content")
-    return v if isinstance(v, str) else None
-
-
-def _ids(v) -> list[int]:
-    if isinstance(v, bool):
-        return []
-    if isinstance(v, int):
-        return [v]
-    if isinstance(v, list):
-        return [x for x in v if isinstance(x, int) and not isinstance(x, bool)]
-    return []
 
 
 @dataclass
@@ -59,37 +30,24 @@ class TextSide:
 
     @classmethod
     def load(cls, checkpoint: str | None) -> "TextSide":
+        """From a Hugging Face dir or a .gguf file (layerline.gguf_checkpoint reads both alike)."""
         if not checkpoint:
             return cls()
-        if not os.path.isdir(checkpoint):
-            if os.path.isfile(checkpoint):  # a .gguf: no tokenizer.json or template beside it
-                return cls()
-            raise LayerlineError(f"--checkpoint {checkpoint}: no such directory")
-        cfg = _read_json(os.path.join(checkpoint, "config.json"))
-        gen = _read_json(os.path.join(checkpoint, "generation_config.json"))
-        tcfg = _read_json(os.path.join(checkpoint, "tokenizer_config.json"))
-        tok = None
-        path = os.path.join(checkpoint, "tokenizer.json")
-        if os.path.exists(path):
-            from tokenizers import Tokenizer
-            try:
-                tok = Tokenizer.from_file(path)
-            except Exception as e:  # noqa: BLE001 - the library raises plain Exceptions
-                raise LayerlineError(f"{path}: not a tokenizers file ({e})") from None
-        template = tcfg.get("chat_template")
-        if isinstance(template, list):  # several named templates: the default one
-            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-            template = named.get("default")
-        if not isinstance(template, str):
-            tpath = os.path.join(checkpoint, "chat_template.jinja")
-            template = open(tpath).read() if os.path.exists(tpath) else None
-        eos_tok = _token_text(tcfg.get("eos_token"))
-        eos = set(_ids(gen.get("eos_token_id"))) | set(_ids(cfg.get("eos_token_id")))
-        if tok is not None and eos_tok is not None and tok.token_to_id(eos_tok) is not None:
-            eos.add(tok.token_to_id(eos_tok))
-        ctx = cfg.get("max_position_embeddings")
-        vocab = cfg.get("vocab_size")
-        return cls(tok, template, _token_text(tcfg.get("bos_token")), eos_tok, frozenset(eos),
+        from ..checkpoint import CheckpointError, read_config
+        from ..gguf_checkpoint import chat_template_for, special_tokens_for, tokenizer_for
+        if not os.path.exists(checkpoint):
+            raise LayerlineError(f"--checkpoint {checkpoint}: no such directory or .gguf file")
+        try:
+            cfg = read_config(checkpoint)
+        except CheckpointError:
+            cfg = {}
+        try:
+            tok = tokenizer_for(checkpoint)
+        except CheckpointError:
+            tok = None  # prompts must then come as token ids
+        sp = special_tokens_for(checkpoint)
+        ctx, vocab = cfg.get("max_position_embeddings"), cfg.get("vocab_size")
+        return cls(tok, chat_template_for(checkpoint), sp["bos"]["text"], sp["eos"]["text"], frozenset(sp["eos_ids"]),
                    ctx if isinstance(ctx, int) else None, vocab if isinstance(vocab, int) else None)
 
     # -- prompts

@@ -48,6 +48,13 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--default-max-tokens", type=int, default=256, help="chat requests that give no max_tokens")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds a step may take before it fails")
+    p.add_argument("--health-interval", type=float, default=0.5,
+                   help="seconds between two health checks of every stage (actives and standbys)")
+    p.add_argument("--health-deadline", type=float, default=2.0,
+                   help="seconds a stage has to answer health before it is down (and failed over)")
+    p.add_argument("--restart-wait", type=float, default=30.0,
+                   help="with no standby for a stage that is down: seconds to wait for its supervisor's restart "
+                        "before the requests it holds fail with 503")
     p.add_argument("--log-file", default=None, help="append one line per request here (default: stderr)")
     p.add_argument("--ready-file", default=None,
                    help="written (JSON: pid, url, model, stages) once the server listens; removed when it stops")
@@ -71,6 +78,9 @@ def _check(a) -> None:
     for flag in ("kv_tokens", "context", "microbatches"):
         if getattr(a, flag) is not None and getattr(a, flag) < 1:
             raise LayerlineError(f"--{flag.replace('_', '-')} {getattr(a, flag)}: must be at least 1")
+    for flag in ("health_interval", "health_deadline", "restart_wait"):
+        if not getattr(a, flag) > 0:
+            raise LayerlineError(f"--{flag.replace('_', '-')} {getattr(a, flag)}: must be a positive number of seconds")
     if not a.api_keys and not is_loopback(a.host):
         raise LayerlineError(f"--host {a.host}: refusing to listen off loopback without --api-keys FILE "
                              "(keys, one per line, mode 0600)")
@@ -103,6 +113,14 @@ def _stages_from_plan(plan: dict, ctl) -> list[dict]:
         out.append({"name": str(s.get("host")), "endpoint": str(s["endpoint"]), "layers": s.get("layers"),
                     "control": control_endpoint(str(s["endpoint"])), "peer": str(s.get("host"))})
     return out
+
+
+def _standbys_from_plan(plan: dict) -> list[dict]:
+    from ..worker import control_endpoint
+    return [{"name": str(s.get("host")), "endpoint": str(s["endpoint"]), "layers": s.get("layers"),
+             "control": control_endpoint(str(s["endpoint"])), "peer": str(s.get("host")),
+             "standby_for": s.get("standby_for")}
+            for s in plan["stages"] if s.get("role") == "standby" and s.get("endpoint")]
 
 
 def _stages_from_first(first: str, ctl, first_key: str | None) -> list[dict]:
@@ -171,6 +189,7 @@ def _serve(a, plan: dict | None, keys) -> int:
     from ..driver import Pipeline, control, pipeline_for_plan
     from .api import ServerConfig, create_app
     from .chat import TextSide
+    from .failover import Failover, StageState
     from .metrics import Metrics
     from .scheduler import Scheduler
 
@@ -192,18 +211,38 @@ def _serve(a, plan: dict | None, keys) -> int:
         return Pipeline(a.first, reply_host=a.reply_host or reply_host_for(a.first), timeout_s=a.timeout,
                         keys_dir=a.keys, first_key=a.first_key, curve=a.curve)
 
+    standbys = _standbys_from_plan(plan) if plan else []
+    states = [StageState(s["name"], s["endpoint"], s["control"], "active", None, s["layers"]) for s in stages] + \
+        [StageState(s["name"], s["endpoint"], s["control"], "standby", s["standby_for"], s["layers"])
+         for s in standbys]
+    peer_of = {s["name"]: s["peer"] for s in stages + standbys}
+    failover = None
+
     def health() -> tuple[bool, list[dict]]:
+        """The route's active stages, each asked now (and the standbys, as the monitor last saw them)."""
         ok, out = True, []
-        for s in stages:
-            rep = {"name": s["name"], "endpoint": s["endpoint"], "layers": s["layers"]}
+        for st in (failover.route.actives if failover else states):
+            rep = {"name": st.host, "endpoint": st.endpoint, "layers": st.layers}
             try:
-                h = ctl(s["control"], s["peer"], 2.0)
+                h = ctl(st.control, peer_of.get(st.host), a.health_deadline)
                 rep.update(ok=True, uptime_s=h.get("uptime_s"))
             except LayerlineError as e:
                 ok = False
                 rep.update(ok=False, error=str(e))
             out.append(rep)
         return ok, out
+
+    def stage_health(st, timeout_s: float) -> dict:
+        return ctl(st.control, peer_of.get(st.host), timeout_s)
+
+    def set_next(pred, standby) -> None:
+        control(pred.control, "set_next", timeout_s=a.health_deadline + 3, keys_dir=a.keys,
+                peer=peer_of.get(pred.host), curve=a.curve, next=standby.endpoint, next_key=standby.host)
+
+    def pipe_into(st):
+        from ..driver import reply_host_for
+        return Pipeline(st.endpoint, reply_host=a.reply_host or reply_host_for(st.endpoint), timeout_s=a.timeout,
+                        keys_dir=a.keys, first_key=peer_of.get(st.host), curve=a.curve)
 
     _logger(a.log_file)
     # the engine's thread and the event loop share the GIL: hand it over sooner than the
@@ -215,9 +254,14 @@ def _serve(a, plan: dict | None, keys) -> int:
                       max_queue=a.max_queue, chunk=a.chunk, busy_chunk=a.busy_chunk,
                       metrics=metrics)
     sched.start()
+    failover = Failover(states, health=stage_health, set_next=set_next, engine=sched.call, open_pipe=pipe_into,
+                        metrics=metrics, interval=a.health_interval, deadline=a.health_deadline,
+                        restart_wait=a.restart_wait)
+    failover.start()
     try:
         app = create_app(sched, text, ServerConfig(name, context, kv_tokens, keys, a.max_body_bytes,
-                                                   a.default_max_tokens, health))
+                                                   a.default_max_tokens, health,
+                                                   standbys=lambda: failover.reports()[1]))
         print(f"{PROG}: {name} over {len(stages)} stage(s), context {context}, KV {kv_tokens} tokens; "
               f"listening on http://{a.host}:{a.port}{' (API keys)' if keys else ''}", file=sys.stderr, flush=True)
         config = uvicorn.Config(app, host=a.host, port=a.port, log_level="warning", access_log=False,
@@ -248,6 +292,7 @@ def _serve(a, plan: dict | None, keys) -> int:
         return 0 if server.started else _fail(f"cannot listen on {a.host}:{a.port} (in use, or not an address "
                                               "of this machine)")
     finally:
+        failover.stop()
         sched.stop()
 
 

@@ -27,6 +27,12 @@ class Metrics:
                                     ["stage"], buckets=_LATENCY, registry=r)
         self.replays = Counter("layerline_replays", "sequences replayed after a stage lost their cache",
                                registry=r)
+        self.stage_up = Gauge("layerline_stage_up", "1 while the stage answers health within the deadline",
+                              ["host", "role"], registry=r)
+        self.failovers = Counter("layerline_failovers", "active stages lost (down or restarted), by what the "
+                                 "server did: promoted (a standby), waited (until it answered again), restarted (it came back "
+                                 "between two checks), failed (the requests it held)",
+                                 ["host", "action"], registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -87,6 +87,7 @@ class Scheduler:
         self._out: list = []   # (stream, event) of the engine's current turn
         self._stage_hist: dict = {}
         self.running = 0
+        self._replays_seen = 0
 
     # -- lifecycle
 
@@ -105,13 +106,16 @@ class Scheduler:
             self._failed = e
             self._ready.set()
             return
+        eng = None
         try:
+            # a failover replays on its own (not counted); these are replays a stage asked for
             eng = Engine(pipe, stages=self.stages, chunk=self.chunk, busy_chunk=self.busy_chunk,
-                         kv_tokens=self.kv_tokens, max_running=self.max_running, rows=self.rows, on_step=self._on_step)
+                         kv_tokens=self.kv_tokens, max_running=self.max_running, rows=self.rows,
+                         on_step=self._on_step, max_replays=4)
             self._ready.set()
             eng.serve(self.inbox, self._rfd, lambda: self._stop, self._on_turn)
         finally:
-            pipe.close()
+            (eng.pipe if eng is not None else pipe).close()
 
     def stop(self) -> None:
         self._stop = True
@@ -127,6 +131,21 @@ class Scheduler:
     @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    def call(self, fn: Callable[[Engine], object], timeout_s: float = 10.0):
+        """fn(engine) in the engine's thread (between two turns); its result, or its exception raised here."""
+        if not self.alive:
+            raise LayerlineError("the generation engine is not running")
+        box: queue.SimpleQueue = queue.SimpleQueue()
+        self.inbox.put(("call", (fn, box)))
+        self._wake()
+        try:
+            ok, value = box.get(timeout=timeout_s)
+        except queue.Empty:
+            raise LayerlineError(f"the generation engine did not take a call within {timeout_s:g} s") from None
+        if not ok:
+            raise value
+        return value
 
     def _wake(self) -> None:
         try:
@@ -151,6 +170,9 @@ class Scheduler:
                 pass  # the loop is gone (shutdown)
 
     def _on_turn(self, eng: Engine) -> None:
+        if eng.replays != self._replays_seen:
+            self.metrics.replays.inc(max(0, eng.replays - self._replays_seen))
+            self._replays_seen = eng.replays
         self._flush()
         self.running = len(eng.running)
         self.engine_rows = eng.rows
@@ -203,7 +225,7 @@ class Scheduler:
             else:
                 if not st.admitted:
                     self._unwait()
-                if kind == "done" or kind == "error":
+                if kind in ("done", "error", "unavailable"):
                     st.finished = True
             self._out.append((st, (kind, value)))
 

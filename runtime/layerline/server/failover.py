@@ -1,0 +1,284 @@
+"""Failover: the server's health monitor, its route, and what it does when a stage goes away.
+
+Every `interval` seconds a probe thread per stage (actives and standbys) sends the `health`
+control op with a deadline. A stage that misses it is down: one log line naming its host and
+control endpoint, `layerline_stage_up{host,role}` 0. A stage that answers with another pid than
+before was restarted between two probes (its caches are gone just the same).
+
+When an active stage is down (or restarted), the coordinator thread
+1. pauses the engine: it forgets every request in flight (their answers may never come; late
+   ones are dropped as unknown) and marks every running sequence for a replay from position 0;
+2. promotes a standby for that host when the plan has one that answers: `set_next` on the
+   predecessor (or a new Pipeline into the standby when stage 0 died); the Route switches
+   (epoch + 1) and the old stage becomes the standby of the new one;
+   without one, waits up to `restart_wait` seconds for the stage to answer again (the
+   supervisor restarts it on the same port);
+3. resumes the engine (the replays go out first), or, when nothing came back in time, fails
+   the affected requests with a 503 error and keeps refusing new ones until the stage answers.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ..errors import LayerlineError
+
+log = logging.getLogger("layerline.server")
+
+UP, DOWN, RESTARTED = "up", "down", "restarted"
+
+
+@dataclass(eq=False)
+class StageState:
+    """One planned stage as the monitor sees it."""
+    host: str
+    endpoint: str             # data endpoint
+    control: str              # control endpoint (data port + 1 unless the plan says otherwise)
+    role: str = "active"      # active | standby
+    standby_for: str | None = None
+    layers: list | None = None
+    up: bool | None = None    # None: not probed yet
+    pid: int | None = None
+    uptime_s: float | None = None
+    last_ok: float = 0.0
+    error: str | None = None
+
+    def report(self) -> dict:
+        out = {"name": self.host, "endpoint": self.endpoint, "layers": self.layers, "role": self.role,
+               "ok": bool(self.up)}
+        if self.standby_for:
+            out["standby_for"] = self.standby_for
+        if self.up:
+            out["uptime_s"] = self.uptime_s
+        elif self.error:
+            out["error"] = self.error
+        return out
+
+
+@dataclass
+class Route:
+    """The ordered active stages and an epoch, incremented at every switch."""
+    actives: list[StageState]
+    epoch: int = 0
+
+    def index(self, host: str) -> int:
+        for i, s in enumerate(self.actives):
+            if s.host == host:
+                return i
+        return -1
+
+    def switch(self, i: int, new: StageState) -> None:
+        self.actives[i] = new
+        self.epoch += 1
+
+    @property
+    def first(self) -> StageState:
+        return self.actives[0]
+
+
+@dataclass
+class Events:
+    """What a failover did, for the tests and the logs: (time, host, what, detail)."""
+    items: list = field(default_factory=list)
+
+    def add(self, host: str, what: str, detail: str = "") -> None:
+        self.items.append((time.time(), host, what, detail))
+
+
+class Failover:
+    """The health monitor and failover coordinator (threads of their own).
+
+    health(stage, timeout_s) -> the worker's health reply (raises LayerlineError when it does not answer).
+    set_next(pred, standby) points the predecessor stage at the standby (control op set_next).
+    engine(fn, timeout_s) runs fn(engine) in the engine's thread and returns what it returns.
+    open_pipe(stage) -> a Pipeline into that stage (called in the engine's thread).
+    """
+
+    def __init__(self, stages: list[StageState], *, health: Callable, set_next: Callable, engine: Callable,
+                 open_pipe: Callable, metrics=None, interval: float = 0.5, deadline: float = 2.0,
+                 restart_wait: float = 30.0):
+        self.stages = stages
+        self.route = Route([s for s in stages if s.role == "active"])
+        self.health, self.set_next, self.engine, self.open_pipe = health, set_next, engine, open_pipe
+        self.metrics = metrics
+        self.interval, self.deadline, self.restart_wait = interval, deadline, restart_wait
+        self.events: queue.SimpleQueue = queue.SimpleQueue()
+        self.lock = threading.Lock()
+        self.stop_ev = threading.Event()
+        self.threads: list[threading.Thread] = []
+        self.history = Events()
+        self.unavailable: str | None = None   # the reason new requests are refused, while no route serves
+        self._gauges: dict = {}
+        for s in stages:
+            self._gauge(s, 0)
+
+    # -- lifecycle
+
+    def start(self) -> None:
+        for s in self.stages:
+            t = threading.Thread(target=self._probe_loop, args=(s,), name=f"layerline-health-{s.host}", daemon=True)
+            t.start()
+            self.threads.append(t)
+        t = threading.Thread(target=self._coordinate, name="layerline-failover", daemon=True)
+        t.start()
+        self.threads.append(t)
+
+    def stop(self) -> None:
+        self.stop_ev.set()
+        self.events.put(None)
+        for t in self.threads:
+            t.join(self.deadline + 1)
+
+    def reports(self) -> tuple[list[dict], list[dict]]:
+        """(the route's active stages in order, the standbys), as /health shows them."""
+        with self.lock:
+            act = [s.report() for s in self.route.actives]
+            sb = [s.report() for s in self.stages if s not in self.route.actives]
+        return act, sb
+
+    # -- metrics
+
+    def _gauge(self, s: StageState, value: int) -> None:
+        if self.metrics is None:
+            return
+        key = (s.host, s.role)
+        old = self._gauges.get(s.host)
+        if old is not None and old != key:
+            try:
+                self.metrics.stage_up.remove(*old)
+            except KeyError:
+                pass
+        self._gauges[s.host] = key
+        self.metrics.stage_up.labels(host=s.host, role=s.role).set(value)
+
+    # -- probes (one thread per stage)
+
+    def _probe_loop(self, s: StageState) -> None:
+        while not self.stop_ev.is_set():
+            t0 = time.monotonic()
+            try:
+                h = self.health(s, self.deadline)
+                pid = h.get("pid") if isinstance(h.get("pid"), int) else None
+                with self.lock:
+                    was_up, old_pid = s.up, s.pid
+                    s.up, s.pid, s.uptime_s, s.last_ok, s.error = True, pid, h.get("uptime_s"), time.monotonic(), None
+                    self._gauge(s, 1)
+                if was_up is False:
+                    log.info("stage %s at %s is up again (pid %s)", s.host, s.control, pid)
+                    self.events.put((UP, s))
+                elif was_up and old_pid is not None and pid is not None and pid != old_pid:
+                    log.warning("stage %s at %s restarted between two health checks (pid %s -> %s): its caches "
+                                "are gone", s.host, s.control, old_pid, pid)
+                    self.events.put((RESTARTED, s))
+            except LayerlineError as e:
+                with self.lock:
+                    was_up = s.up
+                    s.up, s.error = False, str(e)
+                    self._gauge(s, 0)
+                if was_up is not False:
+                    log.warning("stage %s (%s) at %s is down: no answer to health within %.1f s",
+                                s.host, s.role, s.control, self.deadline)
+                    self.events.put((DOWN, s))
+            except Exception as e:  # noqa: BLE001 - a probe never dies
+                log.warning("stage %s at %s: health probe failed: %s", s.host, s.control, e)
+            self.stop_ev.wait(max(0.0, self.interval - (time.monotonic() - t0)))
+
+    # -- the coordinator
+
+    def _coordinate(self) -> None:
+        while not self.stop_ev.is_set():
+            ev = self.events.get()
+            if ev is None:
+                return
+            kind, s = ev
+            try:
+                with self.lock:
+                    active = s in self.route.actives
+                if not active:
+                    continue
+                if kind in (DOWN, RESTARTED):
+                    self._failover(s, kind)
+                elif kind == UP and self.unavailable is not None:
+                    self._resume(s, None)
+            except Exception as e:  # noqa: BLE001 - the monitor outlives any one failover
+                log.exception("failover of %s failed: %s", s.host, e)
+
+    def _count(self, s: StageState, how: str) -> None:
+        if self.metrics is not None:
+            self.metrics.failovers.labels(host=s.host, action=how).inc()
+
+    def _failover(self, dead: StageState, kind: str) -> None:
+        t0 = time.monotonic()
+        n = self.engine(lambda eng: eng.fail_over(f"stage {dead.host} {kind}"), 10.0)
+        self.history.add(dead.host, "paused", f"{n} sequences to replay")
+        log.warning("failover: stage %s at %s %s; paused with %d running sequences to replay from position 0",
+                    dead.host, dead.control, kind, n or 0)
+        if kind == DOWN:
+            sb = self._standby_for(dead)
+            if sb is not None and self._promote(dead, sb):
+                self._count(dead, "promoted")
+                log.warning("failover: standby %s at %s promoted for %s (route epoch %d) after %.2f s",
+                            sb.host, sb.endpoint, dead.host, self.route.epoch, time.monotonic() - t0)
+                return
+            # wait for the supervisor's restart on the same port
+            until = time.monotonic() + self.restart_wait
+            while time.monotonic() < until and not self.stop_ev.is_set():
+                with self.lock:
+                    up = dead.up
+                if up:
+                    break
+                self.stop_ev.wait(0.05)
+            with self.lock:
+                up = dead.up
+            if not up:
+                self._count(dead, "failed")
+                msg = (f"stage {dead.host} at {dead.endpoint} is down and did not come back within "
+                       f"{self.restart_wait:g} s (no standby for it answers); check its worker's log and supervisor")
+                self.unavailable = msg
+                self.engine(lambda eng: eng.unavailable(msg), 10.0)
+                self.history.add(dead.host, "failed", msg)
+                log.error("failover: %s", msg)
+                return
+        self._count(dead, "waited" if kind == DOWN else "restarted")
+        self._resume(dead, t0)
+
+    def _resume(self, s: StageState, t0: float | None) -> None:
+        self.unavailable = None
+        self.engine(lambda eng: eng.resume(), 10.0)
+        self.history.add(s.host, "resumed", "")
+        log.warning("failover: stage %s at %s answers again; resumed%s", s.host, s.control,
+                    f" after {time.monotonic() - t0:.2f} s" if t0 is not None else "")
+
+    def _standby_for(self, dead: StageState) -> StageState | None:
+        with self.lock:
+            for s in self.stages:
+                if s.role == "standby" and s.standby_for == dead.host and s.up and s not in self.route.actives:
+                    return s
+        return None
+
+    def _promote(self, dead: StageState, sb: StageState) -> bool:
+        with self.lock:
+            i = self.route.index(dead.host)
+            pred = self.route.actives[i - 1] if i > 0 else None
+        try:
+            if pred is not None:
+                self.set_next(pred, sb)
+            else:
+                self.engine(lambda eng: eng.replace_pipe(self.open_pipe(sb)), 15.0)
+        except Exception as e:  # noqa: BLE001
+            log.error("failover: cannot promote standby %s for %s (%s); waiting for %s to come back",
+                      sb.host, dead.host, e, dead.host)
+            return False
+        with self.lock:
+            self.route.switch(i, sb)
+            sb.role, sb.standby_for = "active", None
+            dead.role, dead.standby_for = "standby", sb.host
+            self._gauge(sb, 1 if sb.up else 0)
+            self._gauge(dead, 1 if dead.up else 0)
+        self.history.add(sb.host, "promoted", f"for {dead.host}, epoch {self.route.epoch}")
+        self.engine(lambda eng: eng.resume(), 10.0)
+        return True
