@@ -190,7 +190,7 @@ def _eos(checkpoint: str, ignore: bool) -> list[int] | None:
 
 
 def cmd_generate(a) -> int:
-    from .driver import Pipeline
+    from .pipeline import Pipeline
     from .generate import Sampling, generate
     prompts, tok = _prompts(a)
     sampling = Sampling(a.temperature, a.top_p, a.seed)

@@ -34,7 +34,7 @@ from typing import Callable
 import torch
 import zmq
 
-from .driver import Answer, DriveError, Pipeline, StepResult
+from .pipeline import Answer, DriveError, Pipeline, StepResult
 from .errors import LayerlineError
 from .model.sampling import sample
 from .wire import MAX_BATCH, MAX_SEQS

@@ -106,7 +106,7 @@ def _check_port(host: str, port: int) -> None:
 
 
 def _stages_from_plan(plan: dict, ctl) -> list[dict]:
-    from ..driver import active_stages
+    from ..pipeline import active_stages
     from ..worker import control_endpoint
     out = []
     for s in active_stages(plan):
@@ -139,7 +139,7 @@ def _stages_from_first(first: str, ctl, first_key: str | None) -> list[dict]:
 
 
 def _kv_tokens(plan: dict) -> int | None:
-    from ..driver import active_stages
+    from ..pipeline import active_stages
     bpt = (plan.get("kv") or {}).get("bytes_per_token")
     got = []
     for s in active_stages(plan):
@@ -186,7 +186,7 @@ def run(a: argparse.Namespace) -> int:
 def _serve(a, plan: dict | None, keys) -> int:
     import uvicorn
 
-    from ..driver import Pipeline, control, pipeline_for_plan
+    from ..pipeline import Pipeline, control, pipeline_for_plan
     from .api import ServerConfig, create_app
     from .chat import TextSide
     from .failover import Failover, StageState
@@ -207,7 +207,7 @@ def _serve(a, plan: dict | None, keys) -> int:
         if plan:
             return pipeline_for_plan(plan, keys_dir=a.keys, reply_host=a.reply_host, curve=a.curve,
                                      timeout_s=a.timeout)
-        from ..driver import reply_host_for
+        from ..pipeline import reply_host_for
         return Pipeline(a.first, reply_host=a.reply_host or reply_host_for(a.first), timeout_s=a.timeout,
                         keys_dir=a.keys, first_key=a.first_key, curve=a.curve)
 
@@ -240,7 +240,7 @@ def _serve(a, plan: dict | None, keys) -> int:
                 peer=peer_of.get(pred.host), curve=a.curve, next=standby.endpoint, next_key=standby.host)
 
     def pipe_into(st):
-        from ..driver import reply_host_for
+        from ..pipeline import reply_host_for
         return Pipeline(st.endpoint, reply_host=a.reply_host or reply_host_for(st.endpoint), timeout_s=a.timeout,
                         keys_dir=a.keys, first_key=peer_of.get(st.host), curve=a.curve)
 

@@ -16,7 +16,7 @@ import threading
 import time
 from typing import Callable
 
-from ..driver import Pipeline
+from ..pipeline import Pipeline
 from ..errors import LayerlineError
 from ..generate import Engine, Sampling, Sequence
 from .metrics import Metrics

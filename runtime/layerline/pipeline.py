@@ -1,0 +1,297 @@
+"""The pipeline's sockets: push token ids into stage 0, take logits back from the last stage.
+
+The Pipeline binds one result socket (reply_to) and names it in every request, so the last
+stage answers whoever asked. Each request carries an id and a deadline; stages append their
+compute time to the header, so one result tells where the time went.
+
+Off loopback (or with curve="on") both of its sockets run CURVE with the controller's keys
+dir (keys_dir; `layerline drive --keys DIR`): the DEALER to stage 0 trusts only the first
+stage's public key (first_key: its host name in DIR/peers/), and the result socket lets in
+only the public keys in DIR/allowed/ (the workers').
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+import zmq
+
+from . import keys as keymod
+from . import wire
+from .errors import LayerlineError
+
+
+class DriveError(LayerlineError):
+    """A forward that did not come back: names the stage that failed or went quiet.
+
+    seqs: for a `rows` message, the sequences the stage lost (replay those, resend the rest)."""
+
+    def __init__(self, message: str = "", code: str | None = None, seqs: list[str] | None = None):
+        super().__init__(message, code)
+        self.seqs = seqs
+
+
+@dataclass
+class StepResult:
+    logits: torch.Tensor
+    timings: list[dict]           # per stage: {"stage", "layers", "s"}
+    wall_s: float
+
+    @property
+    def hop_s(self) -> float:
+        """Wall time not spent computing: framing, copies and the links between stages."""
+        return max(0.0, self.wall_s - sum(t["s"] for t in self.timings))
+
+
+@dataclass
+class Answer:
+    """What came back for one request in flight: a result or the error a stage sent."""
+    rid: str
+    result: StepResult | None
+    error: DriveError | None = None
+
+
+@dataclass
+class Pipeline:
+    first: str                     # stage 0's data endpoint
+    reply_host: str = "127.0.0.1"  # an address of this machine the last stage can reach
+    timeout_s: float = 120.0
+    ctx: zmq.Context | None = None   # None: the pipeline makes (and terminates) its own
+    keys_dir: str | None = None    # the controller's keys dir (needed when CURVE is on)
+    first_key: str | None = None   # stage 0's host name in keys_dir/peers/ (or a .key file, or z85)
+    curve: str = "auto"            # auto: CURVE on each socket whose address is not loopback; on: always
+
+    def __post_init__(self):
+        wire.endpoint(self.first, "first stage endpoint")
+        self._own_ctx = self.ctx is None
+        if self._own_ctx:
+            self.ctx = zmq.Context()
+        self._ids = itertools.count()
+        self.auth = None
+        self.to_first = self.results = None
+        to_curve = keymod.curve_on(self.curve, self.first)
+        res_curve = keymod.curve_on(self.curve, f"tcp://{self.reply_host}:0")
+        self.keys = None
+        if to_curve or res_curve:
+            why = ("curve on" if self.curve == "on" else
+                   f"{'the first stage ' + self.first if to_curve else 'the reply host ' + self.reply_host} "
+                   "is not loopback, so CURVE is on")
+            self.keys = keymod.load_host_keys(self.keys_dir, "--keys", why)
+        try:
+            self.to_first = self.ctx.socket(zmq.DEALER)
+            self.to_first.setsockopt(zmq.LINGER, 0)
+            if to_curve:
+                keymod.connect_curve(self.to_first, self.keys, self.keys.server_key(self.first_key, "--first-key"))
+            self.to_first.connect(self.first)
+            if res_curve:  # the ZAP handler before the CURVE server binds
+                self.auth = keymod.Allowlist(self.ctx, self.keys.allowed)
+            self.results = self.ctx.socket(zmq.ROUTER)
+            self.results.setsockopt(zmq.LINGER, 0)
+            if res_curve:
+                keymod.serve_curve(self.results, self.keys)
+            port = self.results.bind_to_random_port(f"tcp://{self.reply_host}")
+        except zmq.ZMQError as e:
+            self.close()
+            raise DriveError(f"--reply-host {self.reply_host}: cannot open the result socket there ({e}); give an "
+                             "IP address of this machine the last stage can reach (layerline_driver_addr)") from None
+        except BaseException:
+            self.close()
+            raise
+        self.reply_to = f"tcp://{self.reply_host}:{port}"
+        self.curve_sockets = (to_curve, res_curve)  # (to stage 0, result socket)
+        self._pending: dict[str, float] = {}  # request id -> send time
+        self._ready: list[Answer] = []        # answers read but not yet handed out
+        self.poller = zmq.Poller()
+        self.poller.register(self.to_first, zmq.POLLIN)
+        self.poller.register(self.results, zmq.POLLIN)
+
+    def close(self) -> None:
+        for s in (self.to_first, self.results):
+            if s is not None:
+                s.close(0)
+        self.to_first = self.results = None
+        if self.auth is not None:
+            self.auth.stop()
+            self.auth = None
+        if self._own_ctx and self.ctx is not None:
+            self.ctx.term()
+            self.ctx = None
+
+    def forget(self, rids) -> None:
+        """Stop waiting for these requests (their caller gave up on them)."""
+        for rid in rids:
+            self._pending.pop(rid, None)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _send(self, head: dict, input_ids: torch.Tensor) -> str:
+        rid = f"r{os.getpid()}-{next(self._ids)}"
+        head.update(op="forward", id=rid, reply_to=self.reply_to, deadline=time.time() + self.timeout_s, timings=[])
+        self._pending[rid] = time.perf_counter()
+        self.to_first.send_multipart(wire.encode(head, {"input_ids": input_ids.to(torch.int64)}), copy=False)
+        return rid
+
+    def submit(self, input_ids: torch.Tensor, seq: str | None = None, pos: int = 0, cache: bool = False,
+               last_only: bool = False, reserve: int | None = None) -> str:
+        """Send one pass of [batch, tokens] ids into stage 0 without waiting; returns its request id."""
+        if input_ids.dim() == 1:
+            input_ids = input_ids.unsqueeze(0)
+        head = {"pos": pos, "cache": cache}
+        if seq is not None:
+            head["seq"] = seq
+        if last_only:
+            head["logits"] = "last"
+        if reserve is not None:  # tokens this sequence may reach: each stage sizes its KV cache to it
+            head["reserve"] = int(reserve)
+        return self._send(head, input_ids)
+
+    def submit_rows(self, rows: list[tuple[str, int]], input_ids: torch.Tensor) -> str:
+        """One step of B sequences, one token each, in one message: rows [(seq, pos), ...], ids [B].
+
+        Each row's sequence must already hold exactly pos tokens at every stage; the logits come
+        back [B, 1, vocab]. A stage that lost some of them answers seq_unknown with their ids
+        (DriveError.seqs) and applies nothing."""
+        return self._send({"cache": True, "logits": "last", "rows": [[str(q), int(p)] for q, p in rows]},
+                          input_ids.reshape(-1, 1))
+
+    def answers(self, sock) -> list[Answer]:
+        """Every message waiting on one of this pipeline's sockets (non-blocking), as answers to
+        requests in flight; late, repeated and malformed messages are dropped."""
+        out = []
+        while True:
+            try:
+                frames = sock.recv_multipart(copy=False, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return out
+            if sock is self.results:
+                frames = frames[1:]  # the sender's identity
+            try:
+                h, tensors = wire.decode(frames)
+            except wire.WireError:
+                continue
+            rid = h.get("id")
+            if rid not in self._pending:
+                continue  # a late or repeated answer (a stage's error comes on both sockets)
+            if h["op"] == "error":
+                self._pending.pop(rid)
+                code = h.get("code") if isinstance(h.get("code"), str) else None
+                seqs = h.get("seqs") if isinstance(h.get("seqs"), list) else None
+                out.append(Answer(rid, None, DriveError(f"stage {h.get('stage', '?')}: {h.get('error')}", code,
+                                                        [q for q in seqs if isinstance(q, str)] if seqs else None)))
+            elif h["op"] == "result" and "logits" in tensors:
+                wall = time.perf_counter() - self._pending.pop(rid)
+                out.append(Answer(rid, StepResult(tensors["logits"].clone(), h.get("timings", []), wall)))
+
+    def collect(self) -> tuple[str, StepResult | DriveError]:
+        """The next answer to any request in flight: a result, or the error a stage sent for it."""
+        while True:
+            if self._ready:
+                a = self._ready.pop(0)
+                return a.rid, a.result if a.error is None else a.error
+            if not self._pending:
+                raise DriveError("collect: no request in flight")
+            oldest = min(self._pending.values())
+            left = self.timeout_s - (time.perf_counter() - oldest)
+            if left <= 0:
+                rid = min(self._pending, key=self._pending.get)
+                self._pending.pop(rid)
+                raise DriveError(f"request {rid}: no result within {self.timeout_s:.0f} s; a stage after "
+                                 f"{self.first} is down or slow (check each worker's log and health)")
+            for sock, _ in self.poller.poll(min(left, 1.0) * 1000):
+                self._ready += self.answers(sock)
+
+    def forward(self, input_ids: torch.Tensor, seq: str | None = None, pos: int = 0,
+                cache: bool = False, last_only: bool = False) -> StepResult:
+        """One pass of [batch, tokens] ids through every stage; logits [batch, tokens, vocab]."""
+        rid = self.submit(input_ids, seq, pos, cache, last_only)
+        while True:
+            got, res = self.collect()
+            if got == rid:
+                if isinstance(res, DriveError):
+                    raise res
+                return res
+
+    def release(self, seq: str) -> None:
+        """Every stage frees this sequence's KV cache."""
+        self.to_first.send_multipart(wire.encode({"op": "release", "seq": seq}))
+
+
+def reply_host_for(endpoint: str) -> str:
+    """An address of this machine that the endpoint's host can reach (no packets sent)."""
+    import ipaddress
+    import socket
+    host = endpoint.rsplit(":", 1)[0].split("://", 1)[-1].strip("[]")
+    try:
+        if ipaddress.ip_address(host).is_loopback:
+            return "127.0.0.1"
+    except ValueError:
+        pass
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))  # UDP connect only picks the route
+            return s.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+
+
+def active_stages(plan) -> list:
+    """The plan's active stages in pipeline order (a plan dict or a typed Plan)."""
+    stages = plan["stages"] if isinstance(plan, dict) else plan.stages
+    role = (lambda s: s["role"]) if isinstance(plan, dict) else (lambda s: s.role)
+    out = [s for s in stages if role(s) == "active"]
+    if not out:
+        raise DriveError("plan: no active stage to drive; plan first (playbooks/plan.yml or `layerline plan`)")
+    return out
+
+
+def pipeline_for_plan(plan, *, keys_dir: str | None = None, reply_host: str | None = None, curve: str = "auto",
+                      timeout_s: float = 120.0, ctx: zmq.Context | None = None) -> Pipeline:
+    """The Pipeline into a planned, running set of workers: stage 0's endpoint, its key name, a reply address.
+
+    keys_dir: the controller's keys dir (needed when CURVE is on: off loopback, or curve="on").
+    reply_host: an address of this machine the last stage can reach (default: the route to it).
+    """
+    stages = active_stages(plan)
+    get = (lambda s, k: s[k]) if isinstance(plan, dict) else getattr
+    first, last = stages[0], stages[-1]
+    endpoint = str(get(first, "endpoint"))
+    return Pipeline(endpoint, reply_host=reply_host or reply_host_for(str(get(last, "endpoint"))),
+                    timeout_s=timeout_s, ctx=ctx, keys_dir=keys_dir, first_key=str(get(first, "host")), curve=curve)
+
+
+def control(endpoint: str, op: str, timeout_s: float = 5.0, ctx: zmq.Context | None = None, *,
+            keys_dir: str | None = None, peer: str | None = None, curve: str = "auto", **fields) -> dict:
+    """One request to a worker's control socket (health, stats, set_next, shutdown).
+
+    Under CURVE (off loopback, or curve="on") it speaks as the holder of keys_dir's keypair
+    (the controller's) to the worker whose host name `peer` is (keys_dir/peers/PEER.key).
+    """
+    wire.endpoint(endpoint, "control endpoint")
+    server = hk = None
+    if keymod.curve_on(curve, endpoint):
+        why = "curve on" if curve == "on" else f"control endpoint {endpoint} is not loopback, so CURVE is on"
+        hk = keymod.load_host_keys(keys_dir, "--keys", why)
+        server = hk.server_key(peer, "peer")
+    ctx = ctx or zmq.Context.instance()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    if server is not None:
+        keymod.connect_curve(s, hk, server)
+    s.connect(endpoint)
+    try:
+        s.send_multipart(wire.encode({"op": op, **fields}))
+        if not s.poll(timeout_s * 1000):
+            raise DriveError(f"control {endpoint}: no answer to {op} within {timeout_s:.0f} s")
+        h, _ = wire.decode(s.recv_multipart())
+        if h["op"] == "error":
+            raise DriveError(f"control {endpoint}: {h.get('error')}")
+        return h
+    finally:
+        s.close(0)
