@@ -98,3 +98,31 @@ def wait_for(predicate, timeout: float = 15.0, what: str = "condition"):
             return value
         time.sleep(0.05)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def kill_leftovers(root) -> None:
+    """Kill whatever a test left running under root: supervisors first, so nothing gets restarted."""
+    import signal
+    for _ in range(3):
+        pids = processes_mentioning(str(root))
+        if not pids:
+            break
+        supervisors = [p for p in pids if b"layerline.supervise" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        for pid in supervisors or pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.2)
+    assert not processes_mentioning(str(root)), "processes survived the test's cleanup"
+
+
+def stop_process(proc: subprocess.Popen, timeout: float = 15) -> None:
+    """SIGTERM, then SIGKILL after timeout seconds."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+

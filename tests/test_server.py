@@ -16,13 +16,15 @@ import httpx
 import pytest
 import torch
 
+from helpers import stop_process
+
 from layerline.checkpoint import read_index, write_demo_checkpoint
 from layerline.cli import local_stages, stop_local
 from layerline.driver import Pipeline
 from layerline.generate import generate
 from layerline.model.loader import load_stage
 
-openai = pytest.importorskip("openai")
+import openai  # noqa: E402  (the test extra has it: never skipped)
 
 KEY = "sk-test-0123456789abcdef"
 MODEL = "tiny-chat"
@@ -86,12 +88,7 @@ class Server:
         return Path(self.err.name).read_text()[-3000:]
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        stop_process(self.proc)
         self.err.close()
 
     def metric(self, name: str, labels: str = "") -> float:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import alive, processes_mentioning, wait_for
+from helpers import alive, kill_leftovers, processes_mentioning, wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 VENV_PY = REPO / ".venv" / "bin" / "python"
@@ -87,18 +87,7 @@ class Rig:
 def rig(tmp_path):
     rig = Rig(tmp_path)
     yield rig
-    for _ in range(3):  # supervisors first, so nothing gets restarted
-        pids = processes_mentioning(str(tmp_path))
-        if not pids:
-            break
-        sups = [p for p in pids if b"layerline.supervise" in Path(f"/proc/{p}/cmdline").read_bytes()]
-        for pid in sups or pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        time.sleep(0.2)
-    assert not processes_mentioning(str(tmp_path)), "processes survived the test's cleanup"
+    kill_leftovers(tmp_path)  # whatever a failed test left
 
 
 def test_start_is_idempotent_on_argv_and_restarts_on_change(rig):

@@ -13,12 +13,12 @@ import signal
 import stat
 import subprocess
 import sys
-import time
+
 from pathlib import Path
 
 import pytest
 
-from helpers import alive, processes_mentioning, wait_for
+from helpers import alive, kill_leftovers, processes_mentioning, wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 VENV_PY = REPO / ".venv" / "bin" / "python"
@@ -111,19 +111,7 @@ class Rig:
 def rig(tmp_path):
     rig = Rig(tmp_path)
     yield rig
-    # Kill whatever a failed test left: supervisors first, so nothing gets restarted.
-    for _ in range(3):
-        pids = processes_mentioning(str(tmp_path))
-        if not pids:
-            break
-        supervisors = [p for p in pids if b"layerline.supervise" in Path(f"/proc/{p}/cmdline").read_bytes()]
-        for pid in supervisors or pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        time.sleep(0.2)
-    assert not processes_mentioning(str(tmp_path)), "processes survived the test's cleanup"
+    kill_leftovers(tmp_path)  # whatever a failed test left
 
 
 # -- the module -------------------------------------------------------------------------

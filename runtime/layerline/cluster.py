@@ -663,6 +663,21 @@ class Cluster:
         return {h: str(res.get("msg", "")) for h, res in run.by_action("layerline_worker")
                 if not res.get("skipped")}
 
+    def serve(self) -> str:
+        """Start (or keep) the OpenAI-compatible server in front of the launched workers, as
+        deploy.yml does (playbooks/serve.yml); returns its endpoint, e.g. http://127.0.0.1:8000/v1."""
+        run = self._run("serve", ["serve"], extravars={"layerline_plan": self._need_plan()})
+        urls = run.facts("layerline_server_endpoint")
+        if not urls:
+            raise ClusterError("serve: the run reported no server endpoint", step="serve")
+        self._endpoint = str(next(iter(urls.values())))
+        return self._endpoint
+
+    @property
+    def endpoint(self) -> str | None:
+        """The server's base URL for OpenAI clients (after serve()), or None."""
+        return getattr(self, "_endpoint", None)
+
     def drive(self, inputs=None, generate: int = 0, timeout_s: float = 120.0, warm: bool = True):
         """One drive through the planned stages (straight from Python, no Ansible): the same
         `layerline.driver.drive` the drive play runs, with the same result and report.
