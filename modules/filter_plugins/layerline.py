@@ -6,6 +6,8 @@
     {{ plan | layerline_plan_table }}
     {{ plan | layerline_drive_argv(hostvars[inventory_hostname], ansible_playbook_python) }}
     {{ drive_result | layerline_drive_report }}
+    {{ saved_route | layerline_route(ansible_play_hosts, layerline_drain, layerline_rejoin) }}
+    {{ hostvars[inventory_hostname] | layerline_state_dir(inventory_hostname, slot) }}
 """
 from __future__ import annotations
 
@@ -17,7 +19,8 @@ try:
     from layerline import LayerlineError
     from layerline.deploy import drive_argv, peers_of, plan_for_hosts
     from layerline.planner import plan_table
-    from layerline.spec import stage_checkpoint_argv, stage_dir, worker_spec
+    from layerline.routes import RouteState, next_route
+    from layerline.spec import stage_checkpoint_argv, stage_dir, state_dir, worker_spec
     IMPORT_ERROR = None
 except ImportError as e:  # the controller's interpreter lacks the package
     IMPORT_ERROR = e
@@ -93,6 +96,27 @@ def layerline_stage_dir(hvars, host):
     return stage_dir(_plain({k: hvars[k] for k in hvars if k.startswith("layerline_")}), str(host))
 
 
+def layerline_state_dir(hvars, host, slot=None):
+    """A host's worker state dir in a slot (default: the slot its layerline_slot names)."""
+    _need_runtime()
+    try:
+        return state_dir(_plain({k: hvars[k] for k in hvars if k.startswith("layerline_")}), str(host),
+                         None if slot in (None, "") else int(slot))
+    except (LayerlineError, ValueError) as e:
+        raise AnsibleFilterError(f"layerline_state_dir: {e}") from None
+
+
+def layerline_route(saved, hosts, drain=None, rejoin=None):
+    """The route after a drain or rejoin: {slot, drained, changed, before} (layerline.routes)."""
+    _need_runtime()
+    try:
+        before = RouteState.from_dict(_plain(saved) if saved else None)
+        after, changed = next_route(before, [str(h) for h in hosts], _plain(drain), _plain(rejoin))
+    except LayerlineError as e:
+        raise AnsibleFilterError(f"layerline_route: {e}") from None
+    return after.to_dict() | {"changed": changed, "before": before.to_dict()}
+
+
 def layerline_peers(hostvars, hosts, me):
     _need_runtime()
     return peers_of({h: _host_vars(hostvars, h) for h in hosts}, str(me))
@@ -115,4 +139,5 @@ class FilterModule:
                 "layerline_worker_spec": layerline_worker_spec,
                 "layerline_plan_table": layerline_plan_table,
                 "layerline_drive_argv": layerline_drive_argv, "layerline_peers": layerline_peers,
-                "layerline_stage_argv": layerline_stage_argv, "layerline_stage_dir": layerline_stage_dir, "layerline_drive_report": layerline_drive_report}
+                "layerline_stage_argv": layerline_stage_argv, "layerline_stage_dir": layerline_stage_dir, "layerline_drive_report": layerline_drive_report,
+                "layerline_route": layerline_route, "layerline_state_dir": layerline_state_dir}

@@ -12,7 +12,7 @@ import os
 from .cost import CostOptions, ModelCost
 from .errors import LayerlineError
 from .planner import Node, Plan, PlanError, make_plan, parse_layers
-from .spec import host_addr, truthy
+from .spec import SLOT_PORT_STEP, host_addr, slot_of, truthy
 
 DEFAULT_PORT = 9100
 
@@ -25,6 +25,7 @@ def host_endpoint(hvars: dict, host: str) -> str:
     except (TypeError, ValueError, AssertionError):
         raise LayerlineError(f"{host}: layerline_port {port!r} must be an integer in 1..65534 "
                              "(the next port is the control socket)") from None
+    port += SLOT_PORT_STEP * slot_of(hvars, host)   # the other slot's workers run beside this one's
     return f"tcp://{host_addr(hvars, host)}:{port}"
 
 

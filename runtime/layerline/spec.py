@@ -39,13 +39,33 @@ def host_addr(hvars: dict, host: str) -> str:
     return str(hvars.get("ansible_host") or host)
 
 
-def state_dir(hvars: dict, host: str) -> str:
-    return str(hvars.get("layerline_state_dir") or f"/tmp/layerline-{host}")
+# A drain or rejoin starts the new route's workers beside the old ones, in the other slot: their
+# ports are SLOT_PORT_STEP above the host's layerline_port and their state dir is STATE.1.
+SLOTS = (0, 1)
+SLOT_PORT_STEP = 50
+
+
+def slot_of(hvars: dict, host: str = "") -> int:
+    """Which of the two side-by-side worker slots a host's workers use now (layerline_slot)."""
+    v = hvars.get("layerline_slot", 0)
+    try:
+        v = int(v)
+        assert v in SLOTS
+    except (TypeError, ValueError, AssertionError):
+        raise LayerlineError(f"{host}: layerline_slot {v!r} must be 0 or 1 (drain.yml sets it; "
+                             "see layerline_home/route.json)") from None
+    return v
+
+
+def state_dir(hvars: dict, host: str, slot: int | None = None) -> str:
+    base = str(hvars.get("layerline_state_dir") or f"/tmp/layerline-{host}")
+    slot = slot_of(hvars, host) if slot is None else slot
+    return base if slot == 0 else f"{base}.{slot}"
 
 
 def stage_dir(hvars: dict, host: str) -> str:
     """Where a host keeps its staged checkpoint when the model's path is not shared."""
-    return str(hvars.get("layerline_stage_dir") or os.path.join(state_dir(hvars, host), "checkpoint"))
+    return str(hvars.get("layerline_stage_dir") or os.path.join(state_dir(hvars, host, 0), "checkpoint"))
 
 
 def ready_timeout(stage: StagePlan, hvars: dict) -> float:
@@ -97,7 +117,8 @@ def worker_spec(plan: Plan | dict, host: str, hvars: dict, python: str = "python
     if not _is_ip(bind_host):
         bind_host = "*"
     ready = os.path.join(state, "ready.json")
-    keys = str(hvars.get("layerline_keys_dir") or os.path.join(state, "keys"))
+    home = state_dir(hvars, host, 0)  # keys, staged tensors and compile cache serve both slots
+    keys = str(hvars.get("layerline_keys_dir") or os.path.join(home, "keys"))
     argv = [python, "-m", "layerline.worker",
             "--checkpoint", str(ckpt),
             "--layers", f"{s.layers[0]}:{s.layers[1]}",
@@ -132,7 +153,7 @@ def worker_spec(plan: Plan | dict, host: str, hvars: dict, python: str = "python
     if s.spin is not None:
         argv += ["--spin", str(int(s.spin))]
     if s.compile != "off":
-        cache = str(hvars.get("layerline_compile_cache") or os.path.join(state, "inductor"))
+        cache = str(hvars.get("layerline_compile_cache") or os.path.join(home, "inductor"))
         argv += ["--compile", s.compile, "--compile-cache", cache]
     return WorkerSpec(host=host, argv=tuple(argv), state_dir=state, ready_file=ready, keys_dir=keys,
                       ready_timeout=ready_timeout(s, hvars), endpoint=str(s.endpoint))

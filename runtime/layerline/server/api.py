@@ -121,10 +121,12 @@ class ServerConfig:
     default_max_tokens: int = 256      # chat requests without max_tokens
     health: Callable[[], tuple[bool, list[dict]]] | None = None   # (all ok, per-stage reports); blocking
     standbys: Callable[[], list[dict]] | None = None  # the standby stages as the health monitor last saw them
+    admin_keys: list[bytes] | None = None   # Bearer keys for /admin/*; None: the admin routes answer 403
+    switch_route: Callable[[dict], dict] | None = None  # POST /admin/route (blocking)
     created: int = field(default_factory=lambda: int(time.time()))
 
 
-ROUTES = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"}
+ROUTES = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/admin/route"}
 
 
 class _RequestLog:
@@ -427,6 +429,32 @@ def create_app(sched: Scheduler, text: TextSide, cfg: ServerConfig) -> FastAPI:
         if cfg.standbys is not None:
             body["standbys"] = cfg.standbys()
         return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.post("/admin/route")
+    async def admin_route(request: Request):
+        """Switch to another plan's stages (drain.yml, a rejoin): 200 with the new epoch, else the old route stays."""
+        try:
+            if not cfg.admin_keys or cfg.switch_route is None:
+                raise _BadRequest("admin routes are off: start the server with --admin-keys FILE", None,
+                                  "admin_disabled", 403)
+            if not auth.check(cfg.admin_keys, request.headers.get("authorization")):
+                raise _BadRequest("missing or wrong admin key: send Authorization: Bearer ADMIN_KEY", None,
+                                  "invalid_admin_key", 401, headers={"WWW-Authenticate": "Bearer"})
+            data = await read_json(request)
+            plan = data.get("plan")
+            if not isinstance(plan, dict):
+                raise _BadRequest("plan: give the new plan as {\"plan\": {...}} (layerline plan --json)", "plan",
+                                  "invalid_parameter")
+            try:
+                out = await asyncio.get_running_loop().run_in_executor(None, cfg.switch_route, plan)
+            except LayerlineError as e:
+                metrics.route_switches.labels("refused").inc()
+                raise _BadRequest(str(e), "plan", "route_unchanged", 409) from None
+            metrics.route_switches.labels("unchanged" if out.get("unchanged") else "switched").inc()
+            request.scope["state"]["log"] = f"route epoch {out.get('epoch')}"
+            return out
+        except _BadRequest as e:
+            return _error_response(e)
 
     @app.get("/metrics")
     async def prometheus():

@@ -9,22 +9,22 @@ import stat
 from ..errors import LayerlineError
 
 
-def load_keys(path: str) -> list[bytes]:
+def load_keys(path: str, flag: str = "--api-keys") -> list[bytes]:
     """The keys in path (blank lines and # comments skipped). Refuses a file others may read."""
     try:
         st = os.stat(path)
     except OSError as e:
-        raise LayerlineError(f"--api-keys {path}: cannot read it ({e.strerror})") from None
+        raise LayerlineError(f"{flag} {path}: cannot read it ({e.strerror})") from None
     if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise LayerlineError(f"--api-keys {path}: mode {stat.S_IMODE(st.st_mode):04o} lets group or others read "
+        raise LayerlineError(f"{flag} {path}: mode {stat.S_IMODE(st.st_mode):04o} lets group or others read "
                              f"it; run chmod 600 {path}")
     try:
         with open(path, encoding="utf-8") as f:
             keys = [ln.strip() for ln in f if ln.strip() and not ln.lstrip().startswith("#")]
     except (OSError, UnicodeDecodeError) as e:
-        raise LayerlineError(f"--api-keys {path}: cannot read it ({e})") from None
+        raise LayerlineError(f"{flag} {path}: cannot read it ({e})") from None
     if not keys:
-        raise LayerlineError(f"--api-keys {path}: holds no key (one key per line)")
+        raise LayerlineError(f"{flag} {path}: holds no key (one key per line)")
     return [k.encode() for k in keys]
 
 

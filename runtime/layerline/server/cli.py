@@ -28,6 +28,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (non-loopback needs --api-keys)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-keys", default=None, help="file of API keys, one per line, mode 0600 (Bearer auth)")
+    p.add_argument("--admin-keys", default=None,
+                   help="file of admin keys, mode 0600: Bearer auth for POST /admin/route (drain, rejoin); "
+                        "without it the admin routes answer 403")
     p.add_argument("--keys", default=None, help="the controller's CURVE keys dir (needed off loopback)")
     p.add_argument("--first-key", default=None, help="with --first: stage 0's host name in KEYS/peers/")
     p.add_argument("--curve", default="auto", choices=["auto", "on"],
@@ -162,10 +165,9 @@ def run(a: argparse.Namespace) -> int:
     try:
         _check(a)
         _check_port(a.host, a.port)
-        keys = None
-        if a.api_keys:
-            from .auth import load_keys
-            keys = load_keys(a.api_keys)
+        from .auth import load_keys
+        keys = load_keys(a.api_keys) if a.api_keys else None
+        admin_keys = load_keys(a.admin_keys, "--admin-keys") if a.admin_keys else None
         plan = None
         if a.plan:
             try:
@@ -173,17 +175,28 @@ def run(a: argparse.Namespace) -> int:
                     plan = json.load(f)
             except (OSError, ValueError) as e:
                 raise LayerlineError(f"--plan {a.plan}: cannot read JSON ({e})") from None
-            if not isinstance(plan, dict) or not isinstance(plan.get("stages"), list):
-                raise LayerlineError(f"--plan {a.plan}: not a plan (no stages list); make one with "
-                                     "layerline plan --json")
-        return _serve(a, plan, keys)
+        return _serve(a, _check_plan(plan, f"--plan {a.plan}") if plan is not None else None, keys, admin_keys)
     except LayerlineError as e:
         return _fail(str(e))
     except KeyboardInterrupt:
         return 130
 
 
-def _serve(a, plan: dict | None, keys) -> int:
+def _check_plan(plan, what: str) -> dict:
+    """A plan as the server needs it (typed once, then kept as its JSON): one line when it is not one."""
+    from ..planner import Plan
+    if not isinstance(plan, dict) or not isinstance(plan.get("stages"), list):
+        raise LayerlineError(f"{what}: not a plan (no stages list); make one with layerline plan --json")
+    try:
+        Plan.from_dict(plan)
+    except (LayerlineError, KeyError, TypeError, ValueError) as e:
+        raise LayerlineError(f"{what}: not a valid plan ({e})") from None
+    if not any(s.get("role") == "active" and s.get("endpoint") for s in plan["stages"]):
+        raise LayerlineError(f"{what}: no active stage with an endpoint")
+    return plan
+
+
+def _serve(a, plan: dict | None, keys, admin_keys=None) -> int:
     import uvicorn
 
     from ..pipeline import Pipeline, control, pipeline_for_plan
@@ -203,20 +216,48 @@ def _serve(a, plan: dict | None, keys) -> int:
         or text.context or 4096
     kv_tokens = a.kv_tokens or (_kv_tokens(plan) if plan else None) or context
 
+    route = {"plan": plan}   # the plan the engine drives now (a route switch replaces it)
+
     def open_pipe():
-        if plan:
-            return pipeline_for_plan(plan, keys_dir=a.keys, reply_host=a.reply_host, curve=a.curve,
+        if route["plan"]:
+            return pipeline_for_plan(route["plan"], keys_dir=a.keys, reply_host=a.reply_host, curve=a.curve,
                                      timeout_s=a.timeout)
         from ..pipeline import reply_host_for
         return Pipeline(a.first, reply_host=a.reply_host or reply_host_for(a.first), timeout_s=a.timeout,
                         keys_dir=a.keys, first_key=a.first_key, curve=a.curve)
 
-    standbys = _standbys_from_plan(plan) if plan else []
-    states = [StageState(s["name"], s["endpoint"], s["control"], "active", None, s["layers"]) for s in stages] + \
-        [StageState(s["name"], s["endpoint"], s["control"], "standby", s["standby_for"], s["layers"])
-         for s in standbys]
-    peer_of = {s["name"]: s["peer"] for s in stages + standbys}
+    def states_of(stages: list[dict], standbys: list[dict]) -> list[StageState]:
+        peer_of.update({s["name"]: s["peer"] for s in stages + standbys})
+        return [StageState(s["name"], s["endpoint"], s["control"], "active", None, s["layers"]) for s in stages] + \
+            [StageState(s["name"], s["endpoint"], s["control"], "standby", s["standby_for"], s["layers"])
+             for s in standbys]
+
+    peer_of: dict[str, str | None] = {}
+    states = states_of(stages, _standbys_from_plan(plan) if plan else [])
     failover = None
+
+    def switch_route(new_plan) -> dict:
+        """POST /admin/route: drive the new plan's stages from the next step on (module doc of failover)."""
+        new_plan = _check_plan(new_plan, "plan")
+        if route["plan"] is None:
+            raise LayerlineError("this server was started with --first, not --plan; restart it with --plan to "
+                                 "switch routes")
+        new_states = states_of(_stages_from_plan(new_plan, ctl), _standbys_from_plan(new_plan))
+        if [(s.host, s.endpoint, s.role) for s in new_states] == \
+                [(s.host, s.endpoint, s.role) for s in failover.stages]:
+            return {"epoch": failover.route.epoch, "replayed": 0, "unchanged": True,
+                    "stages": [s.host for s in failover.route.actives]}
+
+        def pipe():
+            old, route["plan"] = route["plan"], new_plan
+            try:
+                return open_pipe()
+            except Exception:
+                route["plan"] = old
+                raise
+        out = failover.switch(new_states, pipe, timeout_s=a.timeout)
+        metrics.route_epoch.set(out["epoch"])
+        return out
 
     def health() -> tuple[bool, list[dict]]:
         """The route's active stages, each asked now (and the standbys, as the monitor last saw them)."""
@@ -261,7 +302,8 @@ def _serve(a, plan: dict | None, keys) -> int:
     try:
         app = create_app(sched, text, ServerConfig(name, context, kv_tokens, keys, a.max_body_bytes,
                                                    a.default_max_tokens, health,
-                                                   standbys=lambda: failover.reports()[1]))
+                                                   standbys=lambda: failover.reports()[1],
+                                                   admin_keys=admin_keys, switch_route=switch_route))
         print(f"{PROG}: {name} over {len(stages)} stage(s), context {context}, KV {kv_tokens} tokens; "
               f"listening on http://{a.host}:{a.port}{' (API keys)' if keys else ''}", file=sys.stderr, flush=True)
         config = uvicorn.Config(app, host=a.host, port=a.port, log_level="warning", access_log=False,

@@ -15,6 +15,12 @@ When an active stage is down (or restarted), the coordinator thread
    supervisor restarts it on the same port);
 3. resumes the engine (the replays go out first), or, when nothing came back in time, fails
    the affected requests with a 503 error and keeps refusing new ones until the stage answers.
+
+A planned route change (drain.yml, a rejoin) goes through switch(): every stage of the new
+route must answer health first (else nothing changes); then, in the engine's thread and so at a
+step boundary, the in-flight requests are forgotten, the engine drives a new pipeline into the
+new first stage and every running sequence replays its prefix there; the epoch goes up and the
+monitor watches the new stages. One failover or switch runs at a time.
 """
 from __future__ import annotations
 
@@ -42,6 +48,7 @@ class StageState:
     standby_for: str | None = None
     layers: list | None = None
     up: bool | None = None    # None: not probed yet
+    retired: bool = False     # no longer part of the server's stages (after a route switch)
     pid: int | None = None
     uptime_s: float | None = None
     last_ok: float = 0.0
@@ -112,6 +119,7 @@ class Failover:
         self.threads: list[threading.Thread] = []
         self.history = Events()
         self.unavailable: str | None = None   # the reason new requests are refused, while no route serves
+        self.ops = threading.Lock()           # one failover or route switch at a time
         self._gauges: dict = {}
         for s in stages:
             self._gauge(s, 0)
@@ -120,10 +128,13 @@ class Failover:
 
     def start(self) -> None:
         for s in self.stages:
-            t = threading.Thread(target=self._probe_loop, args=(s,), name=f"layerline-health-{s.host}", daemon=True)
-            t.start()
-            self.threads.append(t)
+            self._watch(s)
         t = threading.Thread(target=self._coordinate, name="layerline-failover", daemon=True)
+        t.start()
+        self.threads.append(t)
+
+    def _watch(self, s: StageState) -> None:
+        t = threading.Thread(target=self._probe_loop, args=(s,), name=f"layerline-health-{s.host}", daemon=True)
         t.start()
         self.threads.append(t)
 
@@ -158,7 +169,7 @@ class Failover:
     # -- probes (one thread per stage)
 
     def _probe_loop(self, s: StageState) -> None:
-        while not self.stop_ev.is_set():
+        while not self.stop_ev.is_set() and not s.retired:
             t0 = time.monotonic()
             try:
                 h = self.health(s, self.deadline)
@@ -196,14 +207,15 @@ class Failover:
                 return
             kind, s = ev
             try:
-                with self.lock:
-                    active = s in self.route.actives
-                if not active:
-                    continue
-                if kind in (DOWN, RESTARTED):
-                    self._failover(s, kind)
-                elif kind == UP and self.unavailable is not None:
-                    self._resume(s, None)
+                with self.ops:
+                    with self.lock:
+                        active = s in self.route.actives
+                    if not active:
+                        continue
+                    if kind in (DOWN, RESTARTED):
+                        self._failover(s, kind)
+                    elif kind == UP and self.unavailable is not None:
+                        self._resume(s, None)
             except Exception as e:  # noqa: BLE001 - the monitor outlives any one failover
                 log.exception("failover of %s failed: %s", s.host, e)
 
@@ -279,6 +291,63 @@ class Failover:
             dead.role, dead.standby_for = "standby", sb.host
             self._gauge(sb, 1 if sb.up else 0)
             self._gauge(dead, 1 if dead.up else 0)
+        if self.metrics is not None:
+            self.metrics.route_epoch.set(self.route.epoch)
         self.history.add(sb.host, "promoted", f"for {dead.host}, epoch {self.route.epoch}")
         self.engine(lambda eng: eng.resume(), 10.0)
         return True
+
+    # -- planned route changes
+
+    def switch(self, stages: list[StageState], open_pipe: Callable, timeout_s: float = 30.0) -> dict:
+        """Route the engine through `stages` (a new plan's actives and standbys); see the module doc.
+
+        open_pipe() -> a Pipeline into the new first stage (called in the engine's thread).
+        Raises LayerlineError, with nothing changed, when a new active stage does not answer."""
+        actives = [s for s in stages if s.role == "active"]
+        if not actives:
+            raise LayerlineError("the new route has no active stage")
+        with self.ops:
+            for s in stages:   # the gate: every new stage answers before anything changes
+                try:
+                    h = self.health(s, self.deadline)
+                except LayerlineError as e:
+                    if s.role == "active":
+                        raise LayerlineError(f"stage {s.host} at {s.control} does not answer health ({e}); "
+                                             "the route is unchanged") from None
+                    s.up, s.error = False, str(e)
+                    continue
+                s.up, s.pid, s.uptime_s, s.last_ok = True, h.get("pid"), h.get("uptime_s"), time.monotonic()
+            t0 = time.monotonic()
+
+            def swap(eng):
+                pipe = open_pipe()   # first: a pipeline that cannot open leaves the engine as it was
+                n = eng.fail_over("route switch")
+                eng.replace_pipe(pipe)
+                eng.resume()
+                return n
+            n = self.engine(swap, timeout_s)
+            with self.lock:
+                old = self.stages
+                for s in old:
+                    s.retired = True
+                    if self.metrics is not None and s.host in self._gauges:
+                        try:
+                            self.metrics.stage_up.remove(*self._gauges.pop(s.host))
+                        except KeyError:
+                            pass
+                self.stages = list(stages)
+                self.route = Route(actives, self.route.epoch + 1)
+                self.unavailable = None
+                for s in stages:
+                    self._gauge(s, 1 if s.up else 0)
+            for s in stages:
+                self._watch(s)
+            self.threads = [t for t in self.threads if t.is_alive()]
+            took = time.monotonic() - t0
+            self.history.add(actives[0].host, "switched", f"epoch {self.route.epoch}, {n} sequences replayed")
+            log.warning("route switch: epoch %d over %s; %d running sequences replay their prefix (%.3f s)",
+                        self.route.epoch, ", ".join(s.host for s in actives), n or 0, took)
+            return {"epoch": self.route.epoch, "replayed": n or 0, "seconds": round(took, 4),
+                    "stages": [s.host for s in actives],
+                    "standbys": [s.host for s in stages if s.role != "active"]}

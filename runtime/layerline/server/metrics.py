@@ -33,6 +33,10 @@ class Metrics:
                                  "server did: promoted (a standby), waited (until it answered again), restarted (it came back "
                                  "between two checks), failed (the requests it held)",
                                  ["host", "action"], registry=r)
+        self.route_epoch = Gauge("layerline_route_epoch", "route switches and standby promotions so far",
+                                 registry=r)
+        self.route_switches = Counter("layerline_route_switches", "planned route changes (drain, rejoin) by "
+                                      "result", ["result"], registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
