@@ -1,11 +1,12 @@
 """Decode speed, as ratios against baselines measured in the same run.
 
     .venv/bin/python bench/bench_decode.py [--checkpoint DIR] [--prompt 128] [--new 64]
-        [--compile max-autotune|default|off] [--pipeline-compile off|default|max-autotune]
+        [--compile max-autotune|default|off] [--pipeline-compile off|default|max-autotune] [--parts abcd]
 
 (a) one stage, in process, batch 1: layerline's decoder vs transformers generate, same
-    checkpoint and dtype: eager, weight-only int8, and with --compile (torch.compile of the
-    decode step, inductor freezing; its warm-up is timed and left out of the rate);
+    checkpoint and dtype: eager, weight-only int8 and int4 (groups of 32, CPU kernel), and with
+    --compile (torch.compile of the decode step, inductor freezing; its warm-up is timed and left
+    out of the rate) at each;
 (b) three local worker processes vs one, one sequence, through the real wire;
 (c) three local stages decoding four sequences together vs one sequence on one stage
     ((b) and (c) take turns on pipelines that both stay up);
@@ -203,6 +204,7 @@ def main(argv=None) -> dict:
                     help="the compiled setting (a) also measures (off: skip it)")
     ap.add_argument("--pipeline-compile", default="off", choices=COMPILE_MODES,
                     help="--compile for the workers of (b) and (c)")
+    ap.add_argument("--parts", default="abcd", help="which of (a)-(d) to run, e.g. a")
     a = ap.parse_args(argv)
     ckpt = str(ensure_demo(Path(a.checkpoint)))
     torch.manual_seed(0)
@@ -213,6 +215,17 @@ def main(argv=None) -> dict:
     out = {}
     print(f"decode benchmark: {ckpt}, {a.precision}, prompt {a.prompt}, {a.new} new tokens, "
           f"{torch.get_num_threads()} threads", flush=True)
+    if "a" in a.parts:
+        _part_a(a, ckpt, prompt, dtype, out)
+    if "b" in a.parts or "c" in a.parts:
+        _parts_bc(a, ckpt, prompt, out)
+    if "d" in a.parts:
+        _part_d(out)
+    return out
+
+
+def _part_a(a, ckpt: str, prompt: torch.Tensor, dtype: torch.dtype, out: dict) -> None:
+    from layerline.model.quant import int4_kernel_error
     hf = transformers_generate(ckpt, prompt, a.new, dtype)
     one, _ = ours_one_stage(ckpt, prompt, a.new, a.precision)
     q8, _ = ours_one_stage(ckpt, prompt, a.new, "int8")
@@ -220,14 +233,26 @@ def main(argv=None) -> dict:
                 "layerline_int8_tok_s": q8, "int8_ratio": q8 / hf}
     print(f"(a) one stage vs transformers generate ({a.precision}): {one:.1f} vs {hf:.1f} tokens/s = {one / hf:.2f}x "
           f"(goal 2.0x); with --precision int8 (weight-only): {q8:.1f} tokens/s = {q8 / hf:.2f}x", flush=True)
+    quants = ["int8"]
+    if int4_kernel_error() is None:
+        q4, _ = ours_one_stage(ckpt, prompt, a.new, "int4")
+        out["a"].update(layerline_int4_tok_s=q4, int4_ratio=q4 / hf)
+        print(f"(a) with --precision int4 (weight-only, groups of 32): {q4:.1f} tokens/s = {q4 / hf:.2f}x "
+              "transformers", flush=True)
+        quants.append("int4")
+    else:
+        print(f"(a) int4 skipped: {int4_kernel_error()}", flush=True)
     if a.compile != "off":
-        for prec in (a.precision, "int8"):
+        for prec in (a.precision, *quants):
             rate, warm = ours_one_stage(ckpt, prompt, a.new, prec, a.compile)
             out["a"][f"compile_{prec}_tok_s"] = rate
             out["a"][f"compile_{prec}_ratio"] = rate / hf
             out["a"][f"compile_{prec}_warmup_s"] = warm
             print(f"(a) with --compile {a.compile} --precision {prec}: {rate:.1f} tokens/s = {rate / hf:.2f}x "
                   f"transformers (warm-up {warm:.0f} s)", flush=True)
+
+
+def _parts_bc(a, ckpt: str, prompt: torch.Tensor, out: dict) -> None:
     pc = a.pipeline_compile
     p1, p3, p34 = pipelines(ckpt, prompt[0].tolist(), a.new, a.precision, compile=pc)
     out["b"] = {"one_stage_tok_s": p1, "three_stage_tok_s": p3, "ratio": p3 / p1, "compile": pc}
@@ -236,6 +261,9 @@ def main(argv=None) -> dict:
     out["c"] = {"one_seq_one_stage_tok_s": p1, "four_seq_three_stage_tok_s": p34, "ratio": p34 / p1, "compile": pc}
     print(f"(c) three stages, four sequences together vs one sequence on one stage: {p34:.1f} vs {p1:.1f} "
           f"tokens/s = {p34 / p1:.2f}x (goal 2.5x)", flush=True)
+
+
+def _part_d(out: dict) -> None:
     raw, wired = hop_overhead()
     enc_us, dec_us = wire_cpu_us()
     out["d"] = {"raw_rtt_s": raw, "wire_rtt_s": wired, "ratio": wired / raw,
@@ -243,7 +271,6 @@ def main(argv=None) -> dict:
     print(f"(d) wire round trip vs raw zmq, 2 KiB, echoed by another process: {wired * 1e3:.3f} vs "
           f"{raw * 1e3:.3f} ms = {wired / raw:.2f}x (goal 1.5x); in a warm loop one encode takes "
           f"{enc_us:.1f} us and one decode {dec_us:.1f} us (a round trip has two of each)", flush=True)
-    return out
 
 
 if __name__ == "__main__":

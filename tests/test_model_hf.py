@@ -275,8 +275,8 @@ def test_bad_range_is_one_line_checkpoint_error(ckpt, start, end, first, last, m
 
 
 def test_other_errors_are_one_line(ckpt, tmp_path):
-    with pytest.raises(LayerlineError, match="--precision int4") as e:
-        load_stage(str(ckpt), 0, 1, True, False, precision="int4")
+    with pytest.raises(LayerlineError, match="--precision fp8") as e:
+        load_stage(str(ckpt), 0, 1, True, False, precision="fp8")
     assert "\n" not in str(e.value)
 
     bad_shape = _edit_config(ckpt, tmp_path / "shape", intermediate_size=512)

@@ -18,17 +18,21 @@ from layerline.model.loader import precision_name, resolve_precision
 
 def test_the_table():
     t = precision.PRECISIONS
-    assert list(t) == ["fp32", "bf16", "fp16", "int8"]
-    assert {n: (p.compute, p.weight_bytes, p.quantized, p.kv) for n, p in t.items()} == {
-        "fp32": ("float32", 4.0, False, "fp32"), "bf16": ("bfloat16", 2.0, False, "bf16"),
-        "fp16": ("float16", 2.0, False, "fp16"), "int8": ("bfloat16", 1.0, True, "bf16")}
+    assert list(t) == ["fp32", "bf16", "fp16", "int8", "int4"]
+    assert {n: (p.compute, p.weight_bytes, p.quantized, p.kv, p.row_bytes, p.edge_precision)
+            for n, p in t.items()} == {
+        "fp32": ("float32", 4.0, False, "fp32", 0, "fp32"), "bf16": ("bfloat16", 2.0, False, "bf16", 0, "bf16"),
+        "fp16": ("float16", 2.0, False, "fp16", 0, "fp16"), "int8": ("bfloat16", 1.0, True, "bf16", 4, "int8"),
+        # int4: two weights a byte + a bf16 scale and zero per 32; embedding and head held at int8
+        "int4": ("bfloat16", 0.625, True, "bf16", 0, "int8")}
     assert cost.PRECISION_BYTES == {n: p.weight_bytes for n, p in t.items()}
     assert cost.KV_DTYPE_BYTES == {"fp32": 4, "bf16": 2, "fp16": 2, "float32": 4, "bfloat16": 2, "float16": 2}
     assert COMPILE_MODES == ("off", "default", "max-autotune") and not hasattr(cost, "COMPILE_MODES")
 
 
 @pytest.mark.parametrize("name,dtype,kv", [("fp32", torch.float32, torch.float32), ("bf16", torch.bfloat16, torch.bfloat16),
-                                           ("half", torch.float16, torch.float16), ("int8", torch.bfloat16, torch.bfloat16)])
+                                           ("half", torch.float16, torch.float16), ("int8", torch.bfloat16, torch.bfloat16),
+                                           ("int4", torch.bfloat16, torch.bfloat16)])
 def test_loader_stage_and_worker_read_the_same_row(name, dtype, kv):
     assert resolve_precision(name) == dtype
     p = precision.precision(name)
@@ -38,8 +42,8 @@ def test_loader_stage_and_worker_read_the_same_row(name, dtype, kv):
                      head_dim=4, rms_norm_eps=1e-6, rope_theta=1e4, rope_scaling=None, max_position_embeddings=32,
                      attention_bias=False, tie_word_embeddings=False)
     with torch.device("meta"):
-        st = Stage(args, 0, 1, True, True, dtype, int8=p.quantized)
-    assert st.kv_dtype == kv  # int8 is weight-only: a bf16 KV cache
+        st = Stage(args, 0, 1, True, True, dtype, quant=p.name if p.quantized else None)
+    assert st.kv_dtype == kv  # int8 and int4 are weight-only: a bf16 KV cache
 
 
 def test_kv_rule_and_overrides():
@@ -47,7 +51,7 @@ def test_kv_rule_and_overrides():
     assert precision.kv_name("int8", "float32") == "fp32"
     with pytest.raises(LayerlineError, match="--kv-dtype int4: must be one of fp32, bf16, fp16"):
         precision.kv_name("bf16", "int4")
-    with pytest.raises(LayerlineError, match="--precision fp8: unknown; choose one of fp32, bf16, fp16, int8"):
+    with pytest.raises(LayerlineError, match="--precision fp8: unknown; choose one of fp32, bf16, fp16, int8, int4$"):
         precision.precision("fp8")
     c = cost.ModelCost(num_layers=1, stored_precision="bf16", dense_params=[100], expert_params=[0], rows=[10],
                        embed_params=0, head_params=0, kv_width=8)
@@ -55,6 +59,9 @@ def test_kv_rule_and_overrides():
     assert cost.kv_profile(c, cost.CostOptions(), "fp32").bytes_per_token == 8 * 4
     assert cost.weight_bytes(c, 0, "int8") == 100 + 10 * precision.QUANT_ROW_BYTES
     assert cost.weight_bytes(c, 0, "bf16") == 200
+    assert cost.weight_bytes(c, 0, "int4") == 62  # 100 x 0.625: group scales inside, nothing per row
+    c.embed_params, c.head_params, c.tied_embeddings = 1000, 10, False
+    assert cost.edge_bytes(c, "int4", True, True) == cost.edge_bytes(c, "int8", True, True) == 1010
 
 
 def test_cost_is_torch_free_and_the_model_does_not_import_it():

@@ -11,12 +11,12 @@ from dataclasses import asdict, dataclass, field
 
 from .checkpoint import DTYPE_BYTES, CheckpointIndex
 from .errors import LayerlineError
-from .precision import KV_NAMES, PRECISIONS, QUANT_ROW_BYTES, kv_bytes
+from .precision import KV_NAMES, PRECISIONS, kv_bytes
 from .precision import precision as precision_row
 
-# Bytes per parameter at each precision a worker may run (precision.PRECISIONS). A quantized
-# precision carries one fp32 scale per output channel; that overhead is charged per layer from
-# its row count.
+# Bytes per parameter at each precision a worker may run (precision.PRECISIONS). int8 carries one
+# fp32 scale per output channel (`row_bytes`), charged per layer from its row count; int4's group
+# scales are in its bytes per parameter, and its embedding and LM head are charged at int8 (`edge`).
 PRECISION_BYTES = {name: p.weight_bytes for name, p in PRECISIONS.items()}
 KV_DTYPE_BYTES = {name: kv_bytes(name) for name in KV_NAMES}
 STORED_PRECISION = {"F32": "fp32", "BF16": "bf16", "F16": "fp16", "I8": "int8"}
@@ -187,11 +187,12 @@ def kv_profile(cost: ModelCost, opts: CostOptions, precision: str) -> KvProfile:
 
 def weight_bytes(cost: ModelCost, layer: int, precision: str, experts: bool = True) -> int:
     p = cost.dense_params[layer] + (cost.expert_params[layer] if experts else 0)
-    extra = cost.rows[layer] * QUANT_ROW_BYTES if PRECISIONS[precision].quantized else 0
+    extra = cost.rows[layer] * PRECISIONS[precision].row_bytes
     return int(p * PRECISION_BYTES[precision]) + extra
 
 
 def edge_bytes(cost: ModelCost, precision: str, first: bool, last: bool) -> int:
+    precision = PRECISIONS[precision].edge_precision  # int4 holds its embedding and head at int8
     b = 0
     if first:
         b += cost.embed_params * PRECISION_BYTES[precision]

@@ -8,9 +8,13 @@ torch when a caller actually wants a dtype object.
     bf16   bfloat16   2                    no          bf16
     fp16   float16    2                    no          fp16
     int8   bfloat16   1 (+ 4 per row)      yes         bf16   (weight-only: activations and KV stay bf16)
+    int4   bfloat16   0.625                yes         bf16   (weight-only; embedding and LM head at int8)
 
-A quantized precision also carries one float32 scale per output row of every matrix
-(`QUANT_ROW_BYTES`). The KV cache is held in one of `KV_DTYPES` (a plan's `kv_dtype`, the worker's
+int8 carries one float32 scale per output row of every matrix (`row_bytes`, `QUANT_ROW_BYTES`).
+int4 holds two weights a byte plus a bf16 scale and a bf16 zero per group of `INT4_GROUP` (32)
+weights along the input dimension: 0.5 + 4/32 = 0.625 bytes a weight, nothing per row. Its token
+embedding and LM head stay int8 (`edge`): a lookup wants whole rows, and the head is the layer
+most sensitive to rounding. The KV cache is held in one of `KV_DTYPES` (a plan's `kv_dtype`, the worker's
 `--kv-dtype`); without one it follows its precision's `kv` column.
 """
 from __future__ import annotations
@@ -25,17 +29,26 @@ class Precision:
     name: str
     compute: str          # torch dtype name activations, norms and biases compute in
     weight_bytes: float   # bytes per weight parameter
-    quantized: bool       # weights held quantized (weight-only), one float32 scale per output row
+    quantized: bool       # weights held quantized (weight-only: activations stay in `compute`)
     kv: str               # the KV cache's dtype (a KV_DTYPES name) unless a plan says otherwise
+    row_bytes: int = 0    # bytes per output row of every matrix on top of `weight_bytes` (int8's scales)
+    edge: str = ""        # the precision the embedding and LM head are held at ("": this one)
 
+    @property
+    def edge_precision(self) -> str:
+        return self.edge or self.name
+
+
+INT4_GROUP = 32  # int4 weights per (bf16 scale, bf16 zero) pair, along the input dimension
 
 PRECISIONS: dict[str, Precision] = {p.name: p for p in (
     Precision("fp32", "float32", 4.0, False, "fp32"),
     Precision("bf16", "bfloat16", 2.0, False, "bf16"),
     Precision("fp16", "float16", 2.0, False, "fp16"),
-    Precision("int8", "bfloat16", 1.0, True, "bf16"),  # int8 is weight-only: its KV cache is bf16
+    Precision("int8", "bfloat16", 1.0, True, "bf16", row_bytes=4),  # weight-only: its KV cache is bf16
+    Precision("int4", "bfloat16", 0.5 + 4 / INT4_GROUP, True, "bf16", edge="int8"),
 )}
-QUANT_ROW_BYTES = 4  # a quantized matrix's float32 scale per output row
+QUANT_ROW_BYTES = 4  # int8's float32 scale per output row
 
 # KV cache dtypes: name -> (torch dtype name, bytes per element)
 KV_DTYPES: dict[str, tuple[str, int]] = {"fp32": ("float32", 4), "bf16": ("bfloat16", 2), "fp16": ("float16", 2)}
@@ -80,7 +93,8 @@ def torch_dtype(name: str):
 
 
 def of_dtype(compute: str, quantized: bool = False) -> Precision:
-    """The precision that computes in torch dtype name `compute` (int8 when `quantized`)."""
+    """The precision that computes in torch dtype name `compute` (int8 when `quantized`; int4 shares
+    int8's compute and KV columns)."""
     for p in PRECISIONS.values():
         if p.compute == compute and p.quantized == quantized:
             return p

@@ -21,7 +21,9 @@ sparse mixture of experts (`moe.SparseMoE`, experts behind an `ExpertStore`).
 
 Precision int8 (weight-only): every Linear weight, the token embedding and the LM head are held as
 int8 with a float32 scale per output row (`quant`); norms, biases, the Mixtral router, the
-activations and the KV cache are bf16 (the precision table, `layerline.precision`).
+activations and the KV cache are bf16 (the precision table, `layerline.precision`). Precision int4
+holds every layer's Linear weights as int4 in groups of 32 (`quant.Int4Linear`, torch's CPU int4
+kernel) and the embedding and LM head as int8; the rest as at int8.
 
 One forward (`Stage._forward`, after gpt-fast's `Transformer.forward`): the new tokens come with a
 positions tensor, each layer writes their K/V there with one update (`kv_update`) and attends to
@@ -41,10 +43,10 @@ from torch import nn
 
 from ..checkpoint import CheckpointError
 from ..errors import LayerlineError
-from ..precision import of_dtype, torch_dtype
+from ..precision import of_dtype, precision, torch_dtype
 from . import COMPILE_MODES
 from .moe import ExpertStore, SparseMoE
-from .quant import Int8Embedding, make_linear
+from .quant import Int8Embedding, make_linear, quant_name, require_int4
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "mixtral")
 _ROPE_TYPES = ("default", "linear", "llama3")
@@ -343,15 +345,15 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs, dtype: torch.dtype, int8: bool = False):
+    def __init__(self, args: ModelArgs, dtype: torch.dtype, quant=None):
         super().__init__()
         h, hd = args.hidden_size, args.head_dim
         self.n_heads, self.n_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, hd
         self.scale = hd ** -0.5
-        self.q_proj = make_linear(h, args.num_heads * hd, args.attention_bias, dtype, int8)
-        self.k_proj = make_linear(h, args.num_kv_heads * hd, args.attention_bias, dtype, int8)
-        self.v_proj = make_linear(h, args.num_kv_heads * hd, args.attention_bias, dtype, int8)
-        self.o_proj = make_linear(args.num_heads * hd, h, args.o_proj_bias, dtype, int8)
+        self.q_proj = make_linear(h, args.num_heads * hd, args.attention_bias, dtype, quant)
+        self.k_proj = make_linear(h, args.num_kv_heads * hd, args.attention_bias, dtype, quant)
+        self.v_proj = make_linear(h, args.num_kv_heads * hd, args.attention_bias, dtype, quant)
+        self.o_proj = make_linear(args.num_heads * hd, h, args.o_proj_bias, dtype, quant)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: list,
                 kv: list | None, view: list) -> torch.Tensor:
@@ -424,31 +426,31 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, args: ModelArgs, dtype: torch.dtype, int8: bool = False):
+    def __init__(self, args: ModelArgs, dtype: torch.dtype, quant=None):
         super().__init__()
         h, i = args.hidden_size, args.intermediate_size
-        self.gate_proj = make_linear(h, i, False, dtype, int8)
-        self.up_proj = make_linear(h, i, False, dtype, int8)
-        self.down_proj = make_linear(i, h, False, dtype, int8)
+        self.gate_proj = make_linear(h, i, False, dtype, quant)
+        self.up_proj = make_linear(h, i, False, dtype, quant)
+        self.down_proj = make_linear(i, h, False, dtype, quant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs, dtype: torch.dtype, layer: int = 0, int8: bool = False,
+    def __init__(self, args: ModelArgs, dtype: torch.dtype, layer: int = 0, quant=None,
                  resident_experts: bool = True):
         super().__init__()
         self.layer = layer
         self.window = args.window(layer)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
-        self.self_attn = Attention(args, dtype, int8)
+        self.self_attn = Attention(args, dtype, quant)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
         if args.num_experts:
             self.block_sparse_moe = SparseMoE(layer, args.hidden_size, args.intermediate_size, args.num_experts,
-                                              args.experts_per_tok, dtype, int8, resident_experts)
+                                              args.experts_per_tok, dtype, quant, resident_experts)
         else:
-            self.mlp = MLP(args, dtype, int8)
+            self.mlp = MLP(args, dtype, quant)
 
     @property
     def ffn(self) -> nn.Module:
@@ -491,7 +493,8 @@ def _views(starts: list[int], t: int, windows, device) -> dict:
 class Stage(nn.Module):
     """Layers [start, end) of the model; the embedding if `first`; final norm + LM head if `last`.
 
-    `int8`: hold the weights as int8 + per-row scales (`dtype` is then the compute dtype, bf16).
+    `quant`: "int8" holds the weights as int8 + per-row scales, "int4" as int4 in groups (embedding
+    and LM head int8); `dtype` is then the compute dtype, bf16. `int8=True` is `quant="int8"`.
     `resident_experts`: False builds Mixtral's MoE blocks without experts; attach an
     `ExpertStore` with `set_expert_store` before running.
 
@@ -503,20 +506,25 @@ class Stage(nn.Module):
     """
 
     def __init__(self, args: ModelArgs, start: int, end: int, first: bool, last: bool, dtype: torch.dtype,
-                 *, int8: bool = False, resident_experts: bool = True):
+                 *, int8: bool = False, quant: str | None = None, resident_experts: bool = True):
         super().__init__()
         if not 0 <= start < end <= args.num_layers:
             raise LayerlineError(f"--layers {start}:{end}: not a non-empty range inside the model's "
                                  f"0:{args.num_layers}; choose A:B with 0 <= A < B <= {args.num_layers}")
         self.args, self.start, self.end = args, start, end
-        self.first, self.last, self.dtype, self.int8 = first, last, dtype, int8
-        # the KV cache's dtype unless asked otherwise: the precision table's rule (int8 -> bf16)
+        quant = quant_name(quant or int8)
+        if quant == "int4":
+            require_int4()  # one line when this torch lacks the kernel
+        self.first, self.last, self.dtype, self.quant = first, last, dtype, quant
+        self.int8 = quant is not None  # quantized: the embedding (and a tied head) is int8
+        # the KV cache's dtype unless asked otherwise: the precision table's rule (int8, int4 -> bf16)
         try:
-            self.kv_dtype = torch_dtype(of_dtype(str(dtype).removeprefix("torch."), int8).kv)
+            self.kv_dtype = torch_dtype(precision(quant).kv if quant else
+                                        of_dtype(str(dtype).removeprefix("torch.")).kv)
         except LayerlineError:
             self.kv_dtype = dtype
         if first:
-            if int8:
+            if quant:
                 self.embed_tokens = Int8Embedding(args.vocab_size, args.hidden_size, dtype)
             else:
                 # _weight skips nn.Embedding's normal_ init, which on the meta device costs seconds of
@@ -524,12 +532,14 @@ class Stage(nn.Module):
                 self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size, dtype=dtype,
                                                  _weight=torch.zeros(args.vocab_size, args.hidden_size, dtype=dtype))
         # keyed by global layer index, so state_dict keys read as the checkpoint's names
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(args, dtype, i, int8, resident_experts)
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(args, dtype, i, quant, resident_experts)
                                      for i in range(start, end)})
         self.windows = tuple(dict.fromkeys(layer.window for layer in self.layers.values()))
         if last:
             self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
-            self.lm_head = make_linear(args.hidden_size, args.vocab_size, False, dtype, int8)
+            # the head at the precision table's `edge` (int4 stages: int8)
+            self.lm_head = make_linear(args.hidden_size, args.vocab_size, False, dtype,
+                                       quant and precision(quant).edge_precision)
             if first and args.tie_word_embeddings:
                 self.tie_head()
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)

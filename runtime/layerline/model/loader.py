@@ -5,7 +5,8 @@ safetensors.safe_open, cast to the precision's dtype one at a time, and assigned
 (load_state_dict(assign=True)), so peak memory is the stage's weights plus one tensor.
 
 Precision int8 quantizes each Linear weight (and the embedding / LM head) right after reading
-it, so the float copy of only one tensor exists at a time. Mixtral's experts are either loaded
+it, so the float copy of only one tensor exists at a time; int4 the same, into the int4 layers'
+packed weights and group scales (embedding and LM head int8). Mixtral's experts are either loaded
 with the stage (default) or, given `expert_cache_bytes`, left on disk and served by an
 `LRUExpertStore` that reads them when routed to.
 """
@@ -24,18 +25,18 @@ from ..precision import precision as precision_row
 from ..precision import torch_dtype
 from .llama import ModelArgs, Stage, hf_name
 from .moe import LRUExpertStore
-from .quant import quantize_rows
+from .quant import Int4Linear, quantize_rows, require_int4
 
 _FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
 
 
 def precision_name(precision: str) -> str:
-    """The canonical precision name (fp32 | bf16 | fp16 | int8) of a name or alias."""
+    """The canonical precision name (fp32 | bf16 | fp16 | int8 | int4) of a name or alias."""
     return precision_row(precision).name
 
 
 def resolve_precision(precision: str) -> torch.dtype:
-    """The dtype a stage of this precision computes in (bf16 for int8, whose weights are int8)."""
+    """The dtype a stage of this precision computes in (bf16 for int8 and int4: weight-only)."""
     return torch_dtype(precision_row(precision).compute)
 
 
@@ -83,14 +84,15 @@ def load_stage(ckpt_dir: str, start: int, end: int, first: bool, last: bool,
                expert_cache_bytes: int | None = None) -> Stage:
     """Build the stage for layers [start, end) from `ckpt_dir`, reading only its tensors.
 
-    precision: fp32 | bf16 | fp16 | int8 (weight-only int8, per-row scales, bf16 compute).
+    precision: fp32 | bf16 | fp16 | int8 (weight-only int8, per-row scales, bf16 compute) | int4
+    (weight-only int4 in groups of 32, CPU only; embedding and LM head int8).
     expert_cache_bytes (MoE models only): None loads every expert of the stage's layers; a number
     leaves experts on disk and serves them through an LRUExpertStore holding at most that many
     bytes (`stage.expert_store`, with hit/miss/bytes_read counters in `.stats`).
     """
     prec = precision_row(precision)
     dtype = torch_dtype(prec.compute)
-    int8 = prec.quantized
+    quant = prec.name if prec.quantized else None
     if expert_cache_bytes is not None and (isinstance(expert_cache_bytes, bool) or expert_cache_bytes < 0):
         raise LayerlineError(f"expert cache of {expert_cache_bytes!r} bytes: give a non-negative byte count")
     try:
@@ -102,6 +104,8 @@ def load_stage(ckpt_dir: str, start: int, end: int, first: bool, last: bool,
     if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
         raise LayerlineError(f"--device {device}: this host has {torch.cuda.device_count()} CUDA device(s); "
                              "use one of them or cpu")
+    if quant == "int4":
+        require_int4(dev)
 
     index = read_index(ckpt_dir)
     args = ModelArgs.from_config(index.config)
@@ -109,10 +113,12 @@ def load_stage(ckpt_dir: str, start: int, end: int, first: bool, last: bool,
     paged = expert_cache_bytes is not None and args.num_experts > 0
     expected = _expected(args, start, end, first, last, resident_experts=not paged)
     with torch.device("meta"):
-        stage = Stage(args, start, end, first, last, dtype, int8=int8, resident_experts=not paged)
+        stage = Stage(args, start, end, first, last, dtype, quant=quant, resident_experts=not paged)
     meta_state = stage.state_dict(keep_vars=True)
-    # checkpoint tensors held as int8 (+ scale): those whose stage tensor is int8
+    # checkpoint tensors held as int8 (+ scale): those whose stage tensor is int8; as int4 (packed
+    # uint8 + group scales): those whose stage tensor is uint8
     quantized = {expected[k][0] for k, t in meta_state.items() if t.dtype == torch.int8}
+    int4 = {expected[k][0] for k, t in meta_state.items() if t.dtype == torch.uint8}
 
     by_file: dict[str, list[str]] = defaultdict(list)
     for key, (name, shape) in expected.items():
@@ -140,6 +146,8 @@ def load_stage(ckpt_dir: str, start: int, end: int, first: bool, last: bool,
                 for name in names:
                     if name in quantized:
                         loaded[name], scales[name] = quantize_rows(f.get_tensor(name))
+                    elif name in int4:
+                        loaded[name], scales[name] = Int4Linear.pack(f.get_tensor(name), dtype)
                     else:
                         loaded[name] = f.get_tensor(name).to(dtype)
         except (OSError, RuntimeError, ValueError) as e:
@@ -150,14 +158,14 @@ def load_stage(ckpt_dir: str, start: int, end: int, first: bool, last: bool,
     state = {}
     for key, (name, _shape) in expected.items():
         state[key] = loaded[name]
-        if name in quantized:
+        if name in quantized or name in int4:
             state[key[: -len("weight")] + "scale"] = scales[name]
     stage.load_state_dict(state, strict=True, assign=True)
     if first and last and args.tie_word_embeddings:
         stage.tie_head()
     stage.inv_freq = stage.inv_freq.to(dev)
     if paged:
-        stage.expert_store = LRUExpertStore(ckpt_dir, index, dtype, int8, expert_cache_bytes, dev,
+        stage.expert_store = LRUExpertStore(ckpt_dir, index, dtype, quant, expert_cache_bytes, dev,
                                             layers=range(start, end), num_experts=args.num_experts)
         stage.set_expert_store(stage.expert_store)
     return stage.eval()

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..checkpoint import CheckpointError, CheckpointIndex
-from .quant import Int8Linear, make_linear
+from .quant import Int4Linear, Int8Linear, int4_fits, make_linear, quant_name
 
 Proj = Callable[[torch.Tensor], torch.Tensor]
 EXPERT_PROJS = ("w1", "w2", "w3")
@@ -44,18 +44,18 @@ class ExpertStore(Protocol):
 
 
 class Expert(nn.Module):
-    def __init__(self, hidden: int, inter: int, dtype: torch.dtype, int8: bool):
+    def __init__(self, hidden: int, inter: int, dtype: torch.dtype, quant=None):
         super().__init__()
-        self.w1 = make_linear(hidden, inter, False, dtype, int8)
-        self.w2 = make_linear(inter, hidden, False, dtype, int8)
-        self.w3 = make_linear(hidden, inter, False, dtype, int8)
+        self.w1 = make_linear(hidden, inter, False, dtype, quant)
+        self.w2 = make_linear(inter, hidden, False, dtype, quant)
+        self.w3 = make_linear(hidden, inter, False, dtype, quant)
 
 
 class ResidentExperts(nn.ModuleList):
     """All experts of one layer, held in memory as submodules."""
 
-    def __init__(self, layer: int, n: int, hidden: int, inter: int, dtype: torch.dtype, int8: bool):
-        super().__init__([Expert(hidden, inter, dtype, int8) for _ in range(n)])
+    def __init__(self, layer: int, n: int, hidden: int, inter: int, dtype: torch.dtype, quant=None):
+        super().__init__([Expert(hidden, inter, dtype, quant) for _ in range(n)])
         self.layer = layer
 
     def get(self, layer: int, expert: int) -> tuple[Proj, Proj, Proj]:
@@ -82,13 +82,13 @@ class LRUExpertStore:
     expert bigger than the budget is still served (and dropped at the next miss).
     """
 
-    def __init__(self, ckpt_dir: str, index: CheckpointIndex, dtype: torch.dtype, int8: bool,
+    def __init__(self, ckpt_dir: str, index: CheckpointIndex, dtype: torch.dtype, quant,
                  budget_bytes: int, device: str | torch.device = "cpu", layers: range | None = None,
                  num_experts: int | None = None):
         if budget_bytes < 0:
             raise ValueError(f"expert cache budget {budget_bytes} bytes: must not be negative")
         self.root = Path(ckpt_dir)
-        self.index, self.dtype, self.int8 = index, dtype, int8
+        self.index, self.dtype, self.quant = index, dtype, quant_name(quant)
         self.budget = int(budget_bytes)
         self.device = torch.device(device)
         self.stats = ExpertStoreStats()
@@ -127,7 +127,9 @@ class LRUExpertStore:
         return t
 
     def _build(self, w: torch.Tensor) -> tuple[nn.Module, int]:
-        if self.int8:
+        if self.quant == "int4" and int4_fits(w.shape[1], w.shape[0]):
+            m = Int4Linear.from_float(w, dtype=self.dtype)
+        elif self.quant:
             m = Int8Linear.from_float(w, dtype=self.dtype)
         else:
             with torch.device("meta"):
@@ -183,12 +185,12 @@ class SparseMoE(nn.Module):
     """Mixtral's block_sparse_moe: router `gate` [experts, hidden] and top-k SwiGLU experts."""
 
     def __init__(self, layer: int, hidden: int, inter: int, num_experts: int, top_k: int,
-                 dtype: torch.dtype, int8: bool, resident: bool = True):
+                 dtype: torch.dtype, quant=None, resident: bool = True):
         super().__init__()
         self.layer, self.num_experts, self.top_k = layer, num_experts, top_k
         # the router stays in the compute dtype even at int8: it is tiny and routing is sensitive
         self.gate = nn.Linear(hidden, num_experts, bias=False, dtype=dtype)
-        self.experts = ResidentExperts(layer, num_experts, hidden, inter, dtype, int8) if resident else None
+        self.experts = ResidentExperts(layer, num_experts, hidden, inter, dtype, quant) if resident else None
         self.store: ExpertStore | None = None  # an external store; used instead of `experts` when set
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,16 @@ or when the kernel refuses, by dequantizing the weight for the matmul.
 
 The token embedding is quantized the same way (one scale per vocabulary row), so a tied LM head
 shares the int8 tensor and its scales with the embedding.
+
+Weight-only int4 (`Int4Linear`), group-wise asymmetric: each run of `INT4_GROUP` (32) weights along
+the input dimension gets a scale s = (max - min) / 15 and a zero z = min + 8 s, and each weight a
+code q = round((w - min) / s) in 0..15, so w ≈ (q - 8) s + z (torch's "tinygemm" convention, the
+one its kernels read). Two codes a byte, packed by `torch._convert_weight_to_int4pack_for_cpu`; the
+matmul is `torch._weight_int4pack_mm_for_cpu` (bf16 activations, scales and zeros in bf16), CPU
+only. The kernel takes groups of 32, 64, 128 or 256 and output widths divisible by 16: a matrix
+that does not fit is held at int8 instead. An int4 stage keeps its embedding and LM head at int8
+(the precision table's `edge`). GGUF Q4_0 / Q4_1 blocks are this layout with 32-weight groups, so
+int4 re-quantizes such a file's weights almost exactly.
 """
 from __future__ import annotations
 
@@ -16,7 +26,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import LayerlineError
+from ..precision import INT4_GROUP
+
 QMAX = 127
+INT4_GROUPS = (32, 64, 128, 256)  # the group sizes torch's CPU int4 kernel takes
+INT4_OPS = ("_convert_weight_to_int4pack_for_cpu", "_weight_int4pack_mm_for_cpu")  # torch 2.6+
 
 
 def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,11 +115,128 @@ class Int8Embedding(nn.Module):
         return (self.weight[ids].float() * self.scale[ids].unsqueeze(-1)).to(self.dtype)
 
 
-def make_linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype, int8: bool) -> nn.Module:
-    if int8:
+# --- int4 -------------------------------------------------------------------------------------------
+
+def int4_kernel_error() -> str | None:
+    """Why this torch cannot run int4 (one line), or None when its CPU int4 kernels are there."""
+    missing = [o for o in INT4_OPS if not hasattr(torch.ops.aten, o)]
+    if missing:
+        return (f"--precision int4: this torch {torch.__version__} lacks the CPU int4 kernel "
+                f"torch.{missing[0]}; use a torch with it (2.6+) or --precision int8")
+    return None
+
+
+def require_int4(device: torch.device | str = "cpu") -> None:
+    """LayerlineError (one line) unless int4 can run on `device` here."""
+    err = int4_kernel_error()
+    if err:
+        raise LayerlineError(err)
+    if torch.device(device).type not in ("cpu", "meta"):
+        raise LayerlineError(f"--precision int4: runs on the CPU only (torch's CPU int4 kernel), not "
+                             f"--device {device}; use --precision int8 there")
+
+
+def int4_fits(in_features: int, out_features: int, group: int = INT4_GROUP) -> bool:
+    """Whether the CPU kernel takes a [out, in] matrix in groups of `group`."""
+    return group in INT4_GROUPS and in_features % group == 0 and out_features % 16 == 0
+
+
+def quantize_groups(w: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """Asymmetric int4 per group of `group` inputs: (q int32 [N, K] in 0..15, scale_zeros float32
+    [K / group, N, 2]) with w[n, k] ≈ (q[n, k] - 8) * s + z, (s, z) = scale_zeros[k // group, n]."""
+    if w.dim() != 2 or w.shape[1] % group:
+        raise ValueError(f"quantize_groups: expected a 2-D weight with columns divisible by {group}, "
+                         f"got shape {tuple(w.shape)}")
+    n, k = w.shape
+    wg = w.float().reshape(n, k // group, group)
+    lo, hi = wg.amin(-1, keepdim=True), wg.amax(-1, keepdim=True)
+    s = (hi - lo).clamp_min(1e-6) / 15
+    q = torch.round((wg - lo) / s).clamp_(0, 15).to(torch.int32).reshape(n, k)
+    sz = torch.cat([s, lo + 8 * s], dim=-1).transpose(0, 1).contiguous()
+    return q, sz
+
+
+def dequantize_groups(q: torch.Tensor, scale_zeros: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The float weight [N, K] of `quantize_groups`'s (q, scale_zeros)."""
+    n, k = q.shape
+    g = k // scale_zeros.shape[0]
+    sz = scale_zeros.float().transpose(0, 1)  # [N, K / g, 2]
+    w = (q.float().reshape(n, k // g, g) - 8) * sz[..., :1] + sz[..., 1:]
+    return w.reshape(n, k).to(dtype)
+
+
+class Int4Linear(nn.Module):
+    """A bias-optional linear layer with int4 weights in groups (see the module docstring).
+
+    state_dict: `weight` (uint8 [out, in / 2], the CPU kernel's packing), `scale` (compute dtype
+    [in / group, out, 2]: each group's scale and zero), and `bias` (compute dtype) when it has one.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
+                 group: int = INT4_GROUP):
+        super().__init__()
+        if not int4_fits(in_features, out_features, group):
+            raise ValueError(f"Int4Linear [{out_features}, {in_features}] in groups of {group}: the CPU "
+                             "kernel wants in % group == 0, out % 16 == 0 and group in 32, 64, 128, 256")
+        self.in_features, self.out_features, self.group = in_features, out_features, group
+        self.register_buffer("weight", torch.zeros(out_features, in_features // 2, dtype=torch.uint8))
+        self.register_buffer("scale", torch.zeros(in_features // group, out_features, 2, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
+
+    @staticmethod
+    def pack(w: torch.Tensor, dtype: torch.dtype = torch.bfloat16,
+             group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+        """(packed uint8 weight, scale_zeros in `dtype`) of a float weight, as this module holds them."""
+        require_int4()
+        q, sz = quantize_groups(w, group)
+        return torch._convert_weight_to_int4pack_for_cpu(q, 2), sz.to(dtype)
+
+    @classmethod
+    def from_float(cls, w: torch.Tensor, bias: torch.Tensor | None = None,
+                   dtype: torch.dtype = torch.bfloat16, group: int = INT4_GROUP) -> "Int4Linear":
+        with torch.device("meta"):
+            m = cls(w.shape[1], w.shape[0], bias is not None, dtype, group)
+        m.weight, m.scale = cls.pack(w, dtype, group)
+        if bias is not None:
+            m.bias = nn.Parameter(bias.to(dtype), requires_grad=False)
+        return m
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1]).to(self.scale.dtype)
+        if not x2.is_contiguous():
+            x2 = x2.contiguous()
+        y = torch._weight_int4pack_mm_for_cpu(x2, self.weight, self.group, self.scale)
+        y = y.view(*shape[:-1], self.out_features).to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int4 (groups of {self.group})"
+
+
+def quant_name(quant) -> str | None:
+    """None, "int8" or "int4" of a stage's quantization flag (True meaning int8, as it used to)."""
+    if quant in (None, False):
+        return None
+    if quant is True:
+        return "int8"
+    if quant not in ("int8", "int4"):
+        raise ValueError(f"quantization {quant!r}: not int8 or int4")
+    return quant
+
+
+def make_linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype, quant=None) -> nn.Module:
+    """nn.Linear, Int8Linear or Int4Linear by `quant` (None/False, True/"int8", "int4"); an int4 matrix
+    the kernel cannot take is int8."""
+    quant = quant_name(quant)
+    if quant == "int4" and int4_fits(in_features, out_features):
+        return Int4Linear(in_features, out_features, bias, dtype)
+    if quant:
         return Int8Linear(in_features, out_features, bias, dtype)
     return nn.Linear(in_features, out_features, bias=bias, dtype=dtype)
 
 
 def is_quantized_weight(module: nn.Module, attr: str) -> bool:
-    return isinstance(module, (Int8Linear, Int8Embedding)) and attr == "weight"
+    return isinstance(module, (Int8Linear, Int8Embedding, Int4Linear)) and attr == "weight"
