@@ -32,7 +32,7 @@ test-unit: setup
 	$(BIN)/python -m pytest -q -m unit tests
 
 lint: setup
-	$(BIN)/ansible-lint --profile production deploy.yml teardown.yml playbooks roles
+	$(BIN)/ansible-lint --profile production deploy.yml drain.yml teardown.yml playbooks roles
 
 bench: setup
 	$(BIN)/python bench/run_all.py

@@ -30,6 +30,7 @@ MODULE_TIER = {
     "test_worker_module": "e2e",   # layerline_worker through real ansible
     "test_server": "e2e",          # the server over three real worker processes
     "test_route_switch": "e2e",    # a live route switch over real workers
+    "test_drain": "e2e",           # drain.yml and a rejoin under load
     "test_multihost": "multihost",
 }
 # "module::fixture": every test of that module using the fixture (real worker processes)

@@ -8,7 +8,7 @@ from helpers import BIN, ROOT, ansible_env
 
 def test_ansible_lint_production():
     r = subprocess.run([str(BIN / "ansible-lint"), "--profile", "production", "--nocolor",
-                        "deploy.yml", "teardown.yml", "playbooks", "roles"],
+                        "deploy.yml", "drain.yml", "teardown.yml", "playbooks", "roles"],
                        cwd=ROOT, env=ansible_env(), capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-5000:] + r.stderr[-3000:]
 

@@ -107,14 +107,14 @@ def layerline_state_dir(hvars, host, slot=None):
 
 
 def layerline_route(saved, hosts, drain=None, rejoin=None):
-    """The route after a drain or rejoin: {slot, drained, changed, before} (layerline.routes)."""
+    """The route after a drain or rejoin: {slot, drained, moves, before} (layerline.routes)."""
     _need_runtime()
     try:
         before = RouteState.from_dict(_plain(saved) if saved else None)
         after, changed = next_route(before, [str(h) for h in hosts], _plain(drain), _plain(rejoin))
     except LayerlineError as e:
         raise AnsibleFilterError(f"layerline_route: {e}") from None
-    return after.to_dict() | {"changed": changed, "before": before.to_dict()}
+    return after.to_dict() | {"moves": changed, "before": before.to_dict()}
 
 
 def layerline_peers(hostvars, hosts, me):

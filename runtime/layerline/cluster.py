@@ -673,6 +673,34 @@ class Cluster:
         self._endpoint = str(next(iter(urls.values())))
         return self._endpoint
 
+    # -- operations under load: the server keeps answering through each of these --------------
+
+    def drain(self, hosts) -> dict:
+        """Take hosts out of the serving pipeline, one at a time (drain.yml each): the rest are
+        re-planned, started beside the old workers, the server switches to them at a step boundary
+        and the old ones stop. A drained host stays out of later plans until rejoin(). Returns the
+        new plan. Raises ClusterError, with everything as it was, when a drain fails."""
+        names = [hosts] if isinstance(hosts, str) else list(hosts)
+        if not names or not all(isinstance(h, str) and h for h in names):
+            raise LayerlineError(f"drain: hosts {hosts!r} must be a host name or a list of them")
+        for h in names:
+            self._absorb(self._run(f"drain-{h}", ["drain"], extravars={"layerline_drain": h}))
+        return self._need_plan()
+
+    def retire(self, host: str) -> dict:
+        """The reference design's retire: mark the host draining and move its layers off it (a
+        standby for it serves in its place) while requests keep flowing. Returns the new plan."""
+        return self.drain([host])
+
+    def rejoin(self, host: str) -> dict:
+        """Bring a drained host back: re-plan with it and switch the server over (no restart, no
+        failed request), as `deploy.yml -e layerline_rejoin=HOST`. Returns the new plan."""
+        if not isinstance(host, str) or not host:
+            raise LayerlineError(f"rejoin: host {host!r} must be a host name")
+        plays = ["checkpoint", "runtime", "probe", "plan", *_LAUNCH_PLAYS, "serve"]
+        self._absorb(self._run(f"rejoin-{host}", plays, extravars={"layerline_rejoin": host}))
+        return self._need_plan()
+
     @property
     def endpoint(self) -> str | None:
         """The server's base URL for OpenAI clients (after serve()), or None."""

@@ -8,6 +8,7 @@ name (never by position) keeps standbys and drained hosts from shifting anyone's
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 from .cost import CostOptions, ModelCost
 from .errors import LayerlineError
@@ -74,6 +75,10 @@ def plan_for_hosts(host_vars: dict[str, dict], cost: dict | ModelCost, objective
     if not host_vars:
         raise PlanError("inventory: no hosts to plan for (put the workers in group layerline)")
     nodes = [node_from_vars(h, v, v.get("layerline_caps")) for h, v in host_vars.items()]
+    drained = {n.host for n in nodes if n.role == "draining"}
+    # a standby whose principal is drained serves in its own right (drain.yml promoted it, or a re-plan does)
+    nodes = [replace(n, role="active", standby_for=None) if n.role == "standby" and n.standby_for in drained else n
+             for n in nodes]
     taken: dict[tuple[str, int], str] = {}
     for n in nodes:  # each worker takes its port and the next (control)
         addr, port = n.endpoint.rsplit(":", 1)
