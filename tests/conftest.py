@@ -31,6 +31,9 @@ MODULE_TIER = {
     "test_server": "e2e",          # the server over three real worker processes
     "test_route_switch": "e2e",    # a live route switch over real workers
     "test_drain": "e2e",           # drain.yml and a rejoin under load
+    "test_http_abuse": "e2e",      # 2,000 bad requests at a live server
+    "test_control_auth": "e2e",    # control sockets of real workers, strangers and the controller
+    "test_fuzz_wire": "e2e",       # mutated messages into live workers (LAYERLINE_FUZZ=full: make fuzz)
     "test_multihost": "multihost",
 }
 # "module::fixture": every test of that module using the fixture (real worker processes)

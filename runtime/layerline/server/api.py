@@ -40,7 +40,7 @@ class _Req(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2 ** 63), lt=2 ** 64)   # what a 64-bit generator seed holds
     stop: str | list[str] | None = Field(None)
     stream: bool | None = False
     stream_options: dict[str, Any] | None = None
@@ -193,6 +193,8 @@ def create_app(sched: Scheduler, text: TextSide, cfg: ServerConfig) -> FastAPI:
             data = json.loads(body)
         except (ValueError, UnicodeDecodeError) as e:
             raise _BadRequest(f"the body is not valid JSON ({e})", None, "invalid_json") from None
+        except RecursionError:  # [[[[...]]]] deeper than the parser's stack
+            raise _BadRequest("the body nests too deeply to parse", None, "invalid_json") from None
         if not isinstance(data, dict):
             raise _BadRequest("the body must be a JSON object", None, "invalid_json")
         return data
