@@ -240,3 +240,23 @@ def test_smollm2_int4_agrees_with_bf16():
           f"int8 {agree['int8']:.3f}, int4 {agree['int4']:.3f}")
     assert agree["int4"] >= SMOL_INT4_AGREEMENT, agree
     assert agree["int8"] >= 0.85, agree  # measured 0.944
+
+
+def test_smollm2_q4_1_blocks_requantize_to_the_same_codes():
+    """A Q4_1 block is d * q + m over 32 weights with q in 0..15 hitting both ends, so int4 in
+    groups of 32 finds the file's own codes and scale again (its zero is m + 8 d): reading the
+    blocks straight into the kernel's layout would hold the same numbers."""
+    import numpy as np
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+    from layerline.cli import packaged_smollm2
+    t = next(t for t in GGUFReader(packaged_smollm2()).tensors if t.name == "blk.3.ffn_down.weight")
+    assert t.tensor_type.name == "Q4_1"
+    raw = np.asarray(t.data).reshape(-1, 20)  # per block: fp16 d, fp16 m, 16 bytes of codes
+    w = torch.from_numpy(np.ascontiguousarray(dequantize(np.asarray(t.data), t.tensor_type), dtype=np.float32))
+    w = w.reshape(tuple(reversed(t.shape.tolist())))
+    d = torch.from_numpy(raw[:, :2].copy().view(np.float16).astype(np.float32)).reshape(w.shape[0], -1)
+    nib = torch.from_numpy(raw[:, 4:].copy())
+    codes = torch.cat([nib & 15, nib >> 4], -1).reshape(w.shape).int()  # low nibbles: the block's first 16
+    q, sz = quantize_groups(w)
+    assert torch.equal(q, codes) and torch.equal(sz[..., 0].t(), d)

@@ -20,7 +20,7 @@ def tolerance(precision: str, ref: torch.Tensor) -> float:
     reduction order; low precisions amplify that through the layers.
     """
     scale = float(ref.abs().max()) if ref.numel() else 1.0
-    rel = {"fp32": 1e-4, "bf16": 3e-2, "fp16": 1e-2, "int8": 3e-2}.get(precision, 1e-2)
+    rel = {"fp32": 1e-4, "bf16": 3e-2, "fp16": 1e-2, "int8": 3e-2, "int4": 3e-2}.get(precision, 1e-2)
     return rel * max(scale, 1.0)
 
 
