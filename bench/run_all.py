@@ -8,12 +8,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_decode  # noqa: E402
+import bench_ops  # noqa: E402
 import bench_planner  # noqa: E402
 import bench_predicted  # noqa: E402
 
 
 def main() -> int:
-    for name, mod in (("planner", bench_planner), ("decode", bench_decode), ("predicted", bench_predicted)):
+    for name, mod in (("planner", bench_planner), ("decode", bench_decode), ("predicted", bench_predicted),
+                      ("ops", bench_ops)):
         print(f"\n=== {name} ===", flush=True)
         mod.main([])
     return 0
