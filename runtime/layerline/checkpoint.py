@@ -25,6 +25,12 @@ MAX_HEADER_BYTES = 100 * 2**20
 LAYER_RE = re.compile(r"^(?:model\.layers|blk|transformer\.h|model\.decoder\.layers)\.(\d+)\.")
 
 
+# a staged checkpoint (layerline.staging) holds one stage's tensors; this file says which
+STAGE_MANIFEST = "layerline-stage.json"
+# the families layerline's model code runs (config.json model_type)
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "mixtral")
+
+
 class CheckpointError(LayerlineError):
     """A checkpoint is missing, malformed or of an unsupported kind."""
 
@@ -124,9 +130,10 @@ def read_config(ckpt: str | os.PathLike) -> dict:
     return cfg
 
 
-def read_index(ckpt: str | os.PathLike) -> CheckpointIndex:
+def read_index(ckpt: str | os.PathLike, check: bool = True) -> CheckpointIndex:
     """Tensor index of a checkpoint dir (config.json and safetensors headers only) or of a GGUF
-    file (its header only)."""
+    file (its header only). check: also refuse a dir whose files are cut short or whose config
+    and tensors disagree (check_index)."""
     if is_gguf(ckpt):
         from .gguf_checkpoint import gguf_index
         return gguf_index(ckpt)
@@ -140,11 +147,84 @@ def read_index(ckpt: str | os.PathLike) -> CheckpointIndex:
         raise CheckpointError(f"{root}: holds no *.safetensors files")
     idx = CheckpointIndex(str(root), config)
     for f in files:
+        size = f.stat().st_size
         for e in _entries_of(f):
             if e.name in idx.tensors:
                 raise CheckpointError(f"{root}: tensor {e.name!r} appears in both {idx.tensors[e.name].file} and {f.name}")
             idx.tensors[e.name] = e
+        end = _data_end(f) if check else 0
+        if end > size:
+            raise CheckpointError(f"{f}: truncated: its header places tensor data up to byte {end} but the file has "
+                                  f"{size} bytes; copy or download it again")
+    if check:
+        check_index(idx, _staged_range(root))
     return idx
+
+
+def _staged_range(root: Path) -> tuple[int, int, bool] | None:
+    """(start, end, first) of a staged checkpoint, else None (the whole model)."""
+    try:
+        man = json.loads((root / STAGE_MANIFEST).read_text())
+        a, b = man["layers"]
+        return int(a), int(b), bool(man.get("first"))
+    except FileNotFoundError:
+        return None
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{root / STAGE_MANIFEST}: not a stage manifest ({e}); stage the checkpoint "
+                              "again (playbooks/stage.yml)") from None
+
+
+def _data_end(path: Path) -> int:
+    header = read_safetensors_header(path)
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+    ends = [int(m["data_offsets"][1]) for k, m in header.items() if k != "__metadata__"]
+    return 8 + n + max(ends, default=0)
+
+
+def _config_int(cfg: dict, key: str, default: int | None = None) -> int:
+    v = cfg.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise CheckpointError(f"config.json: {key} is {'missing' if key not in cfg else repr(v)}; "
+                              "it must be a positive integer")
+    return v
+
+
+def check_index(idx: CheckpointIndex, staged: tuple[int, int, bool] | None = None) -> None:
+    """A Hugging Face checkpoint's config and tensors agree: a supported family, the keys the
+    model needs, every layer's tensors (a staged one: its range's) with the shapes the config
+    gives (headers only)."""
+    cfg = idx.config
+    mtype = cfg.get("model_type", "llama")
+    if mtype not in SUPPORTED_MODEL_TYPES:
+        raise CheckpointError(f"config.json: model_type {mtype!r} is not supported; layerline runs "
+                              f"{', '.join(SUPPORTED_MODEL_TYPES)} checkpoints")
+    h, heads = _config_int(cfg, "hidden_size"), _config_int(cfg, "num_attention_heads")
+    want = dict(cfg, hidden_size=h, num_attention_heads=heads,
+                num_hidden_layers=_config_int(cfg, "num_hidden_layers"),
+                intermediate_size=_config_int(cfg, "intermediate_size"), vocab_size=_config_int(cfg, "vocab_size"),
+                num_key_value_heads=_config_int(cfg, "num_key_value_heads", heads),
+                head_dim=_config_int(cfg, "head_dim", h // heads if h % heads == 0 else None))
+    if mtype == "mixtral":
+        want["num_local_experts"] = _config_int(cfg, "num_local_experts")
+    layers = want["num_hidden_layers"]
+    beyond = sorted({t.layer for t in idx.tensors.values() if t.layer is not None and t.layer >= layers})
+    if beyond:
+        raise CheckpointError(f"{idx.path}: the weights hold layer {beyond[-1]} but config.json num_hidden_layers "
+                              f"is {layers}; the config and the weights are of different models")
+    for name, shape in demo_tensor_shapes(want):
+        t = idx.tensors.get(name)
+        if t is None:
+            m = LAYER_RE.match(name)
+            needed = (staged[0] <= int(m.group(1)) < staged[1]) if m and staged else \
+                (bool(m) or (name == "model.embed_tokens.weight" and (staged is None or staged[2])))
+            if needed:
+                raise CheckpointError(f"{idx.path}: tensor {name} is missing (config.json num_hidden_layers "
+                                      f"{layers}); the checkpoint is incomplete")
+            continue   # lm_head / final norm: tie_word_embeddings defaults differ between families
+        if tuple(t.shape) != tuple(shape):
+            raise CheckpointError(f"{idx.path}: tensor {name} has shape {list(t.shape)} but config.json gives "
+                                  f"{list(shape)}; the config and the weights are of different models")
 
 
 # --- demo checkpoints -------------------------------------------------------------------

@@ -81,9 +81,13 @@ def _load_caps(path: str) -> dict[str, dict]:
         names = [str(c.get("hostname")) if isinstance(c, dict) else "" for c in data]
         if len(set(names)) != len(names) or "None" in names:
             names = [f"host{i}" for i in range(len(data))]
-        return dict(zip(names, data))
-    if isinstance(data, dict):
-        return data
+        out = dict(zip(names, data))
+    elif isinstance(data, dict):
+        out = data
+    else:
+        out = None
+    if out:
+        return out
     raise LayerlineError(f"--caps {path}: must be a list of NodeCaps or an object of them keyed by host")
 
 
@@ -189,11 +193,30 @@ def _eos(checkpoint: str, ignore: bool) -> list[int] | None:
     return special_tokens_for(checkpoint)["eos_ids"] or None
 
 
+def _check_generate(a, prompts: list[list[int]]) -> None:
+    """Everything that can be checked before a worker starts."""
+    from .checkpoint import read_config
+    from .precision import precision
+    if a.local_stages < 1:
+        raise LayerlineError(f"--local-stages {a.local_stages}: must be at least 1")
+    if a.max_new_tokens < 0:
+        raise LayerlineError(f"--max-new-tokens {a.max_new_tokens}: must be 0 or more")
+    if a.threads is not None and a.threads < 1:
+        raise LayerlineError(f"--threads {a.threads}: must be at least 1")
+    precision(a.precision)
+    vocab = read_config(a.checkpoint).get("vocab_size")
+    for p in prompts:
+        bad = [t for t in p if not 0 <= t < (vocab or 1 << 62)]
+        if bad:
+            raise LayerlineError(f"--input-ids: token {bad[0]} is not in the model's vocabulary (0..{vocab - 1})")
+
+
 def cmd_generate(a) -> int:
     from .pipeline import Pipeline
     from .generate import Sampling, generate
-    prompts, tok = _prompts(a)
     sampling = Sampling(a.temperature, a.top_p, a.seed)
+    prompts, tok = _prompts(a)
+    _check_generate(a, prompts)
     if a.compile != "off":
         print(f"layerline generate: the workers compile their decode step first (--compile {a.compile})",
               file=sys.stderr, flush=True)

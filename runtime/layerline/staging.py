@@ -15,10 +15,9 @@ import os
 import shutil
 from pathlib import Path
 
+from .checkpoint import STAGE_MANIFEST as MANIFEST
 from .checkpoint import read_index
 from .errors import LayerlineError
-
-MANIFEST = "layerline-stage.json"
 SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
               "special_tokens_map.json")
 

@@ -41,14 +41,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..checkpoint import CheckpointError
+from ..checkpoint import SUPPORTED_MODEL_TYPES, CheckpointError
 from ..errors import LayerlineError
 from ..precision import of_dtype, precision, torch_dtype
 from . import COMPILE_MODES
 from .moe import ExpertStore, SparseMoE
 from .quant import Int8Embedding, make_linear, quant_name, require_int4
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "mixtral")
 _ROPE_TYPES = ("default", "linear", "llama3")
 
 
