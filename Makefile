@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
 
-.PHONY: setup demo test test-unit lint bench clean teardown
+.PHONY: setup demo test test-unit fuzz lint bench clean teardown
 
 setup: $(VENV)/.layerline-stamp
 
@@ -30,6 +30,11 @@ test: setup
 # the fast tier only (markers: unit, e2e, multihost; tests/conftest.py assigns them): under a minute
 test-unit: setup
 	$(BIN)/python -m pytest -q -m unit tests
+
+# the wire fuzzer at full count: 10,000 data + 2,000 control messages into live workers, on loopback
+# and with CURVE on (`make test` sends 1,000 + 200); prints its figures. LAYERLINE_FUZZ_SEED=N reseeds.
+fuzz: setup
+	LAYERLINE_FUZZ=full $(BIN)/python -m pytest -q -s tests/test_fuzz_wire.py
 
 lint: setup
 	$(BIN)/ansible-lint --profile production deploy.yml drain.yml teardown.yml playbooks roles

@@ -44,11 +44,13 @@ def main(argv=None) -> dict:
     stages = [s for s in plan["stages"] if s["role"] == "active"]
     procs = []
     env = dict(os.environ, GOMP_SPINCOUNT="10000")
+    from layerline.keys import local_keys
+    kd = local_keys(os.path.join(tmp, "keys"), [s["host"] for s in stages])  # every worker needs --keys
     for i, s in enumerate(stages):
         argv_ = [sys.executable, "-m", "layerline.worker", "--checkpoint", ckpt,
                  "--layers", f"{s['layers'][0]}:{s['layers'][1]}", "--precision", s["precision"],
                  "--kv-context", "512", "--bind", s["endpoint"], "--name", s["host"],
-                 "--ready-file", f"{tmp}/ready{i}"]
+                 "--ready-file", f"{tmp}/ready{i}", "--keys", kd[s["host"]]]
         argv_ += ["--first"] if i == 0 else []
         argv_ += ["--last"] if i == len(stages) - 1 else ["--next", stages[i + 1]["endpoint"]]
         procs.append(subprocess.Popen(argv_, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))

@@ -132,7 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        server = subprocess.Popen([sys.executable, "-m", "layerline.server", "--first", first, "--checkpoint", ckpt,
+        # the server asks the stages' control sockets as the controller (CURVE, the run's keys)
+        server = subprocess.Popen([sys.executable, "-m", "layerline.server", "--first", first, "--first-key", "stage0",
+                                   "--keys", os.path.join(tmp, "keys", "controller"), "--checkpoint", ckpt,
                                    "--model-name", "bench", "--port", str(port), "--chunk", str(a.chunk), "--log-file",
                                    os.path.join(tmp, "server.log")], stderr=open(os.path.join(tmp, "server.err"), "w"))
         import httpx

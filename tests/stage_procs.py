@@ -15,6 +15,44 @@ import time
 from types import SimpleNamespace
 
 _ids = itertools.count()
+# control endpoint -> (the controller's keys dir, the worker's name): control sockets run CURVE
+# always, so every worker these helpers start has keys, and control() here finds them
+_CONTROL: dict[str, tuple[str, str]] = {}
+
+
+def worker_keys(root: str, names: list[str]) -> dict[str, str]:
+    """Keys dirs under root/keys for these worker names (added to any made before) and the
+    controller: name -> keys dir (`controller` included)."""
+    from layerline import keys
+    return keys.local_keys(os.path.join(root, "keys"), names)
+
+
+def register(control_endpoint: str, controller_keys: str, name: str) -> None:
+    """Let control() here reach a worker started outside start_workers."""
+    _CONTROL[control_endpoint] = (controller_keys, name)
+
+
+def control_socket(endpoint: str, ctx=None, keys_dir: str | None = None, name: str | None = None):
+    """A raw DEALER connected to a worker's control socket as the controller (CURVE), for
+    messages control() would not send."""
+    import zmq
+
+    from layerline import keys
+    if keys_dir is None:
+        keys_dir, name = _CONTROL[endpoint]
+    hk = keys.load_host_keys(keys_dir)
+    s = (ctx or zmq.Context.instance()).socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    keys.connect_curve(s, hk, hk.server_key(name))
+    s.connect(endpoint)
+    return s
+
+
+def control(endpoint: str, op: str, timeout_s: float = 5.0, **fields) -> dict:
+    """layerline.pipeline.control as the controller of a worker these helpers started (or registered)."""
+    from layerline.pipeline import control as ctl
+    keys_dir, name = _CONTROL[endpoint]
+    return ctl(endpoint, op, timeout_s, keys_dir=keys_dir, peer=name, **fields)
 
 
 def free_port_pairs(n: int) -> list[int]:
@@ -37,26 +75,31 @@ def free_port_pairs(n: int) -> list[int]:
 
 def start_workers(ckpt: str, splits: list[tuple[int, int]], precision: str = "fp32", kv_context: int = 128,
                   threads: int | None = 1, extra: list[str] | None = None, names: list[str] | None = None,
-                  timeout: float = 180.0) -> SimpleNamespace:
+                  timeout: float = 180.0, first: bool = True) -> SimpleNamespace:
     """One `python -m layerline.worker` per [A, B) split, chained; waits for every ready file.
+    The first split takes token ids (--first) unless first=False.
+
+    Every worker gets its own keys dir (tmp/keys/NAME; the controller's is tmp/keys/controller,
+    `keys`): control sockets always run CURVE; control() here speaks to them as the controller.
 
     Returns procs, data (bind endpoints), control (their control endpoints), info (ready files),
-    tmp, first (stage 0's endpoint) and stop() (SIGTERM, then the exit statuses)."""
+    tmp, first (stage 0's endpoint), names, keys and stop() (SIGTERM, then the exit statuses)."""
     tmp = tempfile.mkdtemp(prefix="layerline-stages-")
     ports = free_port_pairs(len(splits))
     data = [f"tcp://127.0.0.1:{p}" for p in ports]
     names = names or [f"stage{i}" for i in range(len(splits))]
+    kd = worker_keys(tmp, names)
     procs, ready = [], []
     try:
         for i, (a, b) in enumerate(splits):
             ready.append(os.path.join(tmp, f"ready{i}.json"))
             argv = [sys.executable, "-m", "layerline.worker", "--checkpoint", str(ckpt), "--layers", f"{a}:{b}",
                     "--precision", precision, "--kv-context", str(kv_context), "--bind", data[i],
-                    "--name", names[i], "--ready-file", ready[i], *(extra or [])]
+                    "--name", names[i], "--ready-file", ready[i], "--keys", kd[names[i]], *(extra or [])]
             if threads:
                 argv += ["--threads", str(threads)]
-            argv += ["--first"] if i == 0 else []
-            argv += ["--last"] if i == len(splits) - 1 else ["--next", data[i + 1]]
+            argv += ["--first"] if i == 0 and first else []
+            argv += ["--last"] if i == len(splits) - 1 else ["--next", data[i + 1], "--next-key", names[i + 1]]
             log = open(os.path.join(tmp, f"worker{i}.log"), "w")
             procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
             log.close()
@@ -81,8 +124,10 @@ def start_workers(ckpt: str, splits: list[tuple[int, int]], precision: str = "fp
         host, port = endpoint.rsplit(":", 1)
         return f"{host}:{int(port) + 1}"
     info = [json.load(open(r)) for r in ready]
+    for d, name in zip(data, names):
+        register(control_of(d), kd["controller"], name)
     return SimpleNamespace(procs=procs, data=data, control=[control_of(d) for d in data], info=info, tmp=tmp,
-                           first=data[0], stop=stop)
+                           first=data[0], names=names, keys=kd["controller"], stop=stop)
 
 
 def stop_workers(procs) -> None:

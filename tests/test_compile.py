@@ -7,12 +7,12 @@ import torch
 
 from helpers import chained_greedy
 from layerline.checkpoint import read_index, write_demo_checkpoint
-from layerline.driver import Pipeline, control
+from layerline.driver import Pipeline
 from layerline.errors import LayerlineError
 from layerline.generate import generate
 from layerline.model.loader import load_stage
 from layerline.worker import control_endpoint
-from stage_procs import Client, start_workers
+from stage_procs import Client, control, start_workers
 
 
 def _prefilled(stage, prompts: torch.Tensor, reserve: int):

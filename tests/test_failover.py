@@ -20,7 +20,7 @@ import pytest
 from helpers import stop_process
 
 from layerline.checkpoint import write_demo_checkpoint
-from layerline.local import free_ports, local_plan
+from layerline.local import free_ports, local_keys, local_plan
 from layerline.spec import worker_spec
 
 MODEL = "m"
@@ -50,10 +50,15 @@ class Cluster:
         self.tmp = tmp
         hosts = ["stage0", "stage1", "stage2"] + (["standby"] if standby else [])
         ports = free_ports(len(hosts))
+        # control sockets run CURVE always, and the server speaks to them as the controller: clusters
+        # beside each other (a route switch) share one keys root, so one controller key reaches all
+        keys = local_keys(str(tmp.parent), hosts)
+        self.keys = os.path.join(keys, "controller")
         self.hv = {}
         for h, port in zip(hosts, ports):
             v = {"ansible_connection": "local", "layerline_port": port, "layerline_checkpoint": str(ckpt),
-                 "layerline_state_dir": str(tmp / h), "layerline_compile": "off", "layerline_threads": 1}
+                 "layerline_state_dir": str(tmp / h), "layerline_compile": "off", "layerline_threads": 1,
+                 "layerline_keys_dir": os.path.join(keys, h)}
             if h == "standby":
                 v.update(layerline_role="standby", layerline_standby_for=standby)
             self.hv[h] = v
@@ -94,7 +99,8 @@ class Server:
         self.log = tmp / f"server-{self.port}.log"
         self.err = open(tmp / f"server-{self.port}.err", "w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "layerline.server", "--plan", str(cluster.plan_file), "--checkpoint", str(ckpt),
+            [sys.executable, "-m", "layerline.server", "--plan", str(cluster.plan_file), "--keys", cluster.keys,
+             "--checkpoint", str(ckpt),
              "--model-name", MODEL, "--port", str(self.port), "--log-file", str(self.log), *extra],
             stdout=subprocess.DEVNULL, stderr=self.err, stdin=subprocess.DEVNULL)
         deadline = time.time() + 60

@@ -15,10 +15,9 @@ import torch
 
 from layerline import wire
 from layerline.checkpoint import read_index, write_demo_checkpoint
-from layerline.driver import control
 from layerline.errors import LayerlineError
 from layerline.model.loader import load_stage
-from stage_procs import Client, start_workers
+from stage_procs import Client, control, start_workers
 
 KV = 64
 VOCAB = 500

@@ -20,6 +20,7 @@ from helpers import stop_process
 
 from layerline.checkpoint import read_index, write_demo_checkpoint
 from layerline.cli import local_stages, stop_local
+from layerline.local import controller_keys
 from layerline.driver import Pipeline
 from layerline.generate import generate
 from layerline.model.loader import load_stage
@@ -115,23 +116,29 @@ def bare_ckpt(ckpt, tmp_path_factory) -> Path:
     return out
 
 
-def plan_of(first: str) -> dict:
-    """A plan naming the running stages, found by following each worker's next hop."""
+def plan_of(first: str, keys: str) -> dict:
+    """A plan naming the running stages, found by following each worker's next hop (asked as the
+    controller, keys: its keys dir; control sockets run CURVE always)."""
     from layerline.driver import control
     from layerline.worker import control_endpoint
-    stages, ep = [], first
+    stages, ep, peer = [], first, "stage0"
     while ep:
-        h = control(control_endpoint(ep), "health")
-        stages.append({"host": h["name"], "role": "active", "layers": h["layers"], "endpoint": ep})
-        ep = h.get("next")
-    return {"kv": {"context": 4096, "dtype": "fp32", "bytes_per_token": 0}, "stages": stages}
+        h = control(control_endpoint(ep), "health", keys_dir=keys, peer=peer)
+        stages.append({"host": h["name"], "role": "active", "layers": h["layers"], "endpoint": ep, "device": "cpu",
+                       "precision": "fp32", "weight_bytes": 0, "kv_bytes": 0, "kv_dtype": "fp32",
+                       "mem_budget_bytes": 0, "predicted_s": 0.0})
+        ep, peer = h.get("next"), h.get("next_key")
+    return {"precision": "fp32", "objective": "throughput", "num_layers": stages[-1]["layers"][1],
+            "predicted_token_s": 0.0, "bottleneck_s": 0.0,
+            "kv": {"context": 4096, "dtype": "fp32", "bytes_per_token": 0}, "stages": stages}
 
 
 @pytest.fixture(scope="module")
 def stages(ckpt):
     procs, first, tmp = local_stages(str(ckpt), 3, "fp32", threads=1)
+    keys = controller_keys(tmp)
     try:
-        yield procs, first, plan_of(first)
+        yield procs, first, plan_of(first, keys), keys
     finally:
         stop_local(procs)
         shutil.rmtree(tmp, ignore_errors=True)
@@ -145,13 +152,14 @@ def servers(stages, ckpt, bare_ckpt, tmp_path_factory):
     keys = tmp / "keys"
     keys.write_text(f"# test keys\n{KEY}\n")
     keys.chmod(0o600)
-    _, first, plan = stages
+    _, first, plan, ctl_keys = stages
     (tmp / "plan.json").write_text(json.dumps(plan))
-    main = Server(["--first", first, "--checkpoint", str(ckpt), "--model-name", MODEL, "--api-keys", str(keys),
-                   "--max-body-bytes", "65536", "--ready-file", str(tmp / "ready.json")], tmp, KEY)
+    main = Server(["--first", first, "--first-key", "stage0", "--keys", ctl_keys, "--checkpoint", str(ckpt),
+                   "--model-name", MODEL, "--api-keys", str(keys), "--max-body-bytes", "65536",
+                   "--ready-file", str(tmp / "ready.json")], tmp, KEY)
     main.ready = tmp / "ready.json"
-    small = Server(["--plan", str(tmp / "plan.json"), "--checkpoint", str(bare_ckpt), "--model-name", MODEL,
-                    "--max-running", "1", "--max-queue", "1"], tmp)
+    small = Server(["--plan", str(tmp / "plan.json"), "--keys", ctl_keys, "--checkpoint", str(bare_ckpt),
+                    "--model-name", MODEL, "--max-running", "1", "--max-queue", "1"], tmp)
     try:
         yield main.wait(), small.wait()
     finally:

@@ -216,18 +216,32 @@ def test_stop_reaps_a_worker_whose_supervisor_was_killed(rig):
 
 
 def test_real_worker_under_supervise(rig, small_ckpt):
+    """A real worker: started, kept on the same argv, told to shut down by the controller (it exits
+    0 untold by its supervisor, so it is restarted), then stopped for good."""
     from layerline.cli import _free_ports
+    from layerline.keys import local_keys
+    from layerline.pipeline import control
 
     (port,) = _free_ports(1)
+    kd = local_keys(str(rig.root / "keys"), ["w"])
     argv = [PY, "-m", "layerline.worker", "--checkpoint", str(small_ckpt), "--layers", "0:4",
             "--precision", "fp32", "--kv-context", "64", "--bind", f"tcp://127.0.0.1:{port}",
-            "--name", "w", "--ready-file", str(rig.ready), "--first", "--last", "--threads", "1"]
+            "--name", "w", "--ready-file", str(rig.ready), "--first", "--last", "--threads", "1",
+            "--keys", kd["w"]]
     rc, out = rig.sv("start", "--name", "w", "--ready-timeout", "120", argv=argv, timeout=180)
     assert rc == 0, out
     assert out["ready"]["pid"] == out["worker_pid"] and out["ready"]["layers"] == [0, 4]
     assert out["ready_file"] == str(rig.ready)  # found in the worker's own argv
     rc, again = rig.sv("start", "--name", "w", argv=argv)
     assert rc == 0 and again["changed"] is False
+    old = out["worker_pid"]
+    ctl = f"tcp://127.0.0.1:{port + 1}"
+    assert control(ctl, "shutdown", keys_dir=kd["controller"], peer="w")["op"] == "ok"
+    new = wait_for(lambda: (p := rig.state().get("worker_pid")) not in (None, old) and rig.ready.exists()
+                   and json.loads(rig.ready.read_text())["pid"] == p and p, timeout=120,
+                   what="the restarted worker")
+    assert f"child pid {old} exited with status 0" in rig.log.read_text()
+    assert control(ctl, "health", keys_dir=kd["controller"], peer="w", timeout_s=30)["pid"] == new
     rc, stopped = rig.sv("stop")
-    assert rc == 0 and stopped["changed"] is True and not alive(out["worker_pid"])
-    assert f"child pid {out['worker_pid']} exited with status 0" in rig.log.read_text()
+    assert rc == 0 and stopped["changed"] is True and not alive(new)
+    assert f"child pid {new} exited with status 0" in rig.log.read_text()

@@ -23,8 +23,8 @@ import zmq
 
 from helpers import wait_ready
 from layerline import wire
-from stage_procs import free_port_pairs, start_workers, stop_workers
-from layerline.driver import DriveError, Pipeline, control, greedy_generate
+from stage_procs import control, control_socket, free_port_pairs, register, start_workers, stop_workers, worker_keys
+from layerline.driver import DriveError, Pipeline, greedy_generate
 from layerline.model.loader import load_stage
 
 KV = 128        # --kv-context: small caches, quick to allocate
@@ -54,7 +54,7 @@ def stages(small_ckpt, request):
     request.addfinalizer(stop)
     info = w.info
     assert info[0]["bind"] == w.first
-    return SimpleNamespace(procs=w.procs, first=w.first, tmp=tmp, info=info,
+    return SimpleNamespace(procs=w.procs, first=w.first, tmp=tmp, info=info, workers=w,
                            data=[i["bind"] for i in info], control=[control_of(i["bind"]) for i in info])
 
 
@@ -78,13 +78,15 @@ def spare(small_ckpt, stages, request):
     bind = f"tcp://127.0.0.1:{port}"
     ready = os.path.join(stages.tmp, "ready-spare.json")
     log = open(os.path.join(stages.tmp, "spare.log"), "w")
+    kd = worker_keys(stages.workers.tmp, [*stages.workers.names, "spare"])
     proc = subprocess.Popen([sys.executable, "-m", "layerline.worker", "--checkpoint", str(small_ckpt),
                              "--layers", f"2:{LAYERS}", "--precision", "fp32", "--kv-context", str(KV),
                              "--bind", bind, "--name", "spare", "--ready-file", ready, "--last",
-                             "--threads", "1"],
+                             "--threads", "1", "--keys", kd["spare"]],
                             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     request.addfinalizer(lambda: (stop_workers([proc]), log.close()))
     wait_ready(ready, proc, timeout=120.0)
+    register(control_of(bind), kd["controller"], "spare")
     return SimpleNamespace(proc=proc, data=bind, control=control_of(bind), ready=ready)
 
 
@@ -408,9 +410,7 @@ def test_bad_control_requests_get_error_replies(stages):
         control(c, "set_next")
     with pytest.raises(DriveError, match=r"next: 'udp://127.0.0.1:1' is not a tcp://HOST:PORT"):
         control(c, "set_next", next="udp://127.0.0.1:1")
-    s = zmq.Context.instance().socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    s.connect(c)
+    s = control_socket(c)   # as the controller: nobody else gets through to be answered
     try:
         s.send_multipart([b"\xff garbage"])
         assert s.poll(5000)

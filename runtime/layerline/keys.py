@@ -18,12 +18,16 @@ a store dir, with this module's command line:
     python -m layerline.keys make --store STORE [--controller-dir DIR] NAME [NAME ...]
     python -m layerline.keys place --dest DIR --name NAME --public '{"NAME": "z85 key", ...}'
     python -m layerline.keys install --store STORE --name NAME --dest DIR [--peer NAME ...]
+    python -m layerline.keys local --dest DIR NAME [NAME ...]
     python -m layerline.keys public DIR_OR_FILE
 
 `make` makes the keypairs that are missing (NAME... and `controller`; existing ones are kept)
 and, with --controller-dir, lays out the controller's keys dir; `place` lays out the public
 half of a host's keys dir (the role runs it on each host, then copies the host its secret);
-`install` lays out a whole keys dir from the store (for local stages that share its disk).
+`install` lays out a whole keys dir from the store (for local stages that share its disk);
+`local` does all of it for processes on one machine (DIR/store, DIR/NAME, DIR/controller).
+A worker's control socket runs CURVE always, loopback included, and lets in only the key in
+its allowed/controller.key (CONTROL_DOMAIN): only the controller may stop or redirect it.
 Each prints one JSON object (`changed`, names, public keys) and never a secret.
 """
 from __future__ import annotations
@@ -46,6 +50,7 @@ from .errors import LayerlineError
 from .files import atomic_write
 
 CONTROLLER = "controller"         # the driver's name in every allowed/ and peers/
+CONTROL_DOMAIN = "layerline-control"  # the ZAP domain of a worker's control socket: the controller's key only
 SELF = "self"
 CURVE_MODES = ("auto", "on")      # auto: on unless the endpoint is loopback
 NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.:\-]{0,127}$")
@@ -232,6 +237,7 @@ class HostKeys:
     secret: bytes = field(repr=False)
     allowed: frozenset = frozenset()          # z85 public keys let in by this host's servers
     peers: dict = field(default_factory=dict)  # name -> z85 public key
+    controller: bytes | None = None           # allowed/controller.key: the one key a control socket lets in
 
     def server_key(self, spec: str | None, field: str = "--next-key", names_only: bool = False) -> bytes:
         """The public key of a server this host connects to: a peer name (peers/NAME.key), or
@@ -250,9 +256,14 @@ class HostKeys:
                         "re-run playbooks/keys.yml so every host has its peers' keys")
 
 
-def load_host_keys(directory: str | None, field: str = "--keys", why: str = "CURVE is on") -> HostKeys:
+HINT = "run playbooks/keys.yml (keys go to layerline_keys_dir) and pass --keys DIR"
+LOCAL_HINT = ("run playbooks/keys.yml (keys go to layerline_keys_dir) and pass --keys DIR; for a worker of your own, "
+              "`python -m layerline.keys local --dest DIR NAME` makes DIR/NAME (its --keys) and DIR/controller")
+
+
+def load_host_keys(directory: str | None, field: str = "--keys", why: str = "CURVE is on",
+                   hint: str = HINT) -> HostKeys:
     """This host's keys dir, refusing anything another user could read or change."""
-    hint = "run playbooks/keys.yml (keys go to layerline_keys_dir) and pass --keys DIR"
     if not directory:
         raise KeysError(f"{why}, so it needs this host's keys, but {field} is not set; {hint}")
     if not os.path.isdir(directory):
@@ -272,7 +283,7 @@ def load_host_keys(directory: str | None, field: str = "--keys", why: str = "CUR
             raise KeysError(f"{field} {directory}: has no {sub}/ dir; re-run playbooks/keys.yml")
         subs[sub] = load_public_dir(p)
     return HostKeys(dir=directory, public=public, secret=secret, allowed=frozenset(subs["allowed"].values()),
-                    peers=subs["peers"])
+                    peers=subs["peers"], controller=subs["allowed"].get(CONTROLLER))
 
 
 # --- the store and keys dirs (what the keys role runs) --------------------------------------------
@@ -333,6 +344,20 @@ def install(store: str, name: str, dest: str, peers: list[str]) -> bool:
     return changed
 
 
+def local_keys(root: str, names: list[str]) -> dict[str, str]:
+    """Keys for processes on this machine that share its disk: a store under root (made once,
+    extended by new names) and one whole keys dir per name and for the controller, each listing
+    every key in the store. Returns name -> keys dir (`controller` included). Dirs 0700, secrets 0600."""
+    store = os.path.join(root, "store")
+    make_store(store, [n for n in names if n != CONTROLLER])
+    everyone = sorted(load_public_dir(store))
+    out = {}
+    for name in everyone:
+        out[name] = os.path.join(root, name)
+        install(store, name, out[name], everyone)
+    return out
+
+
 # --- sockets --------------------------------------------------------------------------------------
 
 def serve_curve(sock: zmq.Socket, keys: HostKeys) -> None:
@@ -340,6 +365,13 @@ def serve_curve(sock: zmq.Socket, keys: HostKeys) -> None:
     sock.setsockopt(zmq.CURVE_SECRETKEY, keys.secret)
     sock.setsockopt(zmq.CURVE_PUBLICKEY, keys.public)
     sock.setsockopt(zmq.CURVE_SERVER, 1)
+
+
+def serve_control(sock: zmq.Socket, keys: HostKeys) -> None:
+    """Make a socket a worker's control socket (before bind): CURVE, and only the controller's key
+    gets in (the Allowlist's `control` key, ZAP domain CONTROL_DOMAIN)."""
+    serve_curve(sock, keys)
+    sock.setsockopt(zmq.ZAP_DOMAIN, CONTROL_DOMAIN.encode())
 
 
 def connect_curve(sock: zmq.Socket, keys: HostKeys, server_public: bytes) -> None:
@@ -351,25 +383,31 @@ def connect_curve(sock: zmq.Socket, keys: HostKeys, server_public: bytes) -> Non
 
 class Allowlist:
     """The ZAP handler of one zmq context: CURVE clients get in only with a public key from
-    allowed/. Start it before binding any CURVE server socket; stop it before ctx.term()."""
+    allowed/, and on a control socket (serve_control: ZAP domain CONTROL_DOMAIN) only with the
+    `control` key (the controller's). Start it before binding any CURVE server socket; stop it
+    before ctx.term(). on_deny(key, domain) hears each refused key once."""
 
     MAX_LOGGED = 64
 
-    def __init__(self, ctx: zmq.Context, allowed, on_deny=None):
+    def __init__(self, ctx: zmq.Context, allowed, on_deny=None, control: bytes | None = None):
         from zmq.auth.thread import ThreadAuthenticator
         self.allowed = frozenset(allowed)
+        self.control = frozenset([control]) if control else frozenset()
         self.on_deny = on_deny
-        self.denied: set[bytes] = set()
+        self.denied: set[tuple] = set()
         self.auth = ThreadAuthenticator(ctx, log=logging.getLogger("layerline.zap"))
         self.auth.start()
         self.auth.configure_curve_callback(domain="*", credentials_provider=self)
+        # a control socket's own domain: without a provider for it, ZAP refuses every client there
+        self.auth.configure_curve_callback(domain=CONTROL_DOMAIN, credentials_provider=self)
 
     def callback(self, domain: str, key: bytes) -> bool:
-        ok = key in self.allowed
-        if not ok and self.on_deny is not None and key not in self.denied and len(self.denied) < self.MAX_LOGGED:
-            self.denied.add(key)
+        ok = key in (self.control if domain == CONTROL_DOMAIN else self.allowed)
+        seen = (key, domain)
+        if not ok and self.on_deny is not None and seen not in self.denied and len(self.denied) < self.MAX_LOGGED:
+            self.denied.add(seen)
             try:
-                self.on_deny(key.decode("ascii", "replace"))
+                self.on_deny(key.decode("ascii", "replace"), domain)
             except Exception:  # noqa: BLE001 - logging never breaks authentication
                 pass
         return ok
@@ -399,6 +437,9 @@ def main(argv: list[str] | None = None) -> int:
     pl.add_argument("--dest", required=True, help="the keys dir (0700)")
     pl.add_argument("--name", required=True, help="this keys dir's own name (its key becomes self.key)")
     pl.add_argument("--public", required=True, help='JSON {"NAME": "z85 public key", ...}: who may connect')
+    lo = sub.add_parser("local", help="keys for processes on this machine: DEST/NAME per name and DEST/controller")
+    lo.add_argument("--dest", required=True, help="the root of the local keys (0700): DEST/store, DEST/NAME")
+    lo.add_argument("names", nargs="+", metavar="NAME", help="worker names (their --keys is DEST/NAME)")
     s = sub.add_parser("public", help="the z85 public key of a keys dir or .key file")
     s.add_argument("path")
     a = p.parse_args(argv)
@@ -414,6 +455,9 @@ def main(argv: list[str] | None = None) -> int:
             peers = a.peer or sorted(load_public_dir(a.store))
             changed = install(a.store, a.name, a.dest, peers)
             print(json.dumps({"changed": changed, "name": a.name, "dest": a.dest, "peers": peers}))
+        elif a.cmd == "local":
+            dirs = local_keys(a.dest, a.names)
+            print(json.dumps({"dest": a.dest, "dirs": dirs}))
         elif a.cmd == "place":
             try:
                 public = json.loads(a.public)

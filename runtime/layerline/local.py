@@ -34,15 +34,21 @@ def free_ports(n: int) -> list[int]:
     return out
 
 
-def local_keys(tmp: str, n: int) -> str:
-    """Fresh CURVE keys for n local stages (stage0..) and the driver: tmp/keys/{store,stageI,controller}."""
+def local_keys(tmp: str, n: int | list[str]) -> str:
+    """Fresh CURVE keys for local stages (n of them: stage0..; or these names) and the driver:
+    tmp/keys/{store,NAME,controller} (dirs 0700, secrets 0600). Every worker needs its keys dir
+    (its control socket runs CURVE always); the controller's is how a local driver or server
+    speaks to their control sockets. Returns tmp/keys."""
     from . import keys
     root = os.path.join(tmp, "keys")
-    names = [f"stage{i}" for i in range(n)]
-    keys.make_store(os.path.join(root, "store"), names)
-    for name in [*names, keys.CONTROLLER]:
-        keys.install(os.path.join(root, "store"), name, os.path.join(root, name), [*names, keys.CONTROLLER])
+    names = [f"stage{i}" for i in range(n)] if isinstance(n, int) else list(n)
+    keys.local_keys(root, names)
     return root
+
+
+def controller_keys(tmp: str) -> str:
+    """The controller's keys dir of a local pipeline started by local_stages (tmp as it returned)."""
+    return os.path.join(tmp, "keys", "controller")
 
 
 def local_plan(checkpoint: str, n: int, precision: str, host_vars: dict[str, dict], kv_context: int = 4096,
@@ -68,13 +74,14 @@ def local_stages(checkpoint: str, n: int, precision: str, kv_context: int = 4096
     compile: the workers' --compile mode; they compile before they are ready, so the wait for
     them is the spec's compile wait unless ready_timeout says otherwise.
 
-    With curve="on" every socket runs CURVE with fresh keys under tmpdir/keys (the driver's
-    keys dir is tmpdir/keys/controller, stage 0's name "stage0").
+    Every run makes fresh keys under tmpdir/keys (the driver's keys dir is tmpdir/keys/controller,
+    controller_keys(tmpdir); stage i's name "stageI"): control sockets always run CURVE, and with
+    curve="on" every other socket does too.
     """
     from .spec import worker_spec
     ports = free_ports(n)
     tmp = tempfile.mkdtemp(prefix="layerline-local-")
-    keys_root = local_keys(tmp, n) if curve == "on" else None
+    keys_root = local_keys(tmp, n)
     host_vars = {}
     for i in range(n):
         v = {"ansible_connection": "local", "layerline_port": ports[i], "layerline_checkpoint": checkpoint,
@@ -82,8 +89,7 @@ def local_stages(checkpoint: str, n: int, precision: str, kv_context: int = 4096
              "layerline_curve": curve}
         if threads:
             v["layerline_threads"] = threads
-        if keys_root:
-            v["layerline_keys_dir"] = os.path.join(keys_root, f"stage{i}")
+        v["layerline_keys_dir"] = os.path.join(keys_root, f"stage{i}")
         if compile_cache:
             v["layerline_compile_cache"] = compile_cache
         if ready_timeout:

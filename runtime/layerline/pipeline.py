@@ -266,32 +266,64 @@ def pipeline_for_plan(plan, *, keys_dir: str | None = None, reply_host: str | No
                     timeout_s=timeout_s, ctx=ctx, keys_dir=keys_dir, first_key=str(get(first, "host")), curve=curve)
 
 
+_HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+
+
 def control(endpoint: str, op: str, timeout_s: float = 5.0, ctx: zmq.Context | None = None, *,
             keys_dir: str | None = None, peer: str | None = None, curve: str = "auto", **fields) -> dict:
     """One request to a worker's control socket (health, stats, set_next, shutdown).
 
-    Under CURVE (off loopback, or curve="on") it speaks as the holder of keys_dir's keypair
-    (the controller's) to the worker whose host name `peer` is (keys_dir/peers/PEER.key).
+    A control socket runs CURVE always, loopback included, and lets in only the controller's
+    key: this speaks as the holder of keys_dir's keypair (the controller's keys dir) to the
+    worker whose host name `peer` is (keys_dir/peers/PEER.key; or a .key file, or the z85 key).
+    `curve` is accepted for symmetry with Pipeline; control is CURVE whatever it says.
+    A refused handshake (a key the worker does not let in, or the wrong peer) is a DriveError
+    that says so, not a timeout.
     """
     wire.endpoint(endpoint, "control endpoint")
-    server = hk = None
-    if keymod.curve_on(curve, endpoint):
-        why = "curve on" if curve == "on" else f"control endpoint {endpoint} is not loopback, so CURVE is on"
-        hk = keymod.load_host_keys(keys_dir, "--keys", why)
-        server = hk.server_key(peer, "peer")
+    if curve not in keymod.CURVE_MODES:
+        keymod.curve_on(curve, endpoint)  # raises the one-line error
+    why = f"control endpoint {endpoint} runs CURVE always (only the controller may stop or redirect a worker)"
+    hk = keymod.load_host_keys(keys_dir, "--keys", why,
+                               hint="pass the controller's keys dir (layerline_keys_controller_dir; "
+                                    "`layerline drive --keys DIR`), made by playbooks/keys.yml")
+    if not peer:
+        raise keymod.KeysError(f"control {endpoint}: name the worker's host (its public key is "
+                               f"{os.path.join(hk.dir, 'peers', 'HOST.key')})")
+    server = hk.server_key(peer, "peer")
     ctx = ctx or zmq.Context.instance()
     s = ctx.socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
-    if server is not None:
-        keymod.connect_curve(s, hk, server)
+    keymod.connect_curve(s, hk, server)
+    mon = s.get_monitor_socket(_HANDSHAKE_FAILED)
     s.connect(endpoint)
     try:
         s.send_multipart(wire.encode({"op": op, **fields}))
-        if not s.poll(timeout_s * 1000):
-            raise DriveError(f"control {endpoint}: no answer to {op} within {timeout_s:.0f} s")
+        poller = zmq.Poller()
+        poller.register(s, zmq.POLLIN)
+        poller.register(mon, zmq.POLLIN)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            ready = dict(poller.poll(max(0.0, left) * 1000)) if left > 0 else {}
+            if s in ready:
+                break
+            if mon in ready:
+                from zmq.utils.monitor import recv_monitor_message
+                ev = recv_monitor_message(mon)["event"]
+                if ev & _HANDSHAKE_FAILED:
+                    raise DriveError(f"control {endpoint}: the worker refused the CURVE handshake (its "
+                                     f"allowed/controller.key is not {hk.dir}/self.key, or {peer!r} is not that "
+                                     "worker's key); use the controller's keys dir from playbooks/keys.yml")
+                continue
+            if left <= 0:
+                raise DriveError(f"control {endpoint}: no answer to {op} within {timeout_s:.0f} s")
         h, _ = wire.decode(s.recv_multipart())
         if h["op"] == "error":
             raise DriveError(f"control {endpoint}: {h.get('error')}")
         return h
     finally:
+        s.disable_monitor()
+        mon.close(0)
         s.close(0)

@@ -25,6 +25,7 @@ warnings.filterwarnings("ignore", message="The given buffer is not writable")
 PROTOCOL = 1
 CHUNK_BYTES = 16 * 2**20
 MAX_HEADER_BYTES = 64 * 1024
+MAX_FRAME_BYTES = max(CHUNK_BYTES, MAX_HEADER_BYTES)  # no sender needs a larger frame (receivers' MAXMSGSIZE)
 MAX_TENSORS = 16
 MAX_DIMS = 6
 ID_RE = re.compile(r"^[A-Za-z0-9_.:\-]{1,64}$")

@@ -27,9 +27,11 @@ Data messages (op forward; tensor `input_ids` [B, T] int64 at the first stage, `
 `op: release, seq` frees a sequence's KV cache here and on every later stage. A stage keeps at
 most MAX_SEQS sequences within its --kv-bytes budget, the least recently used going first.
 
-CURVE (layerline.keys): every socket whose address is not loopback (--curve auto), or every
-socket (--curve on), authenticates and encrypts with this host's keys from --keys DIR. The
-data and control sockets let in only clients whose public key is in DIR/allowed/; the DEALER
+CURVE (layerline.keys), with this host's keys from --keys DIR (required): the control socket
+runs it always, loopback included, and lets in only the controller's key (DIR/allowed/
+controller.key), so no other process can stop, redirect or even probe a worker. Every other
+socket runs it when its address is not loopback (--curve auto), or always (--curve on); the
+data socket lets in only clients whose public key is in DIR/allowed/; the DEALER
 to --next trusts only the key DIR/peers/NEXT.key (--next-key NEXT: a host name, a .key file
 or the z85 key); results go to a driver's reply_to only as the holder of
 DIR/peers/controller.key, never to a key a message names.
@@ -75,7 +77,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--next", default=None)
     p.add_argument("--first", action="store_true")
     p.add_argument("--last", action="store_true")
-    p.add_argument("--keys", default=None, help="dir with this host's CURVE keys (used off loopback)")
+    p.add_argument("--keys", default=None,
+                   help="dir with this host's CURVE keys (required: the control socket always runs CURVE)")
     p.add_argument("--next-key", default=None,
                    help="the next stage's public key: its host name in KEYS/peers/, a .key file or z85 text")
     p.add_argument("--curve", default="auto", choices=["auto", "on"],
@@ -155,17 +158,23 @@ class Worker:
         self.torch, self.zmq, self.wire, self.keymod = torch, zmq, wire, keys
         self.args = args
         self.name = args.name or f"stage{args.start}-{args.end}"
-        # keys first: a host that cannot speak CURVE fails before it loads any layer
+        # keys first: a host that cannot speak CURVE fails before it loads any layer. The control
+        # socket runs CURVE always (loopback included) and lets in only the controller's key, so
+        # every worker needs --keys; the data socket runs it off loopback (or with --curve on).
         control_addr = args.control or control_endpoint(args.bind)
         self.curve_bind = keys.curve_on(args.curve, args.bind)
-        self.curve_control = keys.curve_on(args.curve, control_addr)
-        self.keys = None
-        for addr, on, what in ((args.bind, self.curve_bind, "--bind"), (control_addr, self.curve_control, "--control"),
-                               (args.next, args.next and keys.curve_on(args.curve, args.next), "--next")):
-            if on and self.keys is None:
-                why = ("--curve on" if args.curve == "on"
-                       else f"{what} {addr} is not loopback, so CURVE is on for it")
-                self.keys = keys.load_host_keys(args.keys, "--keys", why)
+        self.curve_control = True
+        if args.curve == "on":
+            why = "--curve on"
+        elif self.curve_bind:
+            why = f"--bind {args.bind} is not loopback, so CURVE is on for it"
+        else:
+            why = (f"the control socket {control_addr} runs CURVE always (only the controller's key may stop or "
+                   "redirect a worker)")
+        self.keys = keys.load_host_keys(args.keys, "--keys", why, hint=keys.LOCAL_HINT)
+        if self.keys.controller is None:
+            raise keys.KeysError(f"--keys {args.keys}: has no allowed/{keys.CONTROLLER}.key, the one key the control "
+                                 "socket lets in; re-run playbooks/keys.yml (or `python -m layerline.keys local`)")
         if args.next and keys.curve_on(args.curve, args.next):
             self.keys.server_key(args.next_key, "--next-key")
         if args.threads:
@@ -187,12 +196,10 @@ class Worker:
         self.caches: OrderedDict[str, object] = OrderedDict()
         self.stats = Stats()
         self.ctx = zmq.Context()
-        self.auth = None
-        if self.curve_bind or self.curve_control:
-            # the ZAP handler must run before a CURVE server binds: without one, any key gets in
-            self.auth = keys.Allowlist(self.ctx, self.keys.allowed, on_deny=self._denied)
+        # the ZAP handler must run before a CURVE server binds: without one, any key gets in
+        self.auth = keys.Allowlist(self.ctx, self.keys.allowed, on_deny=self._denied, control=self.keys.controller)
         self.data = self._bound(zmq.ROUTER, args.bind, self.curve_bind)
-        self.control = self._bound(zmq.ROUTER, control_addr, self.curve_control)
+        self.control = self._bound(zmq.ROUTER, control_addr, True, control=True)
         self.next = None
         self.next_addr = None
         self.next_key = None
@@ -229,7 +236,12 @@ class Worker:
             print(f"layerline worker {self.name}: batch {b} compiled ({time.perf_counter() - t0:.0f} s)", flush=True)
         self.compile_s = time.perf_counter() - t0
 
-    def _denied(self, public: str) -> None:
+    def _denied(self, public: str, domain: str = "") -> None:
+        if domain == self.keymod.CONTROL_DOMAIN:
+            where = f"the controller's ({os.path.join(self.keys.dir, 'allowed', self.keymod.CONTROLLER + '.key')})"
+            print(f"layerline worker {self.name}: refused a control client whose key {public} is not {where}",
+                  file=sys.stderr, flush=True)
+            return
         print(f"layerline worker {self.name}: refused a CURVE client whose key {public} is not in "
               f"{os.path.join(self.keys.dir, 'allowed')}", file=sys.stderr, flush=True)
 
@@ -240,11 +252,18 @@ class Worker:
                                                    f"{field} is not loopback, so CURVE is on for it")
         return self.keys
 
-    def _bound(self, kind, addr, curve: bool):
+    def _bound(self, kind, addr, curve: bool, control: bool = False):
         s = self.ctx.socket(kind)
         s.setsockopt(self.zmq.LINGER, 1000)
         s.setsockopt(self.zmq.ROUTER_HANDOVER, 1)
-        if curve:
+        # no frame a sender may send is larger than a tensor chunk (or, on control, a header), plus
+        # room for CURVE's per-frame box: zmq drops a peer that announces more before it allocates
+        # a byte, so a lying sender cannot make this process hold gigabytes
+        limit = self.wire.MAX_HEADER_BYTES if control else self.wire.MAX_FRAME_BYTES
+        s.setsockopt(self.zmq.MAXMSGSIZE, limit + 4096)
+        if control:
+            self.keymod.serve_control(s, self.keys)
+        elif curve:
             self.keymod.serve_curve(s, self.keys)
         try:
             s.bind(addr)
@@ -271,7 +290,9 @@ class Worker:
             raise self.wire.WireError(f"next: cannot connect to {addr} ({e})") from None
         if self.next is not None:
             self.next.close(linger=1000)
-        self.next, self.next_addr, self.next_key = s, addr, (key if server is not None else None)
+        # the next hop's host name is reported (health) even without CURVE on this link: the
+        # server follows it to find each stage's key for the control socket
+        self.next, self.next_addr, self.next_key = s, addr, key
 
     def _peer(self, addr: str):
         """A DEALER to a driver's result socket (reply_to), kept for reuse. Under CURVE it only
@@ -286,9 +307,13 @@ class Worker:
                                                                          names_only=True)
             s = self.ctx.socket(self.zmq.DEALER)
             s.setsockopt(self.zmq.LINGER, 1000)
-            if server is not None:
-                self.keymod.connect_curve(s, self.keys, server)
-            s.connect(addr)
+            try:
+                if server is not None:
+                    self.keymod.connect_curve(s, self.keys, server)
+                s.connect(addr)
+            except self.zmq.ZMQError as e:  # close it, or every such request leaks a socket
+                s.close(linger=0)
+                raise self.wire.WireError(f"header.reply_to: cannot connect to {addr} ({e})") from None
             while len(self.peers) >= MAX_REPLY_PEERS:
                 self.peers.popitem(last=False)[1].close(linger=0)
         self.peers[addr] = s
@@ -532,6 +557,7 @@ class Worker:
     def handle_control(self, frames: list) -> None:
         wire = self.wire
         ident, body = frames[0], frames[1:]
+        h = None
         try:
             h, _ = wire.decode(body)
             op = h["op"]
@@ -565,7 +591,12 @@ class Worker:
         except Exception as e:  # noqa: BLE001
             self.stats.rejected += 1
             reply = {"op": "error", "stage": self.name, "error": str(e)[:2000]}
-        self.control.send_multipart([ident, *wire.encode(reply)])
+        if h and isinstance(h.get("id"), str):  # decode checked it: the asker can match the answer
+            reply["id"] = h["id"]
+        try:
+            self.control.send_multipart([ident, *wire.encode(reply)], flags=self.zmq.NOBLOCK)
+        except self.zmq.ZMQError:  # an asker that is gone or not reading is not a reason to stall
+            pass
 
     def serve(self) -> None:
         zmq = self.zmq

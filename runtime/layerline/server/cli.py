@@ -31,7 +31,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--admin-keys", default=None,
                    help="file of admin keys, mode 0600: Bearer auth for POST /admin/route (drain, rejoin); "
                         "without it the admin routes answer 403")
-    p.add_argument("--keys", default=None, help="the controller's CURVE keys dir (needed off loopback)")
+    p.add_argument("--keys", default=None,
+                   help="the controller's CURVE keys dir (required: workers' control sockets run CURVE always)")
     p.add_argument("--first-key", default=None, help="with --first: stage 0's host name in KEYS/peers/")
     p.add_argument("--curve", default="auto", choices=["auto", "on"],
                    help="auto: CURVE on each socket whose address is not loopback; on: on every socket")
@@ -168,6 +169,10 @@ def run(a: argparse.Namespace) -> int:
         from .auth import load_keys
         keys = load_keys(a.api_keys) if a.api_keys else None
         admin_keys = load_keys(a.admin_keys, "--admin-keys") if a.admin_keys else None
+        if not a.keys:  # health, set_next: workers' control sockets let in only the controller's key
+            raise LayerlineError("--keys is not set: the workers' control sockets run CURVE always and let in only "
+                                 "the controller's key; pass the controller's keys dir (layerline_keys_controller_dir, "
+                                 "made by playbooks/keys.yml)")
         plan = None
         if a.plan:
             try:
