@@ -12,7 +12,10 @@
     ((b) and (c) take turns on pipelines that both stay up);
 (d) the per-hop cost of layerline's wire (validated header + frames, both ways) vs a raw
     ZeroMQ round trip of the same bytes, each echoed by another process (as workers are),
-    rounds interleaved so both see the same machine.
+    rounds interleaved so both see the same machine;
+(q) (only with --parts q) the precisions interleaved: transformers generate and one stage at
+    bf16, int8 and int4 (eager, or compiled with --compile) held in one process, taking turns
+    round by round, best of --rounds each, so a busy spell on a shared machine hits all alike.
 Absolute times on these machines are noisy; the ratios are what to read.
 """
 from __future__ import annotations
@@ -204,7 +207,8 @@ def main(argv=None) -> dict:
                     help="the compiled setting (a) also measures (off: skip it)")
     ap.add_argument("--pipeline-compile", default="off", choices=COMPILE_MODES,
                     help="--compile for the workers of (b) and (c)")
-    ap.add_argument("--parts", default="abcd", help="which of (a)-(d) to run, e.g. a")
+    ap.add_argument("--parts", default="abcd", help="which of (a)-(d) and (q) to run, e.g. a or q")
+    ap.add_argument("--rounds", type=int, default=4, help="(q): rounds of taking turns")
     a = ap.parse_args(argv)
     ckpt = str(ensure_demo(Path(a.checkpoint)))
     torch.manual_seed(0)
@@ -221,7 +225,60 @@ def main(argv=None) -> dict:
         _parts_bc(a, ckpt, prompt, out)
     if "d" in a.parts:
         _part_d(out)
+    if "q" in a.parts:
+        _part_q(a, ckpt, prompt, dtype, out)
     return out
+
+
+def _part_q(a, ckpt: str, prompt: torch.Tensor, dtype: torch.dtype, out: dict) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from layerline.checkpoint import read_index
+    from layerline.model.loader import load_stage
+    from layerline.model.quant import int4_kernel_error
+    new, n = a.new, prompt.shape[1]
+    hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype).eval()
+
+    def hf_rate():
+        def run(k):
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                hf.generate(prompt, max_new_tokens=k, min_new_tokens=k, do_sample=False,
+                            eos_token_id=None, pad_token_id=0)
+            return time.perf_counter() - t0
+        t1, tn = run(1), run(new + 1)
+        return new / max(1e-9, tn - t1)
+
+    def rate(stage):
+        cache = stage.new_cache(1, n + new + 1)
+        tok = stage(prompt, start_pos=0, cache=cache)[:, -1:].argmax(-1)
+        t0 = time.perf_counter()
+        for i in range(new):
+            tok = stage(tok, start_pos=n + i, cache=cache)[:, -1:].argmax(-1)
+        return new / (time.perf_counter() - t0)
+
+    precs = [a.precision, "int8"] + (["int4"] if int4_kernel_error() is None else [])
+    layers = read_index(ckpt).num_layers
+    stages = {}
+    for p in precs:
+        stages[p] = load_stage(ckpt, 0, layers, True, True, precision=p)
+        stages[p].compile(a.compile)
+    t0 = time.perf_counter()
+    for st in stages.values():
+        rate(st)  # warm: compiles when compiling
+    warm = time.perf_counter() - t0
+    hf_rate()
+    best = dict.fromkeys(["transformers", *precs], 0.0)
+    for _ in range(a.rounds):
+        best["transformers"] = max(best["transformers"], hf_rate())
+        for p, st in stages.items():
+            best[p] = max(best[p], rate(st))
+    h = best["transformers"]
+    out["q"] = {"compile": a.compile, "transformers_tok_s": h, "warmup_s": warm,
+                **{f"{p}_tok_s": best[p] for p in precs}, **{f"{p}_ratio": best[p] / h for p in precs}}
+    print(f"(q) interleaved, --compile {a.compile} (warm-up {warm:.0f} s), best of {a.rounds} rounds: transformers "
+          f"{a.precision} {h:.1f} tokens/s; " + "; ".join(f"{p} {best[p]:.1f} = {best[p] / h:.2f}x" for p in precs),
+          flush=True)
 
 
 def _part_a(a, ckpt: str, prompt: torch.Tensor, dtype: torch.dtype, out: dict) -> None:
