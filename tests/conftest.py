@@ -32,6 +32,7 @@ MODULE_TIER = {
     "test_route_switch": "e2e",    # a live route switch over real workers
     "test_drain": "e2e",           # drain.yml and a rejoin under load
     "test_http_abuse": "e2e",      # 2,000 bad requests at a live server
+    "test_bad_deploys": "e2e",     # deploy.yml with bad inputs
     "test_control_auth": "e2e",    # control sockets of real workers, strangers and the controller
     "test_fuzz_wire": "e2e",       # mutated messages into live workers (LAYERLINE_FUZZ=full: make fuzz)
     "test_multihost": "multihost",
