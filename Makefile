@@ -25,7 +25,7 @@ teardown: setup
 	$(BIN)/ansible-playbook teardown.yml
 
 test: setup
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=20 tests
 
 # the fast tier only (markers: unit, e2e, multihost; tests/conftest.py assigns them): under a minute
 test-unit: setup
