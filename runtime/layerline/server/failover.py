@@ -120,6 +120,7 @@ class Failover:
         self.history = Events()
         self.unavailable: str | None = None   # the reason new requests are refused, while no route serves
         self.ops = threading.Lock()           # one failover or route switch at a time
+        self.switching = threading.Event()    # a route switch waits: a failover stops waiting for a restart
         self._gauges: dict = {}
         for s in stages:
             self._gauge(s, 0)
@@ -238,7 +239,7 @@ class Failover:
                 return
             # wait for the supervisor's restart on the same port
             until = time.monotonic() + self.restart_wait
-            while time.monotonic() < until and not self.stop_ev.is_set():
+            while time.monotonic() < until and not self.stop_ev.is_set() and not self.switching.is_set():
                 with self.lock:
                     up = dead.up
                 if up:
@@ -246,6 +247,9 @@ class Failover:
                 self.stop_ev.wait(0.05)
             with self.lock:
                 up = dead.up
+            if not up and self.switching.is_set():   # a drain of that host takes over: it resumes
+                log.warning("failover: %s is still down; a route switch takes over", dead.host)
+                return
             if not up:
                 self._count(dead, "failed")
                 msg = (f"stage {dead.host} at {dead.endpoint} is down and did not come back within "
@@ -307,47 +311,55 @@ class Failover:
         actives = [s for s in stages if s.role == "active"]
         if not actives:
             raise LayerlineError("the new route has no active stage")
-        with self.ops:
-            for s in stages:   # the gate: every new stage answers before anything changes
-                try:
-                    h = self.health(s, self.deadline)
-                except LayerlineError as e:
-                    if s.role == "active":
-                        raise LayerlineError(f"stage {s.host} at {s.control} does not answer health ({e}); "
-                                             "the route is unchanged") from None
-                    s.up, s.error = False, str(e)
-                    continue
-                s.up, s.pid, s.uptime_s, s.last_ok = True, h.get("pid"), h.get("uptime_s"), time.monotonic()
-            t0 = time.monotonic()
+        self.switching.set()
+        try:
+            with self.ops:
+                return self._switch(stages, actives, open_pipe, timeout_s)
+        finally:
+            self.switching.clear()
 
-            def swap(eng):
-                pipe = open_pipe()   # first: a pipeline that cannot open leaves the engine as it was
-                n = eng.fail_over("route switch")
-                eng.replace_pipe(pipe)
-                eng.resume()
-                return n
-            n = self.engine(swap, timeout_s)
-            with self.lock:
-                old = self.stages
-                for s in old:
-                    s.retired = True
-                    if self.metrics is not None and s.host in self._gauges:
-                        try:
-                            self.metrics.stage_up.remove(*self._gauges.pop(s.host))
-                        except KeyError:
-                            pass
-                self.stages = list(stages)
-                self.route = Route(actives, self.route.epoch + 1)
-                self.unavailable = None
-                for s in stages:
-                    self._gauge(s, 1 if s.up else 0)
+    def _switch(self, stages: list[StageState], actives: list[StageState], open_pipe: Callable,
+                timeout_s: float) -> dict:
+        for s in stages:   # the gate: every new stage answers before anything changes
+            try:
+                h = self.health(s, self.deadline)
+            except LayerlineError as e:
+                if s.role == "active":
+                    raise LayerlineError(f"stage {s.host} at {s.control} does not answer health ({e}); "
+                                         "the route is unchanged") from None
+                s.up, s.error = False, str(e)
+                continue
+            s.up, s.pid, s.uptime_s, s.last_ok = True, h.get("pid"), h.get("uptime_s"), time.monotonic()
+        t0 = time.monotonic()
+
+        def swap(eng):
+            pipe = open_pipe()   # first: a pipeline that cannot open leaves the engine as it was
+            n = eng.fail_over("route switch")
+            eng.replace_pipe(pipe)
+            eng.resume()
+            return n
+        n = self.engine(swap, timeout_s)
+        with self.lock:
+            old = self.stages
+            for s in old:
+                s.retired = True
+                if self.metrics is not None and s.host in self._gauges:
+                    try:
+                        self.metrics.stage_up.remove(*self._gauges.pop(s.host))
+                    except KeyError:
+                        pass
+            self.stages = list(stages)
+            self.route = Route(actives, self.route.epoch + 1)
+            self.unavailable = None
             for s in stages:
-                self._watch(s)
-            self.threads = [t for t in self.threads if t.is_alive()]
-            took = time.monotonic() - t0
-            self.history.add(actives[0].host, "switched", f"epoch {self.route.epoch}, {n} sequences replayed")
-            log.warning("route switch: epoch %d over %s; %d running sequences replay their prefix (%.3f s)",
-                        self.route.epoch, ", ".join(s.host for s in actives), n or 0, took)
-            return {"epoch": self.route.epoch, "replayed": n or 0, "seconds": round(took, 4),
-                    "stages": [s.host for s in actives],
-                    "standbys": [s.host for s in stages if s.role != "active"]}
+                self._gauge(s, 1 if s.up else 0)
+        for s in stages:
+            self._watch(s)
+        self.threads = [t for t in self.threads if t.is_alive()]
+        took = time.monotonic() - t0
+        self.history.add(actives[0].host, "switched", f"epoch {self.route.epoch}, {n} sequences replayed")
+        log.warning("route switch: epoch %d over %s; %d running sequences replay their prefix (%.3f s)",
+                    self.route.epoch, ", ".join(s.host for s in actives), n or 0, took)
+        return {"epoch": self.route.epoch, "replayed": n or 0, "seconds": round(took, 4),
+                "stages": [s.host for s in actives],
+                "standbys": [s.host for s in stages if s.role != "active"]}
