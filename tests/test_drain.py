@@ -4,7 +4,9 @@ with 200 and exactly the tokens of an undisturbed run; a drain that fails puts e
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -151,6 +153,21 @@ def test_drain_and_rejoin_under_load_lose_nothing(deployed):
     assert not any((home / "state" / f"{h}.1" / "ready.json").exists() for h in ("w1", "w2", "w3"))
     n += load.check(reference)
 
+    # under load, w1's worker stops answering for 5 s (SIGSTOP) and w3's is SIGKILLed (its supervisor
+    # restarts it): the server waits for each, every running sequence replays, nothing is lost
+    for host, sig in (("w1", signal.SIGSTOP), ("w3", signal.SIGKILL)):
+        pid = json.loads((home / "state" / host / "ready.json").read_text())["pid"]
+        with Load() as load:
+            os.kill(pid, sig)
+            if sig == signal.SIGSTOP:
+                time.sleep(5)
+                os.kill(pid, signal.SIGCONT)
+            wait_for(lambda: httpx.get(URL + "/health", timeout=10).status_code == 200 and
+                     metric("layerline_failovers_total") >= (1 if host == "w1" else 2), timeout=60,
+                     what=f"the server to fail over {host} and answer again")
+            time.sleep(1.0)
+        n += load.check(reference)
+
     # w3 dies for good (its supervisor stopped too): the server marks it down, and drain.yml takes it
     # out although it does not answer (the gate lets down only the hosts being drained)
     r = subprocess.run([sys.executable, "-m", "layerline.supervise", "stop", "--state-dir",
@@ -162,8 +179,8 @@ def test_drain_and_rejoin_under_load_lose_nothing(deployed):
     assert "route epoch 3 through w1, w2" in " ".join(r.stdout.split())
     assert [h for h, _, _ in actives(home)] == ["w1", "w2"]
     assert all(complete(p) == reference[i] for i, p in enumerate(PROMPTS[:2]))
-    print(f"\n{n} requests of {N_TOKENS} tokens through a drain and a rejoin: all 200, all "
-          "equal to the undisturbed tokens")
+    print(f"\n{n} requests of {N_TOKENS} tokens through a drain, a rejoin, a SIGSTOP and a SIGKILL: all 200, "
+          "all equal to the undisturbed tokens")
 
 
 def test_bad_drains_are_one_line_and_touch_nothing(deployed):
