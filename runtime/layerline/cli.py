@@ -300,7 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--reserve-ram-gb", type=float, default=0)
     pl.add_argument("--context", type=int, default=4096)
     pl.add_argument("--batch", type=int, default=1)
-    pl.add_argument("--precision-ladder", default=None, help="e.g. bf16,int8")
+    pl.add_argument("--precision-ladder", default=None, help="e.g. bf16,int8,int4")
     pl.add_argument("--on-unknown-kv", default="fail", choices=["fail", "assume", "ignore"])
     pl.add_argument("--json", action="store_true")
     pl.set_defaults(fn=cmd_plan)
