@@ -39,6 +39,12 @@ fuzz: setup
 lint: setup
 	$(BIN)/ansible-lint --profile production deploy.yml drain.yml teardown.yml playbooks roles
 
+# the molecule scenarios (default: the embedded inventory; multihost: namespace hosts, needs root);
+# tests/test_e2e_deploy.py and tests/test_multihost.py run the same deploys in `make test`
+molecule: setup
+	PATH=$(CURDIR)/$(BIN):$$PATH molecule test -s default
+	PATH=$(CURDIR)/$(BIN):$$PATH molecule test -s multihost
+
 bench: setup
 	$(BIN)/python bench/run_all.py
 

@@ -15,14 +15,13 @@ import torch._dynamo  # noqa: F401,E402
 # (default unit):
 #   unit       in-process checks, no playbooks, no worker pipelines: `pytest -m unit` (`make test-unit`),
 #              under a minute
-#   e2e        end-to-end and slow: real ansible / ansible-runner / molecule / ansible-lint runs on this
+#   e2e        end-to-end and slow: real ansible / ansible-runner / ansible-lint runs on this
 #              machine, worker processes, torch.compile, full probes
 #   multihost  over ssh to network-namespace hosts made by scripts/testhosts.py (needs root)
 # `make test` runs every tier. A test's own tier marker (e.g. @pytest.mark.e2e) is kept as it is.
 TIERS = ("unit", "e2e", "multihost")
 MODULE_TIER = {
     "test_e2e_deploy": "e2e",      # deploy.yml on the default inventory
-    "test_molecule": "e2e",        # molecule test -s default (multihost below, by name)
     "test_lint": "e2e",            # ansible-lint over every playbook and role (~50 s)
     "test_compile": "e2e",         # torch.compile, a compiled worker process (minutes)
     "test_generate": "e2e",        # generation across real worker processes
@@ -57,7 +56,6 @@ TEST_TIER = {  # "module::test name" (parametrized cases share their test's tier
     "test_probe::test_a_host_without_the_checkpoint_times_the_disk_it_will_land_on": "e2e",
     "test_rows::test_the_kv_budget_evicts_the_oldest_and_rows_then_name_it": "e2e",  # a worker
     "test_supervise::test_real_worker_under_supervise": "e2e",           # a real worker process
-    "test_molecule::test_molecule_multihost": "multihost",
 }
 
 

@@ -1,6 +1,7 @@
 """Bad inputs through deploy.yml, as users make them: each run fails with one line that names the
-field and the fix, prints no traceback, starts no worker and writes no plan; the next good run
-converges. (The command line's matrix is tests/test_bad_inputs.py.)"""
+field and the fix, prints no traceback, starts no worker and writes no plan. One case for each
+play that can refuse (checkpoint, runtime, plan); the planner's other refusals (ports, layer
+ranges, bytes short) go through the same plan_for_hosts and are in tests/test_bad_inputs.py."""
 from __future__ import annotations
 
 import json
@@ -64,27 +65,5 @@ def test_a_host_whose_python_lacks_torch(home, tmp_path):
     assert "lacks layerline's dependencies" in out and "torch" in out and "pip install" in out
 
 
-def test_two_hosts_on_one_port(home):
-    inv = _host_vars(home, "ports", {"w2": {"layerline_port": PORT_BASE + 1}})
-    _fails(home, "-i", "inventory", "-i", inv, says="collides with w1's ports")
-
-
 def test_unknown_precision(home):
     _fails(home, says="int3", layerline_precision="int3")
-
-
-def test_overlapping_layers(home):
-    inv = _host_vars(home, "layers", {"w1": {"layerline_layers": "0:2"}, "w2": {"layerline_layers": "1:3"},
-                                      "w3": {"layerline_layers": "3:4"}})
-    _fails(home, "-i", "inventory", "-i", inv, says="layerline_layers", layerline_policy="manual")
-
-
-def test_a_model_that_cannot_fit(home):
-    out = _fails(home, says="bytes short", layerline_reserve_ram_gb=10**6)
-    assert "layerline_plan" in out
-
-
-def test_after_the_failures_a_good_run_converges(home):
-    playbook("deploy.yml", "-e", json.dumps(_vars(home)))
-    plan = json.loads((home / "plan.json").read_text())
-    assert [s["host"] for s in plan["stages"] if s["role"] == "active"] == ["w1", "w2", "w3"]

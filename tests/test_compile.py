@@ -127,12 +127,14 @@ def test_a_stage_that_cannot_compile_decodes_eagerly_and_says_why(tmp_path, monk
 
     ck = write_demo_checkpoint(tmp_path / "m", layers=2, hidden=96, vocab=310, dtype="float32", seed=5)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # nothing cached to fall back on
-    monkeypatch.setattr(inductor.cpp, "cxx", ("/nonexistent/c++",))
     fast, eager = (load_stage(str(ck), 0, 2, True, True, "fp32") for _ in range(2))
     fast.compile("default")
     prompt = torch.tensor([[3, 1, 4, 1, 5]])
     a, b = _prefilled(eager, prompt, 8), _prefilled(fast, prompt, 8)
-    got = fast(torch.tensor([[9]]), start_pos=5, cache=b)
+    # inductor's own patch restores its config afterwards (monkeypatch would delete the key, and
+    # every later compile in this process would fail)
+    with inductor.patch({"cpp.cxx": ("/nonexistent/c++",)}):
+        got = fast(torch.tensor([[9]]), start_pos=5, cache=b)
     assert not fast.compiled and fast.compile_error
     torch.testing.assert_close(got, eager(torch.tensor([[9]]), start_pos=5, cache=a))
     assert b.length == 6
