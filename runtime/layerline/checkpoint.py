@@ -87,8 +87,9 @@ def read_safetensors_header(path: str | os.PathLike) -> dict:
     return header
 
 
-def _entries_of(path: Path) -> list[TensorEntry]:
-    out = []
+def _entries_of(path: Path) -> tuple[list[TensorEntry], int]:
+    """The file's tensors, and where their data ends (offset from the end of the header)."""
+    out, end_max = [], 0
     for name, meta in read_safetensors_header(path).items():
         if name == "__metadata__":
             continue
@@ -103,7 +104,8 @@ def _entries_of(path: Path) -> list[TensorEntry]:
         if end - start != nbytes:
             raise CheckpointError(f"{path}: tensor {name!r} spans {end - start} bytes but its shape needs {nbytes}")
         out.append(TensorEntry(name, dtype, shape, path.name, nbytes))
-    return out
+        end_max = max(end_max, end)
+    return out, end_max
 
 
 def is_gguf(ckpt: str | os.PathLike) -> bool:
@@ -148,11 +150,12 @@ def read_index(ckpt: str | os.PathLike, check: bool = True) -> CheckpointIndex:
     idx = CheckpointIndex(str(root), config)
     for f in files:
         size = f.stat().st_size
-        for e in _entries_of(f):
+        entries, data_end = _entries_of(f)
+        for e in entries:
             if e.name in idx.tensors:
                 raise CheckpointError(f"{root}: tensor {e.name!r} appears in both {idx.tensors[e.name].file} and {f.name}")
             idx.tensors[e.name] = e
-        end = _data_end(f) if check else 0
+        end = _header_end(f) + data_end if check else 0
         if end > size:
             raise CheckpointError(f"{f}: truncated: its header places tensor data up to byte {end} but the file has "
                                   f"{size} bytes; copy or download it again")
@@ -174,12 +177,11 @@ def _staged_range(root: Path) -> tuple[int, int, bool] | None:
                               "again (playbooks/stage.yml)") from None
 
 
-def _data_end(path: Path) -> int:
-    header = read_safetensors_header(path)
+def _header_end(path: Path) -> int:
+    """Where a safetensors file's data starts: its 8-byte length plus the header's bytes."""
     with open(path, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
-    ends = [int(m["data_offsets"][1]) for k, m in header.items() if k != "__metadata__"]
-    return 8 + n + max(ends, default=0)
+    return 8 + n
 
 
 def _config_int(cfg: dict, key: str, default: int | None = None) -> int:
