@@ -6,6 +6,14 @@ The stage checkpoint keeps the full config.json (the model's shape is the model'
 stage and the final norm and head on the last. A manifest records where it came from and the
 file's SHA-1 (what Ansible's copy checks after transfer); a stage already made from the same
 source and range is reused.
+
+The stage file is written here, not by safetensors' save_file: its header is laid out from the
+index first (a safetensors header: 8-byte little-endian length, JSON, spaces to an 8-byte
+boundary), then each tensor's bytes follow, copied from the source file as a byte range in
+bounded chunks (`CHUNK`), never read whole into memory. A GGUF source is dequantized one tensor at
+a time, each written as soon as it is made. The SHA-1 is computed on the bytes as they are
+written, so the file is not read back. The controller's memory grows by a chunk (safetensors) or
+by one dequantized tensor (GGUF), not by the stage.
 """
 from __future__ import annotations
 
@@ -13,11 +21,15 @@ import hashlib
 import json
 import os
 import shutil
+import struct
 from pathlib import Path
 
+from .checkpoint import DTYPE_BYTES, CheckpointError, _header_end, read_safetensors_header
 from .checkpoint import STAGE_MANIFEST as MANIFEST
 from .checkpoint import read_index
 from .errors import LayerlineError
+
+CHUNK = 8 * 2**20  # bytes copied at a time from a source safetensors file
 SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
               "special_tokens_map.json")
 
@@ -39,8 +51,6 @@ def _sha1(path: Path) -> str:
 
 def stage_checkpoint(src: str, start: int, end: int, first: bool, last: bool, out: str) -> dict:
     """Make (or reuse) the stage checkpoint; returns its manifest plus "changed"."""
-    from safetensors.torch import save_file
-
     from .gguf_checkpoint import is_gguf, open_tensors, write_hf_side_files
 
     from .model.loader import stage_tensor_names
@@ -61,29 +71,115 @@ def stage_checkpoint(src: str, start: int, end: int, first: bool, last: bool, ou
     tmp = dest.with_name(dest.name + f".tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    by_file: dict[str, list[str]] = {}
-    for n in names:
-        by_file.setdefault(idx.tensors[n].file, []).append(n)
-    tensors = {}
-    for fname, group in by_file.items():
-        with open_tensors(ckpt, fname) as f:  # safe_open, or a .gguf's tensors dequantized (bf16 if quantized)
-            for n in group:
-                tensors[n] = f.get_tensor(n)
-    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    try:
+        entries = [idx.tensors[n] for n in names]
+        if is_gguf(ckpt):
+            with open_tensors(ckpt, ckpt.name) as f:  # dequantized one by one, at the index's (planned) dtype
+                model = _write_stage_file(tmp / "model.safetensors", entries,
+                                          lambda e, out: _write_tensor(f.get_tensor(e.name), out))
+        else:  # each tensor's bytes copied as a byte range of its source file
+            with _ByteRanges(ckpt) as src:
+                model = _write_stage_file(tmp / "model.safetensors", entries, src.copy)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if is_gguf(ckpt):  # a GGUF stage is an HF dir: its config, tokenizer and chat template as files
         write_hf_side_files(ckpt, tmp)
     for side in SIDE_FILES:
         if (ckpt / side).exists():
             shutil.copy2(ckpt / side, tmp / side)
     files = sorted(p.name for p in tmp.iterdir())
-    man = {**want, "tensors": len(names), "files": {f: {"bytes": (tmp / f).stat().st_size, "sha1": _sha1(tmp / f)}
-                                                     for f in files},
+    sums = {"model.safetensors": model}
+    man = {**want, "tensors": len(names),
+           "files": {f: {"bytes": (tmp / f).stat().st_size, "sha1": sums.get(f) or _sha1(tmp / f)} for f in files},
            "bytes": sum((tmp / f).stat().st_size for f in files), "model_bytes": idx.total_bytes}
     (tmp / MANIFEST).write_text(json.dumps(man, indent=2))
     if dest.exists():
         shutil.rmtree(dest)
     tmp.rename(dest)
     return {**man, "changed": True}
+
+
+class _HashingWriter:
+    """A file being written, its SHA-1 and byte count kept as it goes."""
+
+    def __init__(self, f):
+        self.f, self.sha1, self.n = f, hashlib.sha1(), 0
+
+    def write(self, data) -> None:
+        self.sha1.update(data)
+        self.f.write(data)
+        self.n += memoryview(data).nbytes
+
+
+def _write_stage_file(path: Path, entries: list, write_one) -> str:
+    """Write a safetensors file of `entries` (TensorEntry: name, dtype, shape, nbytes) to `path`;
+    `write_one(entry, out)` writes each tensor's bytes to `out`. Returns the file's SHA-1.
+
+    The layout is safetensors' own (save_file's): widest dtype first, then by name, so every
+    tensor's data starts aligned to its element size."""
+    order = sorted(entries, key=lambda e: (-DTYPE_BYTES[e.dtype], e.name))
+    header, at = {}, 0
+    for e in order:
+        header[e.name] = {"dtype": e.dtype, "shape": list(e.shape), "data_offsets": [at, at + e.nbytes]}
+        at += e.nbytes
+    header["__metadata__"] = {"format": "pt"}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        out = _HashingWriter(f)
+        out.write(struct.pack("<Q", len(raw)))
+        out.write(raw)
+        for e in order:
+            before = out.n
+            write_one(e, out)
+            if out.n - before != e.nbytes:
+                raise CheckpointError(f"{e.name}: wrote {out.n - before} bytes where its header says {e.nbytes}")
+    return out.sha1.hexdigest()
+
+
+class _ByteRanges:
+    """Each tensor's bytes in a checkpoint dir's safetensors files, copied in `CHUNK`s."""
+
+    def __init__(self, root: Path):
+        self.root, self.files, self.offsets = root, {}, {}
+        self.buf = bytearray(CHUNK)
+
+    def __enter__(self) -> "_ByteRanges":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for f in self.files.values():
+            f.close()
+
+    def _open(self, fname: str):
+        if fname not in self.files:
+            path = self.root / fname
+            self.offsets[fname] = (_header_end(path), {n: m["data_offsets"] for n, m in
+                                                       read_safetensors_header(path).items() if n != "__metadata__"})
+            self.files[fname] = open(path, "rb")
+        return self.files[fname]
+
+    def copy(self, e, out: _HashingWriter) -> None:
+        f = self._open(e.file)
+        base, spans = self.offsets[e.file]
+        begin, end = (int(x) for x in spans[e.name])
+        f.seek(base + begin)
+        left, view = end - begin, memoryview(self.buf)
+        while left:
+            n = f.readinto(view[: min(left, CHUNK)])
+            if not n:
+                raise CheckpointError(f"{self.root / e.file}: ends inside tensor {e.name}; the file is truncated, "
+                                      "copy or download it again")
+            out.write(view[:n])
+            left -= n
+
+
+def _write_tensor(t, out: _HashingWriter) -> None:
+    """One tensor's bytes (already at the entry's dtype), as safetensors lays them out (C order)."""
+    import torch
+    t = t.detach().to("cpu").contiguous().reshape(-1)
+    out.write(t.view(torch.uint8).numpy() if t.numel() else b"")
 
 
 def parse_range(value: str) -> tuple[int, int]:
