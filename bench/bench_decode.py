@@ -16,6 +16,9 @@
 (q) (only with --parts q) the precisions interleaved: transformers generate and one stage at
     bf16, int8 and int4 (eager, or compiled with --compile) held in one process, taking turns
     round by round, best of --rounds each, so a busy spell on a shared machine hits all alike.
+--profile: where one decode step's time goes (torch profiler over --new steps of one stage, at
+    --precision and int8, compiled with --compile): weight GEMVs, attention, norms/RoPE/sampling,
+    Python and framework, next to the bandwidth bound (streamed weight bytes / the probe's rates).
 Absolute times on these machines are noisy; the ratios are what to read.
 """
 from __future__ import annotations
@@ -209,6 +212,10 @@ def main(argv=None) -> dict:
                     help="--compile for the workers of (b) and (c)")
     ap.add_argument("--parts", default="abcd", help="which of (a)-(d) and (q) to run, e.g. a or q")
     ap.add_argument("--rounds", type=int, default=4, help="(q): rounds of taking turns")
+    ap.add_argument("--profile", action="store_true",
+                    help="print where a decode step's time goes instead of running (a)-(d)")
+    ap.add_argument("--profile-precisions", default=None,
+                    help="comma-separated precisions --profile covers (default: --precision,int8)")
     a = ap.parse_args(argv)
     ckpt = str(ensure_demo(Path(a.checkpoint)))
     torch.manual_seed(0)
@@ -219,6 +226,10 @@ def main(argv=None) -> dict:
     out = {}
     print(f"decode benchmark: {ckpt}, {a.precision}, prompt {a.prompt}, {a.new} new tokens, "
           f"{torch.get_num_threads()} threads", flush=True)
+    if a.profile:
+        precs = (a.profile_precisions or f"{a.precision},int8").split(",")
+        out["profile"] = profile_steps(ckpt, prompt, a.new, precs, a.compile)
+        return out
     if "a" in a.parts:
         _part_a(a, ckpt, prompt, dtype, out)
     if "b" in a.parts or "c" in a.parts:
@@ -228,6 +239,127 @@ def main(argv=None) -> dict:
     if "q" in a.parts:
         _part_q(a, ckpt, prompt, dtype, out)
     return out
+
+
+# where a profiled op's self time goes, first match wins: inductor's kernels are named for
+# what they fuse (cpp_fused_..._softmax_...), extern GEMMs for their library call; a kernel
+# fusing RoPE with the KV write counts as RoPE
+PROFILE_BUCKETS = ("weight GEMVs", "attention", "norms/RoPE/sampling")
+_PROFILE_RULES = (
+    ("weight GEMVs", ("gemm_", "linear", "aten::mm", "aten::addmm", "int8pack", "int4pack", "mkldnn")),
+    ("norms/RoPE/sampling", ("rsqrt", "_cos_", "_sin_", "argmax", "embedding")),
+    ("attention", ("bmm", "softmax", "index_copy", "masked_fill")),
+    ("norms/RoPE/sampling", ("cpp_fused", "aten::")),
+)
+FRAMEWORK = "Python and framework"
+
+
+def profile_bucket(name: str) -> str | None:
+    """The PROFILE_BUCKETS bucket of a profiler event name; None: framework (dynamo guards,
+    the compiled graph's Python wrapper, profiler markers, anything unnamed)."""
+    if name.startswith(("Torch-Compiled", "## ", "TorchDynamo", "AOTDispatcher", "Pregraph",
+                        "aten::empty", "aten::as_strided", "aten::resolve", "aten::resize_",
+                        "aten::view", "aten::_local_scalar", "aten::item")):
+        return None
+    low = name.lower()
+    if low.startswith("graph_") and low.endswith("kernel") and "cpp_fused" not in low:
+        return PROFILE_BUCKETS[0]  # inductor's GEMM templates (graph_0_gemm_m1n..._kernel, int8's graph_1_kernel)
+    for bucket, keys in _PROFILE_RULES:
+        if any(k.lower() in low for k in keys):
+            return bucket
+    return None
+
+
+def streamed_weight_bytes(stage) -> int:
+    """Bytes one decode step reads from weights: every parameter and buffer except the embedding
+    table (one row of it) and the RoPE frequencies."""
+    total = 0
+    for name, t in list(stage.named_parameters()) + list(stage.named_buffers()):
+        if name == "inv_freq":
+            continue
+        if name.startswith("embed_tokens."):
+            total += t[0].numel() * t.element_size() if t.dim() == 2 else 0
+            continue
+        total += t.numel() * t.element_size()
+    return total
+
+
+def profile_steps(ckpt: str, prompt: torch.Tensor, new: int, precisions: list[str], compile: str) -> dict:
+    """Per precision, one stage holding the whole model: the mean decode step's time split into
+    PROFILE_BUCKETS and framework (the wall time no kernel accounts for), and the bandwidth bound:
+    streamed weight bytes over the probe's decode streaming rate and over its raw copy rate."""
+    from torch.profiler import ProfilerActivity, profile
+
+    import torch._inductor.config as inductor_config
+    from layerline import probe as probe_mod
+    from layerline.checkpoint import read_index
+    from layerline.model.loader import load_stage
+    # inductor's C++ kernels then show up in the profile by name (otherwise as one graph call)
+    inductor_config.cpp.enable_kernel_profile = True
+    with torch.inference_mode():
+        decode_bw = probe_mod._decode_bandwidth(torch, 2.0)
+        copy_bw = probe_mod._copy_bandwidth(torch, torch.device("cpu"), 1.0, 64 << 20)
+    n = prompt.shape[1]
+    layers = read_index(ckpt).num_layers
+    res = {}
+    for prec in precisions:
+        stage = load_stage(ckpt, 0, layers, True, True, precision=prec)
+        stage.compile(compile)
+        cache = stage.new_cache(1, n + 2 * new + 8)
+        tok = stage(prompt, start_pos=0, cache=cache)[:, -1:].argmax(-1)
+        t0 = time.perf_counter()
+        for i in range(3):  # compiles when compiling
+            tok = stage(tok, start_pos=n + i, cache=cache)[:, -1:].argmax(-1)
+        warm = time.perf_counter() - t0
+        pos = n + 3
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            t0 = time.perf_counter()
+            for i in range(new):
+                tok = stage(tok, start_pos=pos + i, cache=cache)[:, -1:].argmax(-1)
+            wall = (time.perf_counter() - t0) / new
+        # the same steps unprofiled: the profiler's own overhead stays out of the step time
+        t0 = time.perf_counter()
+        for i in range(new):
+            tok = stage(tok, start_pos=pos + new + i, cache=cache)[:, -1:].argmax(-1)
+        plain = (time.perf_counter() - t0) / new
+        split = dict.fromkeys(PROFILE_BUCKETS, 0.0)
+        for ev in prof.key_averages():
+            b = profile_bucket(ev.key)
+            if b is not None:
+                split[b] += ev.self_cpu_time_total / 1e6 / new
+        kernels = sum(split.values())
+        split[FRAMEWORK] = max(0.0, wall - kernels)
+        wb = streamed_weight_bytes(stage)
+        res[prec] = {"compile": stage.compile_error and "off (failed)" or compile, "warmup_s": warm,
+                     "step_s": plain, "profiled_step_s": wall, "split_s": split, "weight_bytes": wb,
+                     "bound_decode_bw_s": wb / decode_bw if decode_bw else None,
+                     "bound_copy_bw_s": wb / copy_bw, "decode_bw": decode_bw, "copy_bw": copy_bw}
+        del stage, cache
+    _print_profile(res, compile, new)
+    return res
+
+
+def _print_profile(res: dict, compile: str, new: int) -> None:
+    precs = list(res)
+    first = res[precs[0]]
+    dbw = f"{first['decode_bw'] / 1e9:.1f}" if first["decode_bw"] else "n/a"
+    print(f"profile: one decode step, --compile {compile}, mean of {new} profiled steps (ms and share of "
+          f"the profiled step); probe rates: decode streaming {dbw} GB/s, raw copy {first['copy_bw'] / 1e9:.1f} GB/s",
+          flush=True)
+    print("| part | " + " | ".join(precs) + " |")
+    print("|---|" + "---|" * len(precs))
+    for b in [*PROFILE_BUCKETS, FRAMEWORK]:
+        cells = [f"{r['split_s'][b] * 1e3:.2f} ms ({r['split_s'][b] / r['profiled_step_s']:.0%})" for r in res.values()]
+        print(f"| {b} | " + " | ".join(cells) + " |")
+    rows = (("profiled step", lambda r: f"{r['profiled_step_s'] * 1e3:.2f} ms"),
+            ("step without the profiler", lambda r: f"{r['step_s'] * 1e3:.2f} ms ({1 / r['step_s']:.1f} tokens/s)"),
+            ("weight bytes streamed per step", lambda r: f"{r['weight_bytes'] / 1e6:.0f} MB"),
+            ("bound: bytes / probe decode rate", lambda r: f"{r['bound_decode_bw_s'] * 1e3:.2f} ms"
+             if r["bound_decode_bw_s"] else "n/a"),
+            ("bound: bytes / raw copy rate", lambda r: f"{r['bound_copy_bw_s'] * 1e3:.2f} ms"),
+            ("step / copy bound", lambda r: f"{r['step_s'] / r['bound_copy_bw_s']:.2f}x"))
+    for label, fn in rows:
+        print(f"| {label} | " + " | ".join(fn(r) for r in res.values()) + " |", flush=True)
 
 
 def _part_q(a, ckpt: str, prompt: torch.Tensor, dtype: torch.dtype, out: dict) -> None:
