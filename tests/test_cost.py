@@ -265,3 +265,22 @@ def test_from_vars_rejects_bad_kv_override(value):
 
 def test_cost_error_is_a_layerline_error():
     assert issubclass(CostError, LayerlineError)
+
+
+def test_step_factor_is_measured_over_the_unfactored_model():
+    from layerline.cost import STEP_FACTOR_RANGE, factor_for, step_factor, step_mode
+    assert step_mode("int8", "max-autotune") == "int8/max-autotune"
+    assert step_factor(0.02, 0.01) == 2.0
+    # predicted_s already held a factor of 2: the model said 0.01, so 0.005 measured is 0.5
+    assert step_factor(0.005, 0.02, 2.0) == 0.5
+    # re-recording a running worker against the plan its factor made gives the same factor
+    assert step_factor(0.005, 0.01 * step_factor(0.005, 0.01), step_factor(0.005, 0.01)) == 0.5
+    for bad in ((None, 0.01), (0.01, 0), (0.01, -1.0), ("x", 0.01), (True, 0.01)):
+        assert step_factor(*bad) is None
+    assert step_factor(100.0, 0.001) == STEP_FACTOR_RANGE[1]  # a broken measurement is clamped
+    factors = {"int8/off": 0.6, "bf16/default": 0.4, "bf16/max-autotune": -1, "int4/off": "x"}
+    assert factor_for(factors, "int8", "off") == 0.6
+    assert factor_for(factors, "bf16", "default") == 0.4
+    assert factor_for(factors, "bf16", "off") == 1.0  # not measured
+    assert factor_for(factors, "bf16", "max-autotune") == 1.0 and factor_for(factors, "int4", "off") == 1.0
+    assert factor_for(None, "bf16", "off") == 1.0 and factor_for([1], "bf16", "off") == 1.0

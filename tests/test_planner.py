@@ -653,3 +653,33 @@ def test_planner_prefers_resident_experts_over_a_slow_disk():
     full = mem(mc, opts, "bf16", 0, 4)
     p = plan([spec("small", full // 3, disk=1e6), spec("big", full)], mc, opts)
     assert not any(s["experts_paged"] for s in actives(p))
+
+
+def test_measured_step_factor_scales_the_mode_it_was_measured_for():
+    import dataclasses
+
+    from layerline.caps import NodeCaps
+    mc = _mc()
+    base = make_plan(nodes_of([spec("a", BIG, precision="int8")]), mc, OPTS)
+    [st] = base.actives
+    assert st.step_factor == 1.0
+    c = caps(spec("a", BIG))
+    c["devices"][0]["step_factors"] = {"int8/default": 0.5, "int8/off": 2.0, "bf16/default": 0.5}
+    for compile, factor in (("default", 0.5), ("off", 2.0), ("max-autotune", 1.0)):
+        n = Node(host="a", caps=NodeCaps.from_dict(c, "a"), precision="int8", compile=compile)
+        [got] = make_plan([n], mc, OPTS).actives
+        assert got.step_factor == factor
+        assert got.predicted_s == pytest.approx(st.predicted_s * factor)
+        assert dataclasses.replace(got, step_factor=1.0, predicted_s=st.predicted_s, compile="off",
+                                   endpoint=st.endpoint) == st
+    # a faster mode on one host draws layers to it (the factor is in the placement, not only the label)
+    c2 = caps(spec("b", BIG))
+    fast = dataclasses.replace(nodes_of([spec("a", BIG)])[0], caps=NodeCaps.from_dict(c, "a"), compile="default")
+    c2["devices"][0]["step_factors"] = {"bf16/off": 1.0}
+    p = make_plan([fast, Node(host="b", caps=NodeCaps.from_dict(c2, "b"), endpoint="tcp://127.0.0.1:9102")],
+                  mc, OPTS, "auto")
+    a, b = p.actives
+    assert a.step_factor == 0.5 and b.step_factor == 1.0
+    assert a.layers[1] - a.layers[0] > b.layers[1] - b.layers[0]
+    # the factor travels in the plan's JSON
+    assert make_plan([fast], mc, OPTS).to_dict()["stages"][0]["step_factor"] == 0.5

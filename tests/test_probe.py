@@ -227,3 +227,36 @@ def test_ansible_doc_renders():
     doc = json.loads(proc.stdout)["layerline_probe"]
     assert set(doc["doc"]["options"]) >= {"checkpoint", "device", "addr", "budget_s", "cache_file", "refresh"}
     assert doc["examples"] and doc["return"]
+
+
+def test_step_factors_are_recorded_in_the_cache_and_survive_a_new_probe(checkpoint, tmp_path):
+    from layerline.probe import carry_step_factors, with_step_factor
+    caps = {"addr": "x", "devices": [{"name": "cpu"}, {"name": "cuda:0"}]}
+    one = with_step_factor(caps, "cpu", "int8/off", 0.7)
+    two = with_step_factor(one, "cpu", "bf16/default", 0.4)
+    assert caps["devices"][0] == {"name": "cpu"}, "a copy"
+    assert two["devices"][0]["step_factors"] == {"int8/off": 0.7, "bf16/default": 0.4}
+    assert "step_factors" not in two["devices"][1]
+    assert with_step_factor(caps, "cuda:3", "bf16/off", 1.0) == caps
+    fresh = carry_step_factors(two, {"devices": [{"name": "cpu", "step_factors": {"int8/off": 0.9}}]})
+    assert fresh["devices"][0]["step_factors"] == {"int8/off": 0.9, "bf16/default": 0.4}
+    assert carry_step_factors(None, {"devices": []}) == {"devices": []}
+
+    # the module: record_step writes measured / (predicted / factor) into the cached caps
+    cache = tmp_path / "caps.json"
+    step = {"precision": "int8", "compile": "default", "measured_s": "0.006", "predicted_s": 0.02, "factor": 2.0}
+    code, none = _call_module({"cache_file": str(cache), "record_step": step})
+    assert code == 0 and none["step_factor"] is None and not cache.exists(), "nothing to record into yet"
+    args = {"checkpoint": str(checkpoint), "cache_file": str(cache), "budget_s": 0.05, "measure_disk": False}
+    code, first = _call_module(args)
+    assert code == 0
+    code, rec = _call_module({"cache_file": str(cache), "record_step": step})
+    assert code == 0 and rec["changed"] is False and rec["step_factor"] == 0.6
+    code, bad = _call_module({"cache_file": str(cache), "record_step": dict(step, measured_s=None)})
+    assert code == 0 and bad["step_factor"] is None
+    code, again = _call_module(args)
+    assert again["cached"] is True
+    assert again["ansible_facts"]["layerline_caps"]["devices"][0]["step_factors"] == {"int8/default": 0.6}
+    code, fresh = _call_module(dict(args, refresh=True))
+    assert fresh["cached"] is False
+    assert fresh["ansible_facts"]["layerline_caps"]["devices"][0]["step_factors"] == {"int8/default": 0.6}

@@ -69,8 +69,41 @@ options:
   refresh:
     description:
       - Measure again even when O(cache_file) holds a matching result.
+      - Step factors recorded with O(record_step) are kept across new measurements.
     type: bool
     default: false
+  record_step:
+    description:
+      - Measure nothing; keep in O(cache_file) what a started worker's step time says about the
+        planner's cost model (measured / (predicted / factor)) for the worker's precision and
+        compile mode, returned as C(step_factor) and as C(step_factors) of the device in later
+        facts, so the next plan predicts that mode from it.
+      - Needs O(cache_file) to hold a result already (the probe play writes it); nothing is
+        recorded otherwise, or when a time is not a positive number.
+    type: dict
+    suboptions:
+      device:
+        description: The device the worker runs on (C(cpu), C(cuda:0), ...).
+        type: str
+        default: cpu
+      precision:
+        description: The worker's precision.
+        type: str
+        required: true
+      compile:
+        description: The worker's C(--compile) mode.
+        type: str
+        default: "off"
+      measured_s:
+        description: The step time the worker measured at warm-up (its ready file's C(step_s)).
+        type: raw
+      predicted_s:
+        description: The plan's C(predicted_s) for the stage.
+        type: raw
+      factor:
+        description: The plan stage's C(step_factor), the factor C(predicted_s) already includes.
+        type: float
+        default: 1.0
 requirements:
   - The target's Python interpreter (C(ansible_python_interpreter)) can import C(layerline)
     and C(torch); the C(layerline_runtime) role installs them.
@@ -94,6 +127,16 @@ EXAMPLES = r"""
     cache_file: /var/lib/layerline/caps.json
     refresh: true
 
+- name: Keep a started worker's measured step for the next plan
+  layerline_probe:
+    cache_file: "{{ layerline_state_dir }}/caps.json"
+    record_step:
+      precision: int8
+      compile: max-autotune
+      measured_s: "{{ started.ready.step_s }}"
+      predicted_s: 0.0123
+      factor: 1.0
+
 - name: Show what each node can do
   ansible.builtin.debug:
     msg: >-
@@ -108,6 +151,11 @@ cached:
   returned: always
   type: bool
   sample: false
+step_factor:
+  description: With O(record_step), the factor kept for the worker's mode, or null when none was kept.
+  returned: with O(record_step)
+  type: float
+  sample: 0.412
 ansible_facts:
   description: Facts added to the host.
   returned: success
@@ -210,7 +258,8 @@ try:
     import layerline
     from layerline.errors import LayerlineError
     from layerline.files import atomic_write_json
-    from layerline.probe import machine_id, measure_rtt, probe
+    from layerline.cost import step_factor, step_mode
+    from layerline.probe import carry_step_factors, machine_id, measure_rtt, probe, with_step_factor
 except ImportError:
     LAYERLINE_IMPORT_ERROR = traceback.format_exc()
 
@@ -230,16 +279,36 @@ def cache_key(params):
     }
 
 
-def read_cache(path, key):
-    """The cached caps when path holds a result for the same key, else None."""
+def read_cache_file(path):
+    """The cache file's {"key", "caps"} object, or None when there is none to read."""
     try:
         with open(path, encoding="utf-8") as fh:
             data = json.load(fh)
     except (OSError, ValueError):
         return None
-    if not isinstance(data, dict) or data.get("key") != key or not isinstance(data.get("caps"), dict):
+    if not isinstance(data, dict) or not isinstance(data.get("caps"), dict):
         return None
-    return data["caps"]
+    return data
+
+
+def read_cache(path, key):
+    """The cached caps when path holds a result for the same key, else None."""
+    data = read_cache_file(path)
+    return data["caps"] if data is not None and data.get("key") == key else None
+
+
+def record_step(module, path, step):
+    """record_step: the worker's factor into the cached caps (the caps themselves as they were)."""
+    data = read_cache_file(path) if path else None
+    factor = step_factor(step.get("measured_s"), step.get("predicted_s"), step.get("factor"))
+    if data is None or factor is None:
+        module.exit_json(changed=False, cached=data is not None, step_factor=None,
+                         msg="nothing recorded: " + ("no probe result in cache_file yet" if data is None
+                                                     else "measured_s and predicted_s must be positive numbers"))
+    caps = with_step_factor(data["caps"], step["device"], step_mode(step["precision"], step["compile"]), factor)
+    if not module.check_mode:
+        write_cache(module, path, data.get("key"), caps)
+    module.exit_json(changed=False, cached=True, step_factor=factor)
 
 
 def write_cache(module, path, key, caps):
@@ -262,6 +331,14 @@ def main():
             cache_file=dict(type="path"),
             refresh=dict(type="bool", default=False),
             peers=dict(type="list", elements="str", default=[]),
+            record_step=dict(type="dict", options=dict(
+                device=dict(type="str", default="cpu"),
+                precision=dict(type="str", required=True),
+                compile=dict(type="str", default="off"),
+                measured_s=dict(type="raw"),
+                predicted_s=dict(type="raw"),
+                factor=dict(type="float", default=1.0),
+            )),
         ),
         supports_check_mode=True,
     )
@@ -280,6 +357,14 @@ def main():
 
     key = cache_key(params)
     cache_file = params["cache_file"]
+    if params["record_step"] is not None:
+        step = dict(params["record_step"])
+        for k in ("measured_s", "predicted_s"):  # raw: templating may hand over a string or None
+            try:
+                step[k] = float(step[k]) if step[k] not in (None, "") else None
+            except (TypeError, ValueError):
+                step[k] = None
+        record_step(module, cache_file, step)
     if cache_file and not params["refresh"]:
         caps = read_cache(cache_file, key)
         if caps is not None:
@@ -298,6 +383,9 @@ def main():
         module.fail_json(msg=str(e))
 
     caps["rtt_s"] = measure_rtt(params["peers"])
+    if cache_file:
+        old = read_cache_file(cache_file)
+        caps = carry_step_factors(old and old["caps"], caps)
     if cache_file and not module.check_mode:
         write_cache(module, cache_file, key, caps)
 

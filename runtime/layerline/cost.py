@@ -206,3 +206,35 @@ def edge_bytes(cost: ModelCost, precision: str, first: bool, last: bool) -> int:
 def edge_flops(cost: ModelCost, last: bool) -> float:
     """The head's matmul: 2 x vocab x hidden per token (the embedding lookup is free)."""
     return 2.0 * cost.vocab_size * cost.hidden_size if last else 0.0
+
+
+# --- measured step factors ------------------------------------------------------------------
+# The cost model prices a step from bytes and FLOPs at the probe's rates, which it measured for
+# eager bf16: a compiled or int8 step differs by more than its bytes say (kernels, fusion, per-op
+# overhead). A worker measures its step at warm-up; measured / modelled is kept per host and
+# mode in the probe cache, and the next plan multiplies that mode's model by it.
+STEP_FACTOR_RANGE = (0.05, 20.0)  # outside: a broken measurement, not a mode's real speed
+
+
+def step_mode(precision: str, compile: str) -> str:
+    """The key a host's step factor for this precision and compile mode is kept under."""
+    return f"{precision}/{compile}"
+
+
+def step_factor(measured_s, predicted_s, factor_used=1.0) -> float | None:
+    """The factor for a mode: a measured step over the cost model's step (`predicted_s` was the
+    model times `factor_used`); None when any of them is not a positive number."""
+    vals = (measured_s, predicted_s, factor_used)
+    if any(isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 for v in vals):
+        return None
+    lo, hi = STEP_FACTOR_RANGE
+    return round(min(hi, max(lo, measured_s / (predicted_s / factor_used))), 3)
+
+
+def factor_for(factors, precision: str, compile: str) -> float:
+    """The factor a host's probe facts hold for this mode, 1.0 when none (or not a usable number)."""
+    v = factors.get(step_mode(precision, compile)) if isinstance(factors, dict) else None
+    lo, hi = STEP_FACTOR_RANGE
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
+        return 1.0
+    return float(v)

@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass, field
 
 from .caps import CapsError, NodeCaps
-from .cost import (PRECISION_BYTES, CostOptions, KvProfile, ModelCost, edge_bytes, edge_flops,
+from .cost import (PRECISION_BYTES, CostOptions, KvProfile, ModelCost, edge_bytes, edge_flops, factor_for,
                    kv_profile, weight_bytes)
 from .errors import LayerlineError
 from .model import COMPILE_MODES  # how a worker runs its step: the model's to say
@@ -65,6 +65,11 @@ class _Host:
     flops: float
     mem_bw: float
     disk_bw: float | None
+    step_factors: dict | None = None     # the probe cache's measured step / model, per mode
+
+    def factor(self, precision: str) -> float:
+        """What this host's steps at `precision` (and its compile mode) measured against the model."""
+        return factor_for(self.step_factors, precision, self.node.compile)
 
     @property
     def host(self) -> str:
@@ -94,6 +99,7 @@ class StagePlan:
     predicted_s: float
     endpoint: str | None = None
     standby_for: str | None = None
+    step_factor: float = 1.0         # the measured factor predicted_s includes (cost.step_factor)
     experts_paged: bool = False
     expert_cache_bytes: int = 0
     disk_s: float = 0.0
@@ -233,7 +239,8 @@ class _Table:
             read += self.cost.head_params * PRECISION_BYTES[self.precision]
             if self.cost.tied_embeddings:
                 read += self.cost.embed_params * PRECISION_BYTES[self.precision]
-        return max(flops / node.flops, read / node.mem_bw) + self.disk_time(node, a, b) * batch
+        model = max(flops / node.flops, read / node.mem_bw)
+        return model * node.factor(self.precision) + self.disk_time(node, a, b) * batch
 
 
 def parse_layers(value, host: str) -> tuple[int, int] | None:
@@ -274,7 +281,7 @@ def _hosts(nodes: list[Node], opts: CostOptions) -> list[_Host]:
         if n.max_ram_bytes is not None:
             budget = min(budget, n.max_ram_bytes)
         out.append(_Host(n, max(0, int(budget)), float(d.flops_per_s), float(d.mem_bw_bytes_per_s),
-                         n.caps.disk_read_bytes_per_s))
+                         n.caps.disk_read_bytes_per_s, d.step_factors))
     return out
 
 
@@ -532,7 +539,7 @@ def _stage(h: _Host, tab: _Table, a: int, b: int, role: str, batch: int, standby
                      predicted_s=tab.time(h, a, b, batch), endpoint=h.node.endpoint, standby_for=standby_for,
                      experts_paged=paged, expert_cache_bytes=h.budget - weights - kv if paged else 0,
                      disk_s=tab.disk_time(h, a, b) * batch, disk_read_bytes_per_s=h.disk_bw,
-                     machine=h.node.caps.machine, compile=h.node.compile)
+                     machine=h.node.caps.machine, compile=h.node.compile, step_factor=h.factor(tab.precision))
 
 
 def _with_threads(stages: list[StagePlan], hosts: dict[str, _Host]) -> list[StagePlan]:

@@ -27,7 +27,7 @@ import psutil
 
 from .errors import LayerlineError
 
-__all__ = ["probe", "machine_id", "NODECAPS_KEYS", "DEVICE_KEYS"]
+__all__ = ["probe", "machine_id", "NODECAPS_KEYS", "DEVICE_KEYS", "with_step_factor", "carry_step_factors"]
 
 NODECAPS_KEYS = (
     "addr", "hostname", "machine_id", "os", "cores", "ram_total_bytes", "ram_available_bytes",
@@ -97,6 +97,30 @@ def probe(checkpoint: str | None = None, device: str = "cpu", addr: str | None =
         "devices": devices,
         "probe_seconds": round(time.perf_counter() - started, 4),
     }
+
+
+def with_step_factor(caps: dict, device: str, mode: str, factor: float) -> dict:
+    """caps with `factor` kept for `mode` ("precision/compile", cost.step_mode) on `device`'s
+    `step_factors`: what a worker's measured step said about the cost model there. A copy;
+    caps without that device come back as they were."""
+    out = dict(caps)
+    out["devices"] = [dict(d, step_factors={**(d.get("step_factors") or {}), mode: factor})
+                      if isinstance(d, dict) and d.get("name") == device else d
+                      for d in caps.get("devices") or []]
+    return out
+
+
+def carry_step_factors(old: dict | None, new: dict) -> dict:
+    """New measurements keep the step factors the old caps held per device: they were measured
+    by workers, not by the probe, and stay this host's best word until a worker measures again."""
+    if not isinstance(old, dict):
+        return new
+    kept = {d.get("name"): d["step_factors"] for d in old.get("devices") or []
+            if isinstance(d, dict) and isinstance(d.get("step_factors"), dict)}
+    for dev in new.get("devices") or []:
+        if dev.get("name") in kept:
+            dev["step_factors"] = {**kept[dev["name"]], **(dev.get("step_factors") or {})}
+    return new
 
 
 def machine_id() -> str | None:

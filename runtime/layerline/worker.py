@@ -209,6 +209,7 @@ class Worker:
         self.running = True
         if args.compile != "off":
             self.warm_up(args.compile)
+        self.step_s = self.measure_step()
 
     def warm_up(self, mode: str) -> None:
         """Compile the decode step before serving, so no request waits minutes for it: batch 1,
@@ -235,6 +236,34 @@ class Worker:
                 return
             print(f"layerline worker {self.name}: batch {b} compiled ({time.perf_counter() - t0:.0f} s)", flush=True)
         self.compile_s = time.perf_counter() - t0
+
+    def measure_step(self, prefix: int = 32, budget_s: float = 1.0, steps: int = 12) -> float | None:
+        """Seconds of one decode step of one sequence, as serving runs it (compiled when compiled),
+        after a `prefix`-token prompt: what the plan's predicted_s predicts. Reported in the ready
+        file and `stats`; the launch keeps measured / predicted in the probe cache per precision
+        and compile mode (cost.step_factor) for the next plan. The fastest of up to `steps` steps
+        within about `budget_s`: other work on a shared machine only ever slows a step."""
+        torch = self.torch
+        try:
+            cache = self.stage.new_cache(1, prefix + 1, dtype=self.kv_dtype)
+            shape = (1, prefix) if self.args.first else (1, prefix, self.margs.hidden_size)
+            dtype = torch.int64 if self.args.first else self.stage.dtype
+            self.stage(torch.zeros(shape, dtype=dtype, device=self.args.device), start_pos=0, cache=cache)
+            x = torch.zeros(shape[:1] + (1,) + shape[2:], dtype=dtype, device=self.args.device)
+            best, deadline = None, time.perf_counter() + budget_s
+            for i in range(steps):
+                t0 = time.perf_counter()
+                self.stage(x, start_pos=prefix, cache=cache)  # the same position again: its KV is overwritten
+                if self.args.device.startswith("cuda"):
+                    torch.cuda.synchronize()
+                dt = time.perf_counter() - t0
+                best = dt if i and (best is None or dt < best) else best  # the first step warms caches
+                if i >= 3 and time.perf_counter() > deadline:
+                    break
+            return best
+        except Exception as e:  # noqa: BLE001 - a worker that cannot time itself still serves
+            print(f"layerline worker {self.name}: could not time a decode step: {e}", file=sys.stderr, flush=True)
+            return None
 
     def _denied(self, public: str, domain: str = "") -> None:
         if domain == self.keymod.CONTROL_DOMAIN:
@@ -327,7 +356,7 @@ class Worker:
                 "layers": [self.args.start, self.args.end], "precision": self.args.precision,
                 "device": self.args.device, "curve": self.curve_bind, "compile": self.args.compile,
                 "compiled": self.stage.compiled, "compile_s": self.compile_s,
-                "compile_error": self.stage.compile_error, "time": time.time()}
+                "compile_error": self.stage.compile_error, "step_s": self.step_s, "time": time.time()}
         tmp = self.args.ready_file + ".tmp"
         os.makedirs(os.path.dirname(os.path.abspath(tmp)), exist_ok=True)
         with open(tmp, "w") as f:
@@ -570,7 +599,8 @@ class Worker:
                 reply = {"op": "ok", "name": self.name, "requests": s.requests, "errors": s.errors,
                          "rejected": s.rejected, "compute_s": s.compute_s, "sequences": len(self.caches),
                          "compile": self.args.compile, "compile_s": self.compile_s,
-                         "compiled": self.stage.compiled, "compile_error": self.stage.compile_error}
+                         "compiled": self.stage.compiled, "compile_error": self.stage.compile_error,
+                         "step_s": self.step_s}
                 if self.args.compile != "off":  # graphs compiled so far: serving should add none
                     from torch._dynamo.utils import counters
                     reply["compiled_graphs"] = int(counters["stats"]["unique_graphs"])
