@@ -96,9 +96,13 @@ def test_smollm2_tokenizer_and_template_equal_transformers():
 
 # --- a small random GGUF against the same weights as safetensors ------------------------------------
 
-def _write_gguf(ckpt: Path, out: Path, quantized: tuple[str, ...]) -> dict[str, torch.Tensor]:
+def _write_gguf(ckpt: Path, out: Path, quantized: tuple[str, ...] = (), types: dict | None = None) -> dict[str, torch.Tensor]:
     """The demo checkpoint's tensors as a llama GGUF (Q/K permuted as llama.cpp does; the tensors whose
-    GGUF name ends with one of `quantized` stored Q8_0); returns the HF tensors the GGUF decodes to."""
+    GGUF name ends with one of `quantized` stored Q8_0, with a key of `types` stored as its value's type;
+    Q4_K, which the gguf package cannot quantize, as random blocks, on tensors Q/K permutation leaves
+    alone); returns the HF tensors the GGUF decodes to."""
+    types = {**(types or {}), **{q: Q8_0 for q in quantized}}
+    rng = np.random.default_rng(0)
     from safetensors.torch import load_file
     cfg = json.loads((ckpt / "config.json").read_text())
     hf = {}
@@ -128,11 +132,17 @@ def _write_gguf(ckpt: Path, out: Path, quantized: tuple[str, ...]) -> dict[str, 
         elif ".attn_k." in g:
             stored = permute_for_gguf(a, cfg["num_key_value_heads"])
         stored = np.ascontiguousarray(stored, dtype=np.float32)
-        if g.endswith(quantized):
-            w.add_tensor(g, gguf.quants.quantize(stored, Q8_0), raw_dtype=Q8_0)
-            # Q8_0 quantizes blocks of 32 along a row, so it commutes with the Q/K row permutation:
-            # the file decodes to the round trip of the HF-layout weights themselves
-            a = gguf.quants.dequantize(gguf.quants.quantize(np.ascontiguousarray(a), Q8_0), Q8_0).reshape(a.shape)
+        qtype = next((q for suffix, q in types.items() if g == suffix or g.endswith("." + suffix)), None)
+        if qtype == Q4_K:
+            assert ".attn_q." not in g and ".attn_k." not in g
+            raw = _random_q4_k(a.shape, rng)
+            w.add_tensor(g, raw, raw_dtype=Q4_K)
+            a = gguf.quants.dequantize(raw, Q4_K).reshape(a.shape)
+        elif qtype is not None:
+            w.add_tensor(g, gguf.quants.quantize(stored, qtype), raw_dtype=qtype)
+            # Q8_0 / Q4_0 / Q4_1 quantize blocks of 32 along a row, so they commute with the Q/K row
+            # permutation: the file decodes to the round trip of the HF-layout weights themselves
+            a = gguf.quants.dequantize(gguf.quants.quantize(np.ascontiguousarray(a), qtype), qtype).reshape(a.shape)
         else:
             w.add_tensor(g, stored)
         decoded[name] = torch.from_numpy(np.array(a, dtype=np.float32))
@@ -144,6 +154,17 @@ def _write_gguf(ckpt: Path, out: Path, quantized: tuple[str, ...]) -> dict[str, 
 
 
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
+Q4_0, Q4_1, Q4_K = gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q4_K
+
+
+def _random_q4_k(shape: tuple[int, int], rng) -> np.ndarray:
+    """Q4_K blocks for a [rows, cols] matrix (cols a multiple of 256): random codes and 6-bit scales
+    and mins, small positive fp16 d and dmin (144 bytes a block: d, dmin, 12 bytes of scales, 128 of codes)."""
+    rows, cols = shape
+    b = rng.integers(0, 256, (rows * cols // 256, 144), dtype=np.uint8)
+    b[:, 0:2] = (rng.random(len(b)) * 0.002 + 0.0005).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    b[:, 2:4] = (rng.random(len(b)) * 0.002).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    return b.reshape(rows, -1)
 
 
 def _gguf_names(cfg: dict) -> list[str]:
@@ -205,6 +226,120 @@ def test_random_gguf_stages_as_an_hf_dir(random_pair, tmp_path):
     want = load_stage(str(same), 2, 4, False, True, precision="fp32")(h)
     got = load_stage(str(tmp_path / "st"), 2, 4, False, True, precision="fp32")(h)  # Q8_0 tensors staged as bf16
     torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+
+
+# --- quantized blocks straight to int8 and int4 -------------------------------------------------------
+
+# every matrix quantized: Q8_0 (the edges, v, up, down), Q4_0 and Q4_1 on the permuted Q and K, Q4_K
+QUANT_TYPES = {"token_embd.weight": Q8_0, "output.weight": Q8_0, "attn_v.weight": Q8_0, "ffn_up.weight": Q8_0,
+               "ffn_down.weight": Q8_0, "attn_q.weight": Q4_0, "attn_k.weight": Q4_1,
+               "attn_output.weight": Q4_K, "ffn_gate.weight": Q4_K}
+
+
+@pytest.fixture(scope="module")
+def quant_pair(tmp_path_factory):
+    """(gguf file whose matrices are all Q8_0 / Q4_0 / Q4_1 / Q4_K, safetensors dir of the values it decodes to)."""
+    from safetensors.torch import save_file
+    root = tmp_path_factory.mktemp("gguf_quant")
+    src = write_demo_checkpoint(root / "src", layers=4, hidden=256, vocab=1000, dtype="float32", seed=3)
+    path = root / "quant.gguf"
+    decoded = _write_gguf(src, path, types=QUANT_TYPES)
+    same = root / "same"
+    same.mkdir()
+    save_file(decoded, str(same / "model.safetensors"), metadata={"format": "pt"})
+    (same / "config.json").write_text((src / "config.json").read_text())
+    return path, same
+
+
+def test_quantized_blocks_go_to_int8_a_few_rows_at_a_time_as_their_floats_would(quant_pair, one_thread):
+    """int8 from a GGUF reads each matrix a block of rows at a time (Q8_0 decoded from its codes and
+    block scales) and holds exactly what quantizing the matrix's float values holds; a two-stage int8
+    pipeline from a Q8_0 file stays close to the fp32 path and generates the same tokens."""
+    from helpers import chained_greedy
+    from layerline.gguf_checkpoint import read_row_blocks, to_hf_rows
+    from layerline.model.quant import quantize_row_blocks, quantize_rows
+    path, same = quant_pair
+    assert {read_index(path).tensors[f"model.layers.1.{n}.weight"].stored_type for n in
+            ("self_attn.q_proj", "self_attn.k_proj", "self_attn.o_proj", "mlp.up_proj")} == {"Q4_0", "Q4_1", "Q4_K", "Q8_0"}
+    from safetensors.torch import load_file
+    floats = load_file(str(same / "model.safetensors"))
+    for name in ("model.embed_tokens.weight", "model.layers.2.self_attn.q_proj.weight",
+                 "model.layers.2.self_attn.k_proj.weight", "model.layers.2.mlp.down_proj.weight"):
+        blocks = list(read_row_blocks(path, name, max_bytes=3 * 4 * floats[name].shape[1]))
+        assert all(b.shape[0] <= 3 for _a, b in blocks) and len(blocks) == -(-floats[name].shape[0] // 3)
+        q, scale = quantize_row_blocks(iter(blocks), *floats[name].shape)
+        want_q, want_scale = quantize_rows(floats[name])
+        assert torch.equal(to_hf_rows(path, name, q), want_q) and torch.equal(to_hf_rows(path, name, scale), want_scale)
+    got = load_stage(str(path), 0, 4, True, True, precision="int8").state_dict()
+    want = load_stage(str(same), 0, 4, True, True, precision="int8").state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got), \
+        [k for k in got if not torch.equal(got[k], want[k])]
+    # Q8_0 end to end: two int8 stages against one fp32 stage of the same file
+    q8 = path.with_name("q8.gguf")
+    _write_gguf(same, q8, quantized=tuple(k for k, v in QUANT_TYPES.items() if v == Q8_0) + ("attn_q.weight",
+                "attn_k.weight", "attn_output.weight", "ffn_gate.weight"))
+    assert {e.stored_type for e in read_index(q8).tensors.values() if len(e.shape) == 2} == {"Q8_0"}
+    ids = torch.randint(0, 1000, (2, 12), generator=torch.Generator().manual_seed(4))
+    ref = load_stage(str(q8), 0, 4, True, True, precision="fp32")
+    a, b = (load_stage(str(q8), 0, 2, True, False, precision="int8"),
+            load_stage(str(q8), 2, 4, False, True, precision="int8"))
+    with torch.inference_mode():
+        want_logits, got_logits = ref(ids), b(a(ids)).float()
+    rel = float((got_logits - want_logits).abs().max() / want_logits.abs().max())
+    print(f"\nQ8_0 GGUF at int8 (two stages) vs fp32: max |logit difference| {rel:.4f} of the largest |logit|")
+    assert rel < 0.06  # int8 against bf16 on a model this size measures 0.03 (tests/test_int8.py)
+    assert torch.equal(chained_greedy([a, b], ids[:1], 8), chained_greedy([ref], ids[:1], 8))
+
+
+def test_4bit_blocks_go_to_int4_as_their_stored_codes(quant_pair, one_thread):
+    """Q4_0, Q4_1 and Q4_K matrices are int4 codes in groups of 32 already: read as they are stored
+    (Q/K rows unpermuted), codes * scale + offset is the file's own values, and the int4 stage made from
+    them is at least as close to the fp32 path as one that quantizes the float values again."""
+    from layerline.gguf_checkpoint import read_int4_codes
+    from safetensors.torch import load_file
+    path, same = quant_pair
+    floats = load_file(str(same / "model.safetensors"))
+    for name in ("model.layers.1.self_attn.q_proj.weight", "model.layers.1.self_attn.k_proj.weight",
+                 "model.layers.1.self_attn.o_proj.weight", "model.layers.1.mlp.gate_proj.weight"):
+        codes, scale, offset = read_int4_codes(path, name)
+        assert codes.dtype == torch.int32 and int(codes.min()) >= 0 and int(codes.max()) <= 15
+        w = (codes.float().reshape(*codes.shape[:1], -1, 32) * scale[..., None] + offset[..., None]).reshape(codes.shape)
+        torch.testing.assert_close(w, floats[name], rtol=0, atol=1e-6 * float(floats[name].abs().max()))
+    assert read_int4_codes(path, "model.layers.1.mlp.up_proj.weight") is None  # Q8_0: not 4-bit codes
+    # the int4 layers' weights (read back through the kernel: identity @ W.T): from the blocks as stored,
+    # only the bf16 (scale, zero) pair and the bf16 output round; quantizing the floats again moves a Q4_0
+    # block onto a grid of its own (its codes never reach 15)
+    direct = load_stage(str(path), 1, 2, False, False, precision="int4")
+    again = load_stage(str(same), 1, 2, False, False, precision="int4")
+    eye = torch.eye(256, dtype=torch.bfloat16)
+    errs = {}
+    with torch.inference_mode():
+        for key, name in (("self_attn.q_proj", "Q4_0"), ("self_attn.k_proj", "Q4_1"), ("self_attn.o_proj", "Q4_K"),
+                          ("mlp.gate_proj", "Q4_K")):
+            want = floats[f"model.layers.1.{key}.weight"]
+            mods = [dict(st.named_modules())[f"layers.1.{key}"] for st in (direct, again)]
+            errs[name + " " + key] = [float((m(eye).float().t() - want).abs().max() / want.abs().max()) for m in mods]
+    print("\nint4 weight error / max |w| (from the blocks, re-quantized):",
+          {k: [round(x, 5) for x in v] for k, v in errs.items()})
+    assert all(d <= a * 1.001 for d, a in errs.values()), errs
+    assert errs["Q4_0 self_attn.q_proj"][0] < errs["Q4_0 self_attn.q_proj"][1] / 2, errs
+    assert all(d < 0.01 for d, _a in errs.values()), errs
+
+
+def test_smollm2_q4_1_int4_and_q8_0_int8_are_what_the_float_path_made():
+    """On SmolLM2's own blocks (Q4_1 layers, Q8_0 embedding) the direct reads hold exactly the numbers
+    the float path (dequantize, then quantize) made before them."""
+    from layerline.gguf_checkpoint import read_tensors
+    from layerline.model.quant import Int4Linear, quantize_rows
+    st = load_stage(str(SMOL), 0, 1, True, False, precision="int4").state_dict()
+    floats = dict(read_tensors(SMOL, ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
+                                      "model.layers.0.mlp.down_proj.weight"]))
+    q, scale = quantize_rows(floats["model.embed_tokens.weight"])
+    assert torch.equal(st["embed_tokens.weight"], q) and torch.equal(st["embed_tokens.scale"], scale)
+    for key, name in (("layers.0.self_attn.q_proj", "model.layers.0.self_attn.q_proj.weight"),
+                      ("layers.0.mlp.down_proj", "model.layers.0.mlp.down_proj.weight")):
+        packed, sz = Int4Linear.pack(floats[name], torch.bfloat16)
+        assert torch.equal(st[key + ".weight"], packed) and torch.equal(st[key + ".scale"], sz), key
 
 
 def test_unsupported_gguf_is_one_clear_error(tmp_path):

@@ -17,6 +17,16 @@ Hugging Face vocabulary the rest of layerline speaks:
   dequantized with `gguf.quants.dequantize`. llama.cpp's converter permutes the rows of Q and K
   (per head, interleaving the two rotary halves for its RoPE); the inverse permutation is applied
   here, so the weights come back in HF's rotate_half layout.
+- `read_row_blocks(path, name)` and `to_hf_rows`: a matrix as float32 blocks of rows
+  (`ROW_CHUNK_BYTES` at most), for the loader's int8 (per-row scales), so no float copy of the
+  whole matrix is made. Q8_0 rows are decoded here from their int8 codes and fp16 block scales
+  (exact in float32); the loader re-scales them to one scale per row. That is the same int8 as
+  quantizing the dequantized matrix, not Q8_0's own codes: Q8_0 has a scale per 32 weights,
+  layerline's int8 one per row (what torch._weight_int8pack_mm takes).
+- `read_int4_codes(path, name)`: Q4_0, Q4_1 and Q4_K matrices as their stored 4-bit codes with
+  each 32-weight group's scale and offset, which is layerline's int4 layout (`Int4Linear`, groups
+  of 32): the loader packs the codes as they are, no float weight made, nothing re-rounded but
+  the group's (scale, zero) pair, which int4 holds in bf16.
 - `tokenizer_for`, `chat_template_for`, `special_tokens_for`: the text side, for a `.gguf`
   (from `tokenizer.ggml.*` / `tokenizer.chat_template` metadata) and for an HF dir
   (tokenizer.json, tokenizer_config.json, config.json, generation_config.json) alike.
@@ -61,6 +71,8 @@ _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 _PLANNED = {"F32": "F32", "F16": "F16", "BF16": "BF16"}  # anything else (quantized) -> BF16
 _PLANNED_BYTES = {"F32": 4, "F16": 2, "BF16": 2}
 _TORCH_DTYPE_NAME = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+ROW_CHUNK_BYTES = 8 * 2**20  # float32 bytes decoded at a time when a matrix goes straight to int8
+INT4_DIRECT = ("Q4_0", "Q4_1", "Q4_K")  # block types that are int4 codes in groups of 32 as stored
 
 # pre-tokenizer splits (tokenizer.ggml.pre) that differ from GPT-2's; the rest use GPT-2's regex
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -248,6 +260,24 @@ def permute_for_gguf(w, n_head: int):
     return w.reshape(n_head, 2, shape[0] // n_head // 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
 
 
+def _q_k_heads(cfg: dict, name: str) -> int | None:
+    """The head count whose row permutation llama.cpp applied to this tensor (llama Q and K), else None."""
+    if cfg["model_type"] != "llama":  # llama.cpp permutes Q/K only for its llama architecture
+        return None
+    if ".self_attn.q_proj." in name:
+        return cfg["num_attention_heads"]
+    if ".self_attn.k_proj." in name:
+        return cfg["num_key_value_heads"]
+    return None
+
+
+def _tensor(path, name: str):
+    t = _tensor_map(path).get(name)
+    if t is None:
+        raise CheckpointError(f"{path}: tensor {name} is not in this GGUF file")
+    return t
+
+
 def read_tensors(path: str | os.PathLike, names: Iterable[str], device: str = "cpu") -> Iterator[tuple[str, object]]:
     """(HF name, float32 torch tensor on `device`) for each of `names`, dequantized, in HF layout.
     Only these tensors' bytes are read (the file is memory-mapped)."""
@@ -256,15 +286,8 @@ def read_tensors(path: str | os.PathLike, names: Iterable[str], device: str = "c
     from gguf.quants import dequantize
 
     cfg = gguf_config(path)
-    tmap = _tensor_map(path)
-    permute_heads = {}
-    if cfg["model_type"] == "llama":  # llama.cpp permutes Q/K only for its llama architecture
-        permute_heads = {".self_attn.q_proj.": cfg["num_attention_heads"],
-                         ".self_attn.k_proj.": cfg["num_key_value_heads"]}
     for name in names:
-        t = tmap.get(name)
-        if t is None:
-            raise CheckpointError(f"{path}: tensor {name} is not in this GGUF file")
+        t = _tensor(path, name)
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
         try:
             arr = dequantize(np.asarray(t.data), t.tensor_type)
@@ -277,10 +300,114 @@ def read_tensors(path: str | os.PathLike, names: Iterable[str], device: str = "c
         if not arr.flags.writeable:  # an F32 tensor is a view of the read-only map: own a copy
             arr = arr.copy()
         w = torch.from_numpy(arr).reshape(shape)
-        for part, n_head in permute_heads.items():
-            if part in name:
-                w = _unpermute(w, n_head).contiguous()
+        n_head = _q_k_heads(cfg, name)
+        if n_head:
+            w = _unpermute(w, n_head).contiguous()
         yield name, (w if device == "cpu" else w.to(device))
+
+
+def _matrix_rows(path, name: str):
+    """(reader tensor, its data as [rows, stored row] (a view of the map), rows, columns) of a matrix."""
+    import numpy as np
+    t = _tensor(path, name)
+    shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+    if len(shape) != 2:
+        raise CheckpointError(f"{path}: tensor {name} has shape {list(shape)}, not a matrix")
+    try:
+        raw = np.asarray(t.data).reshape(shape[0], -1)
+    except ValueError as e:
+        raise CheckpointError(f"{path}: cannot read tensor {t.name} ({e}); the file may be truncated") from None
+    return t, raw, shape[0], shape[1]
+
+
+def _float_rows(raw, qtype):
+    """float32 torch rows [r, K] of a block of stored rows (Q8_0 decoded here: int8 codes times the fp16
+    block scale, exact in float32; other types by gguf.quants.dequantize)."""
+    import numpy as np
+    import torch
+    from gguf.quants import dequantize
+
+    r = raw.shape[0]
+    if qtype.name == "Q8_0":
+        blocks = torch.from_numpy(np.array(raw, dtype=np.uint8)).view(r, -1, 34)  # a copy: the map is read-only
+        d = blocks[..., :2].contiguous().view(torch.float16).float()  # [r, blocks, 1]
+        return (blocks[..., 2:].contiguous().view(torch.int8).float() * d).reshape(r, -1)
+    try:
+        out = dequantize(raw, qtype)
+    except NotImplementedError as e:
+        raise CheckpointError(f"tensor type {qtype.name}: the gguf package cannot dequantize it ({e})") from None
+    out = np.ascontiguousarray(out, dtype=np.float32).reshape(r, -1)
+    return torch.from_numpy(out if out.flags.writeable else out.copy())  # F32: a view of the read-only map
+
+
+def read_row_blocks(path: str | os.PathLike, name: str,
+                    max_bytes: int = ROW_CHUNK_BYTES) -> Iterator[tuple[int, object]]:
+    """(first row, float32 torch rows [r, K]) of matrix `name`, a block of rows at a time (at most
+    `max_bytes` of float32, at least one row), in the file's row order: `to_hf_rows` puts a per-row
+    result in HF layout. What goes straight to int8 (`model.quant.quantize_row_blocks`) reads through
+    this, so no float copy of the whole matrix is made."""
+    t, raw, n, k = _matrix_rows(path, name)
+    step = max(1, max_bytes // (4 * k))
+    for a in range(0, n, step):
+        try:
+            rows = _float_rows(raw[a:a + step], t.tensor_type)
+        except CheckpointError as e:
+            raise CheckpointError(f"{path}: tensor {t.name}: {e}") from None
+        yield a, rows
+
+
+def to_hf_rows(path: str | os.PathLike, name: str, x):
+    """`x` (indexed by the rows of matrix `name` as the file stores them: int8 rows, per-row scales,
+    int4 codes) in HF row order: llama Q and K rows unpermuted, anything else as it is."""
+    n_head = _q_k_heads(gguf_config(path), name)
+    return _unpermute(x, n_head).contiguous() if n_head else x
+
+
+def _int4_blocks(raw, qtype):
+    """(codes uint8 [r, K] in 0..15, scale float32 [r, K / 32], offset float32 [r, K / 32]) of Q4_0 /
+    Q4_1 / Q4_K rows, with weight = code * scale + offset in each group of 32."""
+    import numpy as np
+    from gguf.quants import Q4_K
+
+    r = raw.shape[0]
+    shifts = np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    if qtype.name in ("Q4_0", "Q4_1"):
+        head = 2 if qtype.name == "Q4_0" else 4
+        b = raw.reshape(r, -1, head + 16)
+        d = b[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
+        # low nibbles are weights 0..15 of the block, high nibbles 16..31
+        codes = ((b[..., None, head:] >> shifts) & 0x0F).reshape(r, -1)
+        m = -8 * d if qtype.name == "Q4_0" else b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        return codes, d, m
+    # Q4_K: 256-weight super-blocks of eight 32-weight groups: weight = d * sc * code - dmin * mn
+    b = raw.reshape(-1, 144)  # 2 (d) + 2 (dmin) + 12 (6-bit scales, mins) + 128 (codes)
+    d = b[:, :2].copy().view(np.float16).astype(np.float32)
+    dmin = b[:, 2:4].copy().view(np.float16).astype(np.float32)
+    sc, mn = Q4_K.get_scale_min(b[:, 4:16])
+    # each 32 bytes of codes: low nibbles are one group, high nibbles the next
+    codes = ((b[:, 16:].reshape(-1, 4, 1, 32) >> shifts) & 0x0F).reshape(r, -1)
+    return codes, (d * sc).reshape(r, -1), (-dmin * mn).reshape(r, -1)
+
+
+def read_int4_codes(path: str | os.PathLike, name: str):
+    """(codes int32 [N, K] in 0..15, scale float32 [N, K / 32], offset float32 [N, K / 32]) of a
+    Q4_0 / Q4_1 / Q4_K matrix, weight = code * scale + offset per group of 32, in HF row order: the
+    stored codes as they are, no float weight made. None for any other type."""
+    import numpy as np
+    import torch
+
+    t, raw, n, k = _matrix_rows(path, name)
+    if t.tensor_type.name not in INT4_DIRECT:
+        return None
+    codes = torch.empty(n, k, dtype=torch.int32)
+    s = torch.empty(n, k // 32, dtype=torch.float32)
+    m = torch.empty(n, k // 32, dtype=torch.float32)
+    step = max(1, ROW_CHUNK_BYTES // (4 * k))
+    for a in range(0, n, step):
+        c, sa, ma = _int4_blocks(raw[a:a + step], t.tensor_type)
+        codes[a:a + step] = torch.from_numpy(np.ascontiguousarray(c))
+        s[a:a + step], m[a:a + step] = torch.from_numpy(sa), torch.from_numpy(ma)
+    return tuple(to_hf_rows(path, name, x) for x in (codes, s, m))
 
 
 class GGUFTensors:

@@ -6,8 +6,10 @@ safetensors.safe_open, cast to the precision's dtype one at a time, and assigned
 
 Precision int8 quantizes each Linear weight (and the embedding / LM head) right after reading
 it, so the float copy of only one tensor exists at a time; int4 the same, into the int4 layers'
-packed weights and group scales (embedding and LM head int8). Mixtral's experts are either loaded
-with the stage (default) or, given `expert_cache_bytes`, left on disk and served by an
+packed weights and group scales (embedding and LM head int8). From a GGUF file, int8 reads a
+quantized matrix a block of rows at a time (no float copy of the whole matrix), and int4 takes
+Q4_0 / Q4_1 / Q4_K codes as they are stored (`_gguf_int8`, `_gguf_int4`). Mixtral's experts are
+either loaded with the stage (default) or, given `expert_cache_bytes`, left on disk and served by an
 `LRUExpertStore` that reads them when routed to.
 """
 from __future__ import annotations
@@ -20,12 +22,12 @@ from safetensors import safe_open
 
 from ..checkpoint import CheckpointError, CheckpointIndex, read_index
 from ..errors import LayerlineError
-from ..gguf_checkpoint import GGUFTensors, is_gguf
+from ..gguf_checkpoint import GGUFTensors, is_gguf, read_int4_codes, read_row_blocks, to_hf_rows
 from ..precision import precision as precision_row
-from ..precision import torch_dtype
+from ..precision import INT4_GROUP, torch_dtype
 from .llama import ModelArgs, Stage, hf_name
 from .moe import LRUExpertStore
-from .quant import Int4Linear, quantize_rows, require_int4
+from .quant import Int4Linear, pack_int4_codes, quantize_row_blocks, quantize_rows, require_int4
 
 _FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
 
@@ -77,6 +79,21 @@ def stage_tensor_names(index: CheckpointIndex, start: int, end: int, first: bool
         if name not in names:
             names.append(name)
     return names
+
+
+def _gguf_int8(path: str, name: str, shape: tuple, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_rows` of a GGUF matrix, made a block of rows at a time."""
+    q, scale = quantize_row_blocks(read_row_blocks(path, name), *shape)
+    return to_hf_rows(path, name, q).to(device), to_hf_rows(path, name, scale).to(device)
+
+
+def _gguf_int4(f: GGUFTensors, path: str, name: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Int4Linear's weight and group scales of a GGUF matrix: Q4_0 / Q4_1 / Q4_K codes as stored,
+    any other type dequantized and quantized."""
+    codes = read_int4_codes(path, name) if INT4_GROUP == 32 else None
+    if codes is None:
+        return Int4Linear.pack(f.get_tensor(name), dtype)
+    return pack_int4_codes(*codes, dtype)
 
 
 def load_stage(ckpt_dir: str, start: int, end: int, first: bool, last: bool,
@@ -138,16 +155,20 @@ def load_stage(ckpt_dir: str, start: int, end: int, first: bool, last: bool,
     loaded: dict[str, torch.Tensor] = {}
     scales: dict[str, torch.Tensor] = {}
     load_dev = "cpu" if dev.type == "cpu" else str(dev)
+    gguf = is_gguf(ckpt_dir)
     for fname, names in by_file.items():
         path = Path(ckpt_dir) / fname
         try:
-            with (GGUFTensors(ckpt_dir, load_dev) if is_gguf(ckpt_dir)  # a .gguf: dequantized, HF layout
+            with (GGUFTensors(ckpt_dir, load_dev) if gguf  # a .gguf: dequantized, HF layout
                   else safe_open(str(path), framework="pt", device=load_dev)) as f:
                 for name in names:
                     if name in quantized:
-                        loaded[name], scales[name] = quantize_rows(f.get_tensor(name))
+                        loaded[name], scales[name] = (
+                            _gguf_int8(ckpt_dir, name, index.tensors[name].shape, load_dev) if gguf
+                            else quantize_rows(f.get_tensor(name)))
                     elif name in int4:
-                        loaded[name], scales[name] = Int4Linear.pack(f.get_tensor(name), dtype)
+                        loaded[name], scales[name] = (_gguf_int4(f, ckpt_dir, name, dtype) if gguf
+                                                      else Int4Linear.pack(f.get_tensor(name), dtype))
                     else:
                         loaded[name] = f.get_tensor(name).to(dtype)
         except (OSError, RuntimeError, ValueError) as e:

@@ -44,6 +44,16 @@ def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
+def quantize_row_blocks(blocks, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_rows` of an [n, k] matrix given as (first row, float rows) blocks: the same int8 and
+    scales, with no float copy of the whole matrix (each row's scale is its own)."""
+    q = torch.empty(n, k, dtype=torch.int8)
+    scale = torch.empty(n, dtype=torch.float32)
+    for a, rows in blocks:
+        q[a:a + rows.shape[0]], scale[a:a + rows.shape[0]] = quantize_rows(rows)
+    return q, scale
+
+
 def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return (q.float() * scale.float()[:, None]).to(dtype)
 
@@ -154,6 +164,16 @@ def quantize_groups(w: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Ten
     q = torch.round((wg - lo) / s).clamp_(0, 15).to(torch.int32).reshape(n, k)
     sz = torch.cat([s, lo + 8 * s], dim=-1).transpose(0, 1).contiguous()
     return q, sz
+
+
+def pack_int4_codes(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
+                    dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
+    """`Int4Linear`'s (packed weight, scale_zeros in `dtype`) of weights already held as 4-bit codes:
+    w[n, k] = codes[n, k] * scale[n, g] + offset[n, g], g = k // group (GGUF Q4_0 / Q4_1 / Q4_K).
+    In the kernel's convention, (q - 8) * s + z, that is s = scale and z = offset + 8 * scale."""
+    require_int4()
+    sz = torch.stack([scale.float(), offset.float() + 8 * scale.float()], dim=-1).transpose(0, 1).contiguous()
+    return torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 2), sz.to(dtype)
 
 
 def dequantize_groups(q: torch.Tensor, scale_zeros: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
