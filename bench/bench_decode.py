@@ -272,15 +272,18 @@ def profile_bucket(name: str) -> str | None:
 
 def streamed_weight_bytes(stage) -> int:
     """Bytes one decode step reads from weights: every parameter and buffer except the embedding
-    table (one row of it) and the RoPE frequencies."""
-    total = 0
+    table (one row of it) and the RoPE frequencies, each storage once (fused projections' parts
+    are views into one matrix)."""
+    total, seen = 0, set()
     for name, t in list(stage.named_parameters()) + list(stage.named_buffers()):
-        if name == "inv_freq":
+        ptr = t.untyped_storage().data_ptr()
+        if name == "inv_freq" or ptr in seen:
             continue
+        seen.add(ptr)
         if name.startswith("embed_tokens."):
             total += t[0].numel() * t.element_size() if t.dim() == 2 else 0
             continue
-        total += t.numel() * t.element_size()
+        total += t.untyped_storage().nbytes()
     return total
 
 

@@ -38,8 +38,10 @@ def _ids(b=1, t=32, seed=0):
 
 
 def _bytes(stage) -> int:
-    ts = {id(t): t for t in (*stage.parameters(), *stage.buffers()) if t is not stage.inv_freq}
-    return sum(t.numel() * t.element_size() for t in ts.values())
+    # by storage: a fused projection's parts are views into its one matrix (llama.FusedLinears)
+    ts = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+          for t in (*stage.parameters(), *stage.buffers()) if t is not stage.inv_freq}
+    return sum(ts.values())
 
 
 def _rel(a, b) -> float:

@@ -46,7 +46,7 @@ from ..errors import LayerlineError
 from ..precision import of_dtype, precision, torch_dtype
 from . import COMPILE_MODES
 from .moe import ExpertStore, SparseMoE
-from .quant import Int8Embedding, make_linear, quant_name, require_int4
+from .quant import Int8Embedding, Int8Linear, int8_linear, make_linear, quant_name, require_int4
 
 _ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -343,6 +343,57 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+class FusedLinears(nn.Module):
+    """Linear layers that read the same input, run as one matrix (q/k/v, gate/up): one GEMV per
+    step instead of three or two, which on a CPU saves each one's dispatch and thread start-up.
+
+    The parts keep their modules and state_dict names (the checkpoint's); once `fuse()` has
+    run, their weights are views into one concatenated tensor, so the fused matrix costs no
+    extra memory and an in-place load updates both. bf16/fp32 nn.Linear and int8 parts fuse;
+    others (int4's packed layout) run one by one.
+    """
+
+    def __init__(self, parts: list[nn.Module]):
+        super().__init__()
+        self.parts = list(parts)  # a plain list: the parts stay registered (and named) where they are
+        self.sizes = [m.out_features for m in parts]
+        self.register_buffer("weight", None, persistent=False)
+        self.register_buffer("scale", None, persistent=False)
+        self.register_buffer("bias", None, persistent=False)
+
+    def fuse(self) -> None:
+        parts = list(self.parts)
+        kinds = {type(m) for m in parts}
+        if kinds not in ({nn.Linear}, {Int8Linear}) or any(m.weight.is_meta for m in parts):
+            self.weight = self.scale = self.bias = None
+            return
+        with torch.no_grad():
+            w = torch.cat([m.weight for m in parts])
+            b = torch.cat([m.bias for m in parts]) if all(m.bias is not None for m in parts) else None
+            s = torch.cat([m.scale for m in parts]) if kinds == {Int8Linear} else None
+            for m, wi, bi, si in zip(parts, w.split(self.sizes), *(t.split(self.sizes) if t is not None
+                                                                   else [None] * len(parts) for t in (b, s))):
+                if isinstance(m, Int8Linear):
+                    m.weight, m.scale = wi, si
+                else:
+                    m.weight.data = wi
+                if bi is not None:
+                    m.bias.data = bi
+        if b is None and any(m.bias is not None for m in parts):  # some biased, some not: not fused
+            self.weight = self.scale = self.bias = None
+            return
+        self.weight, self.scale, self.bias = w, s, b
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self.weight is None:
+            return tuple(m(x) for m in self.parts)
+        if self.scale is not None:
+            y = int8_linear(x, self.weight, self.scale, self.bias)
+        else:
+            y = F.linear(x, self.weight, self.bias)
+        return y.split(self.sizes, dim=-1)
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs, dtype: torch.dtype, quant=None):
         super().__init__()
@@ -353,6 +404,7 @@ class Attention(nn.Module):
         self.k_proj = make_linear(h, args.num_kv_heads * hd, args.attention_bias, dtype, quant)
         self.v_proj = make_linear(h, args.num_kv_heads * hd, args.attention_bias, dtype, quant)
         self.o_proj = make_linear(args.num_heads * hd, h, args.o_proj_bias, dtype, quant)
+        self.qkv = FusedLinears([self.q_proj, self.k_proj, self.v_proj])
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: list,
                 kv: list | None, view: list) -> torch.Tensor:
@@ -367,9 +419,10 @@ class Attention(nn.Module):
         """
         b, t, _ = x.shape
         nh, nkv, hd = self.n_heads, self.n_kv_heads, self.head_dim
-        q = self.q_proj(x).view(b, t, nh, hd).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, nkv, hd).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, nkv, hd).transpose(1, 2)
+        q, k, v = self.qkv(x)
+        q = q.reshape(b, t, nh, hd).transpose(1, 2)
+        k = k.reshape(b, t, nkv, hd).transpose(1, 2)
+        v = v.reshape(b, t, nkv, hd).transpose(1, 2)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         if len(view) > 1:
@@ -431,9 +484,11 @@ class MLP(nn.Module):
         self.gate_proj = make_linear(h, i, False, dtype, quant)
         self.up_proj = make_linear(h, i, False, dtype, quant)
         self.down_proj = make_linear(i, h, False, dtype, quant)
+        self.gate_up = FusedLinears([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -545,6 +600,17 @@ class Stage(nn.Module):
         self.expert_store: ExpertStore | None = None  # set by the loader when experts are paged
         self._step = None  # the compiled _forward, when compile() was asked for
         self.compile_error: str | None = None  # why compiling failed (the stage then steps eagerly)
+
+    def fuse(self) -> None:
+        """Fuse each layer's q/k/v and gate/up projections (`FusedLinears`); after any load."""
+        for m in self.modules():
+            if isinstance(m, FusedLinears):
+                m.fuse()
+
+    def load_state_dict(self, *a, **kw):
+        out = super().load_state_dict(*a, **kw)
+        self.fuse()  # the loaded weights, as views into the fused matrices
+        return out
 
     def compile(self, mode: str = "default") -> None:
         """Run one-token steps of one sequence through torch.compile with inductor freezing.
