@@ -14,10 +14,14 @@ import bench_predicted  # noqa: E402
 
 
 def main() -> int:
-    for name, mod in (("planner", bench_planner), ("decode", bench_decode), ("predicted", bench_predicted),
-                      ("ops", bench_ops)):
+    # decode: (b) and (c) on compiled workers (the goal is that compiled pipelines keep their
+    # speed), then where a compiled step's time goes (its kernels are cached by then)
+    for name, mod, argv in (("planner", bench_planner, []),
+                            ("decode", bench_decode, ["--pipeline-compile", "default"]),
+                            ("profile", bench_decode, ["--profile", "--new", "16"]),
+                            ("predicted", bench_predicted, []), ("ops", bench_ops, [])):
         print(f"\n=== {name} ===", flush=True)
-        mod.main([])
+        mod.main(argv)
     return 0
 
 

@@ -329,6 +329,7 @@ def _decode_bandwidth(torch, budget_s: float) -> float | None:
         stage = Stage(args, 0, 2, False, False, torch.bfloat16)
         for p in stage.parameters():
             p.data = torch.randn(p.shape, dtype=torch.float32).mul_(0.02).to(torch.bfloat16)
+        stage.fuse()  # as a loaded stage runs: q/k/v and gate/up as one matrix each
         cache = stage.new_cache(1, 64)
         stage(torch.randn(1, 32, 1024, dtype=torch.bfloat16), 0, cache)  # a 32-token prefix
         x = torch.randn(1, 1, 1024, dtype=torch.bfloat16)
