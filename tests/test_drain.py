@@ -1,11 +1,15 @@
-"""Operations under load, as a user runs them: deploy.yml, then drain.yml and a rejoin while eight
-clients keep streaming greedy completions through the deployed server. Every request completes
-with 200 and exactly the tokens of an undisturbed run; a drain that fails puts everything back."""
+"""Operations under load, as a user runs them: deploy.yml on the embedded inventory plus a standby
+for w3 (w4), then drain.yml, a standby taking over a SIGKILLed worker, a SIGSTOPped worker waited
+for, a rejoin, a drain that promotes the standby in place and the drain of a dead host, while
+eight clients keep streaming greedy completions through the deployed server. Every request
+completes with 200 and exactly the tokens of an undisturbed run; a drain that fails puts
+everything back."""
 from __future__ import annotations
 
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -32,10 +36,16 @@ def deployed(tmp_path_factory):
     home = tmp_path_factory.mktemp("drain")
     # fp32: a replayed prefix (one batched prefill) gives the very logits its token-by-token steps gave
     ckpt = write_demo_checkpoint(home / "ckpt", layers=6, hidden=128, vocab=500, dtype="float32", seed=7)
-    extra = ["-e", json.dumps({"layerline_home": str(home), "layerline_checkpoint": str(ckpt),
-                               "layerline_demo_checkpoint": False, "layerline_policy": "uniform",
-                               "layerline_precision": "fp32", "layerline_port_base": PORT_BASE,
-                               "layerline_prompt": "", "layerline_seq": 8, "layerline_generate": 4})]
+    # the embedded inventory and w4, a standby for w3 (an inventory dir: ansible-playbook and Cluster read it alike)
+    inv = home / "inventory"
+    shutil.copytree(ROOT / "inventory", inv)
+    (inv / "standby.yml").write_text(json.dumps({"layerline": {"hosts": {"w4": {
+        "layerline_port": "{{ layerline_port_base | int + 30 }}", "layerline_role": "standby",
+        "layerline_standby_for": "w3"}}}}))
+    extra = ["-i", str(inv), "-e", json.dumps({
+        "layerline_home": str(home), "layerline_checkpoint": str(ckpt), "layerline_demo_checkpoint": False,
+        "layerline_policy": "uniform", "layerline_precision": "fp32", "layerline_port_base": PORT_BASE,
+        "layerline_prompt": "", "layerline_seq": 8, "layerline_generate": 4})]
     try:
         playbook("deploy.yml", *extra)
         reference = {i: complete(p) for i, p in enumerate(PROMPTS)}
@@ -105,10 +115,21 @@ def actives(home) -> list[tuple[str, list[int], str]]:
     return [(s["host"], s["layers"], s["endpoint"]) for s in plan["stages"] if s["role"] == "active"]
 
 
+def ready(home, host: str, slot: int = 0) -> dict | None:
+    f = home / "state" / (host if slot == 0 else f"{host}.{slot}") / "ready.json"
+    return json.loads(f.read_text()) if f.exists() else None
+
+
+def supervisor_pid(home, host: str, slot: int = 0) -> int:
+    d = home / "state" / (host if slot == 0 else f"{host}.{slot}")
+    return json.loads((d / "supervisor.json").read_text())["pid"]
+
+
 def test_drain_and_rejoin_under_load_lose_nothing(deployed):
     home, extra, reference = deployed
     before = actives(home)
     assert [h for h, _, _ in before] == ["w1", "w2", "w3"]
+    assert ready(home, "w4"), "the standby runs"
 
     # a drain whose new route cannot come up (w1's new port is taken) changes nothing
     with socket.socket() as taken:
@@ -121,10 +142,11 @@ def test_drain_and_rejoin_under_load_lose_nothing(deployed):
     assert "drain of w2 failed" in out and "restored: the server routes through the old plan" in out, out[-3000:]
     assert actives(home) == before
     assert json.loads((home / "route.json").read_text()) == {"slot": 0, "drained": []}
-    assert not any((home / "state" / f"{h}.1" / "ready.json").exists() for h in ("w1", "w2", "w3"))
+    assert not any(ready(home, h, 1) for h in ("w1", "w2", "w3", "w4"))
     assert complete(PROMPTS[0]) == reference[0]
 
-    # drain w2 under load: two hosts hold the model, on the other slot's ports
+    # drain w2 under load (no standby for it): w1 and w3 hold the model, on the other slot's ports,
+    # and w4 mirrors w3's new layers there
     replays = metric("layerline_replays_total")
     with Load() as load:
         r = playbook("drain.yml", *extra, "-e", "layerline_drain=w2")
@@ -134,60 +156,88 @@ def test_drain_and_rejoin_under_load_lose_nothing(deployed):
     assert [h for h, _, _ in after] == ["w1", "w3"] and after[0][1][0] == 0 and after[-1][1][1] == 6
     assert all(e.endswith(str(PORT_BASE + 50 + 10 * (int(h[1]) - 1))) for h, _, e in after), after
     assert json.loads((home / "route.json").read_text()) == {"slot": 1, "drained": ["w2"]}
-    assert not any((home / "state" / h / "ready.json").exists() for h in ("w1", "w2", "w3")), "old slot stopped"
+    assert not any(ready(home, h) for h in ("w1", "w2", "w3", "w4")), "old slot stopped"
     n = load.check(reference)
     assert metric("layerline_replays_total") > replays, "the switch landed while requests were running"
 
+    # under load, w3's worker is SIGKILLed while its supervisor is held (so it is not back before the
+    # monitor looks): the standby w4 is promoted; then w1's worker stops answering for 5 s (SIGSTOP,
+    # no standby): the server waits for it. Every running sequence replays; nothing is lost.
+    promoted = metric("layerline_failovers_total")
+    with Load() as load:
+        sup = supervisor_pid(home, "w3", 1)
+        os.kill(sup, signal.SIGSTOP)
+        try:
+            os.kill(ready(home, "w3", 1)["pid"], signal.SIGKILL)
+            wait_for(lambda: 'action="promoted",host="w3"' in httpx.get(URL + "/metrics", timeout=10).text,
+                     timeout=60, what="the server to promote w4 for w3")
+        finally:
+            os.kill(sup, signal.SIGCONT)
+        time.sleep(1.0)
+    n += load.check(reference)
+    health = httpx.get(URL + "/health", timeout=10).json()
+    assert [s["name"] for s in health["stages"]] == ["w1", "w4"], health
+    with Load() as load:
+        pid = ready(home, "w1", 1)["pid"]
+        os.kill(pid, signal.SIGSTOP)
+        time.sleep(5)
+        os.kill(pid, signal.SIGCONT)
+        wait_for(lambda: httpx.get(URL + "/health", timeout=10).status_code == 200 and
+                 metric("layerline_failovers_total") >= promoted + 2, timeout=60,
+                 what="the server to wait for w1 and answer again")
+        time.sleep(1.0)
+    n += load.check(reference)
+
     # w2 rejoins under load, from Python (the same plays as deploy.yml -e layerline_rejoin=w2):
-    # back to three hosts, on slot 0
+    # back to three hosts and the standby, on slot 0
     from layerline import Cluster
-    with Load() as load, Cluster.from_path(ROOT / "inventory", extravars=json.loads(extra[1]), quiet=True) as c:
+    with Load() as load, Cluster.from_path(home / "inventory", extravars=json.loads(extra[3]), quiet=True) as c:
         plan = c.rejoin("w2")
     assert [s["host"] for s in plan["stages"] if s["role"] == "active"] == ["w1", "w2", "w3"]
     assert actives(home) == before
     assert json.loads((home / "route.json").read_text()) == {"slot": 0, "drained": []}
-    assert not any((home / "state" / f"{h}.1" / "ready.json").exists() for h in ("w1", "w2", "w3"))
+    assert not any(ready(home, h, 1) for h in ("w1", "w2", "w3", "w4"))
     n += load.check(reference)
 
-    # under load, w1's worker stops answering for 5 s (SIGSTOP) and w3's is SIGKILLed (its supervisor
-    # restarts it): the server waits for each, every running sequence replays, nothing is lost
-    for host, sig in (("w1", signal.SIGSTOP), ("w3", signal.SIGKILL)):
-        pid = json.loads((home / "state" / host / "ready.json").read_text())["pid"]
-        with Load() as load:
-            os.kill(pid, sig)
-            if sig == signal.SIGSTOP:
-                time.sleep(5)
-                os.kill(pid, signal.SIGCONT)
-            wait_for(lambda: httpx.get(URL + "/health", timeout=10).status_code == 200 and
-                     metric("layerline_failovers_total") >= (1 if host == "w1" else 2), timeout=60,
-                     what=f"the server to fail over {host} and answer again")
-            time.sleep(1.0)
-        n += load.check(reference)
+    # drain w3 under load: its standby takes its place where it runs (slot 0, no worker starts), w2
+    # now hands its output to w4, and w3's worker stops
+    w4 = ready(home, "w4")["pid"]
+    with Load() as load:
+        r = playbook("drain.yml", *extra, "-e", "layerline_drain=w3")
+    out = " ".join(r.stdout.split())
+    assert "through w1, w2, w4" in out and "matches the one-process forward" in out, out[-3000:]
+    assert [(h, ls) for h, ls, _ in actives(home)] == [(h if h != "w3" else "w4", ls) for h, ls, _ in before]
+    assert json.loads((home / "route.json").read_text()) == {"slot": 0, "drained": ["w3"], "promoted": {"w4": "w3"}}
+    assert ready(home, "w4")["pid"] == w4 and not ready(home, "w3") and not ready(home, "w4", 1)
+    n += load.check(reference)
 
-    # w3 dies for good (its supervisor stopped too): the server marks it down, and drain.yml takes it
-    # out although it does not answer (the gate lets down only the hosts being drained)
+    # w1 dies for good (its supervisor stopped too): the server marks it down, and drain.yml takes it
+    # out although it does not answer (the gate lets down only the hosts being drained); w4 keeps w3's
+    # place in the new plan
     r = subprocess.run([sys.executable, "-m", "layerline.supervise", "stop", "--state-dir",
-                        str(home / "state" / "w3")], capture_output=True, text=True, timeout=60)
+                        str(home / "state" / "w1")], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
-    wait_for(lambda: 'layerline_stage_up{host="w3",role="active"} 0.0' in httpx.get(URL + "/metrics", timeout=10).text,
-             timeout=30, what="the server to mark w3 down")
-    r = playbook("drain.yml", *extra, "-e", "layerline_drain=w3")
-    assert "route epoch 3 through w1, w2" in " ".join(r.stdout.split())
-    assert [h for h, _, _ in actives(home)] == ["w1", "w2"]
+    wait_for(lambda: 'layerline_stage_up{host="w1",role="active"} 0.0' in httpx.get(URL + "/metrics", timeout=10).text,
+             timeout=30, what="the server to mark w1 down")
+    r = playbook("drain.yml", *extra, "-e", "layerline_drain=w1")
+    assert "through w2, w4" in " ".join(r.stdout.split()), r.stdout[-3000:]
+    assert [h for h, _, _ in actives(home)] == ["w2", "w4"]
+    assert json.loads((home / "route.json").read_text()) == {"slot": 1, "drained": ["w3", "w1"],
+                                                             "promoted": {"w4": "w3"}}
     assert all(complete(p) == reference[i] for i, p in enumerate(PROMPTS[:2]))
-    print(f"\n{n} requests of {N_TOKENS} tokens through a drain, a rejoin, a SIGSTOP and a SIGKILL: all 200, "
-          "all equal to the undisturbed tokens")
+    print(f"\n{n} requests of {N_TOKENS} tokens through a drain, a standby promoted for a SIGKILLed worker, a "
+          "SIGSTOP, a rejoin, a drain that promoted the standby in place: all 200, all equal to the undisturbed tokens")
 
 
 def test_bad_drains_are_one_line_and_touch_nothing(deployed):
     home, extra, _ = deployed
     plan = (home / "plan.json").read_text()
     for arg, says in (("layerline_drain=w9", "layerline_drain: w9 is not a host of group layerline"),
-                      ("layerline_drain=w1,w2,w3", "would leave no host to serve"),
+                      ("layerline_drain=w2,w4", "would leave no host to serve"),
                       ("layerline_drain=", "layerline_drain: name the host(s) to take out")):
         r = playbook("drain.yml", *extra, "-e", arg, check=False)
         assert r.returncode != 0 and says in " ".join(r.stdout.split()), r.stdout[-2000:]
         assert "Traceback" not in r.stdout + r.stderr
-    r = playbook("deploy.yml", *extra, "-e", "layerline_rejoin=w1", check=False)
-    assert r.returncode != 0 and "w1 is not drained" in " ".join(r.stdout.split())
+    r = playbook("deploy.yml", *extra, "-e", "layerline_rejoin=w2", check=False)
+    assert r.returncode != 0 and "w2 is not drained" in " ".join(r.stdout.split())
     assert (home / "plan.json").read_text() == plan

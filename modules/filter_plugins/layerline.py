@@ -19,7 +19,7 @@ try:
     from layerline import LayerlineError
     from layerline.deploy import drive_argv, peers_of, plan_for_hosts
     from layerline.planner import plan_table
-    from layerline.routes import RouteState, next_route
+    from layerline.routes import RouteState, host_order, next_route, promote_in_place
     from layerline.spec import stage_checkpoint_argv, stage_dir, state_dir, worker_spec
     IMPORT_ERROR = None
 except ImportError as e:  # the controller's interpreter lacks the package
@@ -106,15 +106,24 @@ def layerline_state_dir(hvars, host, slot=None):
         raise AnsibleFilterError(f"layerline_state_dir: {e}") from None
 
 
-def layerline_route(saved, hosts, drain=None, rejoin=None):
-    """The route after a drain or rejoin: {slot, drained, moves, before} (layerline.routes)."""
+def layerline_route(saved, hosts, drain=None, rejoin=None, plan=None):
+    """The route after a drain or rejoin (layerline.routes): {slot, drained, promoted, changed, moves,
+    plan, order, before}. changed: the server must switch; moves: workers start in the other slot
+    (else `plan` is the running plan with standbys promoted in place); order: the hosts in the
+    order to plan them."""
     _need_runtime()
     try:
         before = RouteState.from_dict(_plain(saved) if saved else None)
-        after, changed = next_route(before, [str(h) for h in hosts], _plain(drain), _plain(rejoin))
+        hosts = [str(h) for h in hosts]
+        after, changed = next_route(before, hosts, _plain(drain), _plain(rejoin))
+        inplace = promote_in_place(_plain(plan), before, after) if changed and plan else None
+        if inplace:
+            plan, after = inplace
     except LayerlineError as e:
         raise AnsibleFilterError(f"layerline_route: {e}") from None
-    return after.to_dict() | {"moves": changed, "before": before.to_dict()}
+    return after.to_dict() | {"changed": changed, "moves": changed and not inplace,
+                              "plan": plan if inplace else None, "order": host_order(hosts, after),
+                              "before": before.to_dict()}
 
 
 def layerline_peers(hostvars, hosts, me):

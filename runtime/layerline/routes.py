@@ -6,6 +6,12 @@ old ones, in the other of two slots (other ports, other state dirs: layerline.sp
 server switches to them at a step boundary, and only then are the old slot's workers stopped.
 layerline_home/route.json remembers the drained hosts, so a later deploy.yml keeps them out
 until they rejoin, and the slot, so it starts workers where the server looks for them.
+
+A drained host whose standby (in the plan that runs) answers is not re-planned: the standby is
+promoted in place (promote_in_place), so no worker starts or moves; the server switches to it
+and its predecessor is pointed at it. route.json then also remembers the promotion, so a later
+deploy plans the standby as an active host where the drained one stood (host_order), until the
+drained host rejoins.
 """
 from __future__ import annotations
 
@@ -32,6 +38,7 @@ def _names(v, what: str) -> list[str]:
 class RouteState:
     slot: int = 0
     drained: tuple[str, ...] = field(default_factory=tuple)
+    promoted: tuple[tuple[str, str], ...] = field(default_factory=tuple)   # (standby, the host it replaced)
 
     @classmethod
     def from_dict(cls, d: dict | None) -> "RouteState":
@@ -42,10 +49,19 @@ class RouteState:
         slot = d.get("slot", 0)
         if slot not in SLOTS:
             raise LayerlineError(f"{ROUTE_FILE}: slot {slot!r} must be 0 or 1")
-        return cls(slot=slot, drained=tuple(_names(d.get("drained"), f"{ROUTE_FILE}: drained")))
+        promoted = d.get("promoted") or {}
+        if not isinstance(promoted, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                     for k, v in promoted.items()):
+            raise LayerlineError(f"{ROUTE_FILE}: promoted {promoted!r} must map a standby to the host it "
+                                 "replaced; remove the key to plan the standbys as standbys again")
+        return cls(slot=slot, drained=tuple(_names(d.get("drained"), f"{ROUTE_FILE}: drained")),
+                   promoted=tuple(promoted.items()))
 
     def to_dict(self) -> dict:
-        return {"slot": self.slot, "drained": list(self.drained)}
+        out = {"slot": self.slot, "drained": list(self.drained)}
+        if self.promoted:
+            out["promoted"] = dict(self.promoted)
+        return out
 
 
 def next_route(state: RouteState, hosts: list[str], drain=None, rejoin=None) -> tuple[RouteState, bool]:
@@ -73,4 +89,54 @@ def next_route(state: RouteState, hosts: list[str], drain=None, rejoin=None) -> 
                              "keep at least one (teardown.yml stops everything)")
     changed = bool(drain or rejoin) and tuple(drained) != state.drained
     slot = (1 - state.slot) if changed else state.slot
-    return RouteState(slot=slot, drained=tuple(drained)), changed
+    # a promotion lasts while its host is drained and its standby is not
+    promoted = tuple((sb, h) for sb, h in state.promoted if h in drained and sb not in drained and sb in hosts)
+    return RouteState(slot=slot, drained=tuple(drained), promoted=promoted), changed
+
+
+def promote_in_place(plan: dict, before: RouteState, after: RouteState) -> tuple[dict, RouteState] | None:
+    """The running plan without the newly drained hosts, when that needs no worker to start or
+    move: an active host's stage is taken by its standby (which holds the same layers, precision
+    and KV), a drained standby just leaves. Returns it with the route state that remembers the
+    promotions, in the old slot; None when a drained active host has no standby in the plan, and
+    then the hosts that remain are re-planned (next_route's slot flip)."""
+    stages = [dict(s) for s in (plan or {}).get("stages") or []]
+    newly = [h for h in after.drained if h not in before.drained]
+    if not newly or not stages:
+        return None
+    promoted = dict(after.promoted)
+    for host in newly:
+        i = next((k for k, s in enumerate(stages) if s.get("host") == host), None)
+        if i is None:
+            continue                                   # not in the running plan: nothing to take out
+        if stages[i].get("role") != "active":
+            del stages[i]                              # a standby (or a draining host) just leaves
+            continue
+        sb = next((s for s in stages if s.get("role") == "standby" and s.get("standby_for") == host
+                   and s.get("host") not in after.drained), None)
+        if sb is None:
+            return None
+        stages.remove(sb)
+        stages[stages.index(next(s for s in stages if s.get("host") == host))] = \
+            {**sb, "role": "active", "standby_for": None}
+        promoted[sb["host"]] = host
+        for s in stages:                               # the drained host's other mirrors follow
+            if s.get("role") == "standby" and s.get("standby_for") == host:
+                s["standby_for"] = sb["host"]
+    if not any(s.get("role") == "active" for s in stages):
+        return None
+    return ({**plan, "stages": stages},
+            RouteState(slot=before.slot, drained=after.drained, promoted=tuple(promoted.items())))
+
+
+def host_order(hosts: list[str], state: RouteState) -> list[str]:
+    """Inventory order with each promoted standby where the host it replaced stood, so a later
+    plan gives it that host's place in the pipeline."""
+    promoted = dict(state.promoted)
+    if not promoted:
+        return list(hosts)
+    rest = [h for h in hosts if h not in promoted]
+    out = []
+    for h in rest:
+        out += [sb for sb, was in promoted.items() if was == h] + [h]
+    return out

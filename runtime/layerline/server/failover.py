@@ -18,7 +18,8 @@ When an active stage is down (or restarted), the coordinator thread
 
 A planned route change (drain.yml, a rejoin) goes through switch(): every stage of the new
 route must answer health first (else nothing changes); then, in the engine's thread and so at a
-step boundary, the in-flight requests are forgotten, the engine drives a new pipeline into the
+step boundary, a stage that stays but hands its output elsewhere is pointed at its new
+successor (`set_next`: a standby promoted in place), the in-flight requests are forgotten, the engine drives a new pipeline into the
 new first stage and every running sequence replays its prefix there; the epoch goes up and the
 monitor watches the new stages. One failover or switch runs at a time.
 """
@@ -331,9 +332,18 @@ class Failover:
                 continue
             s.up, s.pid, s.uptime_s, s.last_ok = True, h.get("pid"), h.get("uptime_s"), time.monotonic()
         t0 = time.monotonic()
+        # a stage that serves on in the new route but hands its output to another stage than before
+        # (a standby promoted in place after it, or the old route again) is pointed at it; stages
+        # started for the new route were launched pointing at their successors
+        with self.lock:
+            was_next = {a.endpoint: b.endpoint for a, b in zip(self.route.actives, self.route.actives[1:])}
+        relink = [(a, b) for a, b in zip(actives, actives[1:])
+                  if a.endpoint in was_next and was_next[a.endpoint] != b.endpoint]
 
         def swap(eng):
             pipe = open_pipe()   # first: a pipeline that cannot open leaves the engine as it was
+            for a, b in relink:
+                self.set_next(a, b)
             n = eng.fail_over("route switch")
             eng.replace_pipe(pipe)
             eng.resume()
