@@ -1,6 +1,6 @@
 """Bad inputs through deploy.yml, as users make them: each run fails with one line that names the
-field and the fix, prints no traceback, starts no worker and writes no plan. One case for each
-play that can refuse (checkpoint, runtime, plan); the planner's other refusals (ports, layer
+field and the fix, prints no traceback and starts no worker. One case for each play that can
+refuse (checkpoint, runtime, plan, stage) and a host that cannot be reached; the planner's other refusals (ports, layer
 ranges, bytes short) go through the same plan_for_hosts and are in tests/test_bad_inputs.py."""
 from __future__ import annotations
 
@@ -67,3 +67,35 @@ def test_a_host_whose_python_lacks_torch(home, tmp_path):
 
 def test_unknown_precision(home):
     _fails(home, says="int3", layerline_precision="int3")
+
+
+def test_an_unreachable_host(home):
+    # 192.0.2.0/24 is TEST-NET-1: nothing answers there
+    inv = _host_vars(home, "gone", {"w9": {"ansible_connection": "ssh", "ansible_host": "192.0.2.1",
+                                           "ansible_ssh_common_args": "-o ConnectTimeout=2",
+                                           "layerline_runtime_connect_timeout": 4, "layerline_port": PORT_BASE + 40}})
+    out = _fails(home, "-i", "inventory", "-i", inv, says="w9: unreachable over ssh at 192.0.2.1 within 4 s")
+    assert "check ansible_host" in out
+
+
+def test_a_disk_that_fills_while_staging(home, tmp_path):
+    """w2's stage dir is a 32 KiB tmpfs: its copy fails, the partial file is removed, no worker starts."""
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32k", "tmpfs", str(small)], check=True)
+    try:
+        inv = _host_vars(home, "small", {"w2": {"layerline_stage_dir": str(small)}})
+        r = playbook("deploy.yml", "-e", json.dumps(_vars(home, layerline_checkpoint_shared=False)),
+                     "-i", "inventory", "-i", inv, check=False)
+        out = " ".join(r.stdout.split())
+        assert r.returncode != 0 and "Traceback" not in r.stdout + r.stderr, out[-3000:]
+        assert f"w2: could not write its stage to {small} ([Errno 28] No space left on device" in out, out[-3000:]
+        assert out.count("could not write its stage") <= 2, "one line, for w2 only"   # the task and its recap
+        needs = int(out.split("the stage needs ")[1].split()[0])
+        assert needs > 32 * 1024 and "set layerline_stage_dir to a disk with room" in out
+        # what was copied whole stays (the next run's SHA-1 check keeps it); nothing partial does
+        left = sorted(p.name for p in small.iterdir())
+        assert "model.safetensors" not in left and not [n for n in left if n.startswith(".")], left
+        assert not list((home / "state").glob("*/ready.json")), "no worker starts"
+    finally:
+        subprocess.run(["umount", str(small)], check=False)

@@ -7,6 +7,7 @@ use, so a local pipeline runs exactly what a deployed one would.
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -78,6 +79,23 @@ def local_stages(checkpoint: str, n: int, precision: str, kv_context: int = 4096
     controller_keys(tmpdir); stage i's name "stageI"): control sockets always run CURVE, and with
     curve="on" every other socket does too.
     """
+    # free_ports cannot reserve what it finds: another process may bind one of them before our
+    # worker does (the worker imports torch first). Such a start is tried again on other ports.
+    for attempt in range(3):
+        try:
+            return _start_local(checkpoint, n, precision, kv_context, threads, curve, compile, compile_cache,
+                                ready_timeout, policy)
+        except _PortTaken:
+            if attempt == 2:
+                raise LayerlineError("local stages: their ports were taken by other processes three times; "
+                                     "free some loopback ports and try again") from None
+
+
+class _PortTaken(Exception):
+    pass
+
+
+def _start_local(checkpoint, n, precision, kv_context, threads, curve, compile, compile_cache, ready_timeout, policy):
     from .spec import worker_spec
     ports = free_ports(n)
     tmp = tempfile.mkdtemp(prefix="layerline-local-")
@@ -110,11 +128,15 @@ def local_stages(checkpoint: str, n: int, precision: str, kv_context: int = 4096
             while not os.path.exists(spec.ready_file):
                 if p.poll() is not None or time.time() > deadline:
                     log = open(os.path.join(spec.state_dir, "worker.log")).read()[-2000:].strip()
+                    if "Address already in use" in log:
+                        raise _PortTaken()
                     raise LayerlineError(f"local stage {spec.host} did not start: "
                                          f"{log.splitlines()[-1] if log else 'no output'}")
                 time.sleep(0.05)
-    except BaseException:
+    except BaseException as e:
         stop_local(procs)
+        if isinstance(e, _PortTaken):
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
     return procs, plan.actives[0].endpoint, tmp
 
