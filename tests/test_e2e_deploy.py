@@ -6,7 +6,11 @@ import os
 
 import pytest
 
-from helpers import playbook, recap
+import signal
+import subprocess
+import time
+
+from helpers import BIN, ROOT, ansible_env, playbook, recap
 
 # tier: e2e (tests/conftest.py marks by module)
 
@@ -88,6 +92,32 @@ def test_deploy_drive_idempotent_teardown(run_vars):
         assert not (home / "state" / h / "ready.json").exists()
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_controller_killed_mid_deploy_then_run_again(run_vars):
+    """The controller dies (SIGKILL) while the workers start; the next deploy.yml converges: every
+    worker serves the plan, the drive matches, and no half-written file is left in layerline_home."""
+    home, extra = run_vars
+    p = subprocess.Popen([str(BIN / "ansible-playbook"), "deploy.yml", *extra], cwd=ROOT, env=ansible_env(),
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    seen, deadline = [], time.monotonic() + 300
+    try:
+        for line in p.stdout:
+            seen.append(line)
+            if "Start the worker" in line or time.monotonic() > deadline:
+                break
+    finally:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait(30)
+    assert any("Start the worker" in line for line in seen), "".join(seen)[-3000:]
+    again = playbook("deploy.yml", *extra)
+    out = " ".join(again.stdout.split())
+    assert "matches" in out and "DOES NOT MATCH" not in out
+    plan = json.loads((home / "plan.json").read_text())
+    for s in plan["stages"]:
+        assert json.loads((home / "state" / s["host"] / "ready.json").read_text())["layers"] == s["layers"]
+    left = [str(f) for f in home.rglob("*") if ".tmp" in f.name or f.name.startswith(".ansible_tmp")]
+    assert not left, left
 
 
 def test_drive_fails_when_pipeline_disagrees(run_vars):
