@@ -69,6 +69,8 @@ def test_compiled_worker_serves_without_recompiling(small_ckpt, tmp_path):
         assert ready["compile"] == "default" and ready["compile_s"] > 0 and ready["compiled"]
         before = control(control_endpoint(first), "stats")
         assert before["compiled_graphs"] >= 2  # batch 1, and the dynamic batch
+        # its compiled step, timed at warm-up: the launch keeps it as the mode's factor for the planner
+        assert 0 < ready["step_s"] < 60 and before["step_s"] == ready["step_s"]
         prompts = [[1, 2, 3, 4], [9, 8, 7, 6], [5, 5, 5], [42], [3, 1, 4, 1, 5, 9, 2, 6], [7, 7, 1, 2]]
         with Pipeline(first, timeout_s=120) as pipe:
             g = generate(pipe, prompts, 6)
