@@ -221,6 +221,14 @@ def test_random_gguf_stages_as_an_hf_dir(random_pair, tmp_path):
     path, same = random_pair
     man = stage_checkpoint(str(path), 2, 4, False, True, str(tmp_path / "st"))
     assert man["changed"] and (tmp_path / "st" / "config.json").exists()
+    # written a block of rows at a time, the file is save_file's of the stage's tensors at their planned dtypes
+    from layerline.gguf_checkpoint import open_tensors
+    from layerline.model.loader import stage_tensor_names
+    from safetensors.torch import save_file
+    with open_tensors(path, path.name) as f:
+        save_file({n: f.get_tensor(n) for n in stage_tensor_names(read_index(path), 2, 4, False, True)},
+                  str(tmp_path / "ref.safetensors"), metadata={"format": "pt"})
+    assert (tmp_path / "st" / "model.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
     assert stage_checkpoint(str(path), 2, 4, False, True, str(tmp_path / "st"))["changed"] is False
     h = torch.randn(1, 5, 256, generator=torch.Generator().manual_seed(1))
     want = load_stage(str(same), 2, 4, False, True, precision="fp32")(h)
@@ -256,20 +264,23 @@ def test_quantized_blocks_go_to_int8_a_few_rows_at_a_time_as_their_floats_would(
     block scales) and holds exactly what quantizing the matrix's float values holds; a two-stage int8
     pipeline from a Q8_0 file stays close to the fp32 path and generates the same tokens."""
     from helpers import chained_greedy
-    from layerline.gguf_checkpoint import read_row_blocks, to_hf_rows
+    from layerline.gguf_checkpoint import read_row_blocks
     from layerline.model.quant import quantize_row_blocks, quantize_rows
     path, same = quant_pair
     assert {read_index(path).tensors[f"model.layers.1.{n}.weight"].stored_type for n in
             ("self_attn.q_proj", "self_attn.k_proj", "self_attn.o_proj", "mlp.up_proj")} == {"Q4_0", "Q4_1", "Q4_K", "Q8_0"}
     from safetensors.torch import load_file
     floats = load_file(str(same / "model.safetensors"))
-    for name in ("model.embed_tokens.weight", "model.layers.2.self_attn.q_proj.weight",
-                 "model.layers.2.self_attn.k_proj.weight", "model.layers.2.mlp.down_proj.weight"):
+    head_dim = read_config(path)["head_dim"]
+    for name, rows in (("model.embed_tokens.weight", 3), ("model.layers.2.mlp.down_proj.weight", 3),
+                       ("model.layers.2.self_attn.q_proj.weight", head_dim),  # permuted: whole heads
+                       ("model.layers.2.self_attn.k_proj.weight", head_dim)):
         blocks = list(read_row_blocks(path, name, max_bytes=3 * 4 * floats[name].shape[1]))
-        assert all(b.shape[0] <= 3 for _a, b in blocks) and len(blocks) == -(-floats[name].shape[0] // 3)
+        assert [a for a, _b in blocks] == list(range(0, floats[name].shape[0], rows))
+        assert torch.equal(torch.cat([b for _a, b in blocks]), floats[name]), name
         q, scale = quantize_row_blocks(iter(blocks), *floats[name].shape)
         want_q, want_scale = quantize_rows(floats[name])
-        assert torch.equal(to_hf_rows(path, name, q), want_q) and torch.equal(to_hf_rows(path, name, scale), want_scale)
+        assert torch.equal(q, want_q) and torch.equal(scale, want_scale)
     got = load_stage(str(path), 0, 4, True, True, precision="int8").state_dict()
     want = load_stage(str(same), 0, 4, True, True, precision="int8").state_dict()
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got), \

@@ -151,6 +151,9 @@ def test_staged_file_is_the_source_bytes_and_loads_the_same(tmp_path):
     assert man["changed"] and man["files"]["model.safetensors"]["sha1"] == \
         hashlib.sha1((out / "model.safetensors").read_bytes()).hexdigest()
     assert not list(tmp_path.glob("stage.tmp-*"))
+    names = stage_tensor_names(read_index(src), 2, 4, False, True)
+    save_file({n: full[n] for n in names}, str(tmp_path / "ref.safetensors"), metadata={"format": "pt"})
+    assert (out / "model.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()  # save_file's bytes
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         assert f.metadata() == {"format": "pt"}
         assert sorted(f.keys()) == sorted(stage_tensor_names(read_index(src), 2, 4, False, True))

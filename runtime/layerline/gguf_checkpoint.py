@@ -17,9 +17,9 @@ Hugging Face vocabulary the rest of layerline speaks:
   dequantized with `gguf.quants.dequantize`. llama.cpp's converter permutes the rows of Q and K
   (per head, interleaving the two rotary halves for its RoPE); the inverse permutation is applied
   here, so the weights come back in HF's rotate_half layout.
-- `read_row_blocks(path, name)` and `to_hf_rows`: a matrix as float32 blocks of rows
-  (`ROW_CHUNK_BYTES` at most), for the loader's int8 (per-row scales), so no float copy of the
-  whole matrix is made. Q8_0 rows are decoded here from their int8 codes and fp16 block scales
+- `read_row_blocks(path, name)`: a matrix as float32 blocks of rows in HF layout
+  (`ROW_CHUNK_BYTES` at most), for the loader's int8 (per-row scales) and for weight staging, so
+  no float copy of the whole matrix is made. Q8_0 rows are decoded here from their int8 codes and fp16 block scales
   (exact in float32); the loader re-scales them to one scale per row. That is the same int8 as
   quantizing the dequantized matrix, not Q8_0's own codes: Q8_0 has a scale per 32 weights,
   layerline's int8 one per row (what torch._weight_int8pack_mm takes).
@@ -342,23 +342,30 @@ def _float_rows(raw, qtype):
 
 def read_row_blocks(path: str | os.PathLike, name: str,
                     max_bytes: int = ROW_CHUNK_BYTES) -> Iterator[tuple[int, object]]:
-    """(first row, float32 torch rows [r, K]) of matrix `name`, a block of rows at a time (at most
-    `max_bytes` of float32, at least one row), in the file's row order: `to_hf_rows` puts a per-row
-    result in HF layout. What goes straight to int8 (`model.quant.quantize_row_blocks`) reads through
-    this, so no float copy of the whole matrix is made."""
+    """(first row, float32 torch rows [r, K]) of matrix `name` in HF layout, a block of rows at a time:
+    at most `max_bytes` of float32 and at least one row; for llama Q and K, whole heads (llama.cpp's
+    row permutation stays within a head, so each block is unpermuted on its own). int8 from a GGUF
+    (`model.quant.quantize_row_blocks`) and GGUF staging read through this, so no float copy of
+    the whole matrix is made."""
     t, raw, n, k = _matrix_rows(path, name)
     step = max(1, max_bytes // (4 * k))
+    n_head = _q_k_heads(gguf_config(path), name)
+    if n_head:
+        head = n // n_head
+        step = max(1, step // head) * head
     for a in range(0, n, step):
         try:
             rows = _float_rows(raw[a:a + step], t.tensor_type)
         except CheckpointError as e:
             raise CheckpointError(f"{path}: tensor {t.name}: {e}") from None
+        if n_head:
+            rows = _unpermute(rows, rows.shape[0] // head).contiguous()
         yield a, rows
 
 
 def to_hf_rows(path: str | os.PathLike, name: str, x):
-    """`x` (indexed by the rows of matrix `name` as the file stores them: int8 rows, per-row scales,
-    int4 codes) in HF row order: llama Q and K rows unpermuted, anything else as it is."""
+    """`x` (indexed by the rows of matrix `name` as the file stores them: int4 codes, group scales)
+    in HF row order: llama Q and K rows unpermuted, anything else as it is."""
     n_head = _q_k_heads(gguf_config(path), name)
     return _unpermute(x, n_head).contiguous() if n_head else x
 

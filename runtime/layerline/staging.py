@@ -10,10 +10,10 @@ source and range is reused.
 The stage file is written here, not by safetensors' save_file: its header is laid out from the
 index first (a safetensors header: 8-byte little-endian length, JSON, spaces to an 8-byte
 boundary), then each tensor's bytes follow, copied from the source file as a byte range in
-bounded chunks (`CHUNK`), never read whole into memory. A GGUF source is dequantized one tensor at
-a time, each written as soon as it is made. The SHA-1 is computed on the bytes as they are
-written, so the file is not read back. The controller's memory grows by a chunk (safetensors) or
-by one dequantized tensor (GGUF), not by the stage.
+bounded chunks (`CHUNK`), never read whole into memory. A GGUF source is dequantized a block of
+rows at a time (gguf_checkpoint.read_row_blocks), each written as soon as it is made. The SHA-1
+is computed on the bytes as they are written, so the file is not read back. The controller's
+memory grows by a chunk, not by the stage. The file is byte for byte what save_file wrote.
 """
 from __future__ import annotations
 
@@ -30,6 +30,8 @@ from .checkpoint import read_index
 from .errors import LayerlineError
 
 CHUNK = 8 * 2**20  # bytes copied at a time from a source safetensors file
+# safetensors' order of dtypes in a file (its Dtype enum, descending): widest first
+SAVE_ORDER = ("I64", "F64", "F32", "I32", "BF16", "F16", "I16", "F8_E4M3", "F8_E5M2", "I8", "U8", "BOOL")
 SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
               "special_tokens_map.json")
 
@@ -74,9 +76,9 @@ def stage_checkpoint(src: str, start: int, end: int, first: bool, last: bool, ou
     try:
         entries = [idx.tensors[n] for n in names]
         if is_gguf(ckpt):
-            with open_tensors(ckpt, ckpt.name) as f:  # dequantized one by one, at the index's (planned) dtype
+            with open_tensors(ckpt, ckpt.name) as f:  # dequantized, at the index's (planned) dtype
                 model = _write_stage_file(tmp / "model.safetensors", entries,
-                                          lambda e, out: _write_tensor(f.get_tensor(e.name), out))
+                                          lambda e, out: _write_gguf_tensor(ckpt, f, e, out))
         else:  # each tensor's bytes copied as a byte range of its source file
             with _ByteRanges(ckpt) as src:
                 model = _write_stage_file(tmp / "model.safetensors", entries, src.copy)
@@ -116,14 +118,15 @@ def _write_stage_file(path: Path, entries: list, write_one) -> str:
     """Write a safetensors file of `entries` (TensorEntry: name, dtype, shape, nbytes) to `path`;
     `write_one(entry, out)` writes each tensor's bytes to `out`. Returns the file's SHA-1.
 
-    The layout is safetensors' own (save_file's): widest dtype first, then by name, so every
-    tensor's data starts aligned to its element size."""
-    order = sorted(entries, key=lambda e: (-DTYPE_BYTES[e.dtype], e.name))
-    header, at = {}, 0
+    The layout is save_file's (safetensors 0.4 to 0.8): the metadata first, then the tensors widest
+    dtype first (`SAVE_ORDER`), then by name, so every tensor's data starts aligned to its element
+    size; the same tensors give the same bytes as save_file."""
+    rank = {d: i for i, d in enumerate(SAVE_ORDER)}
+    order = sorted(entries, key=lambda e: (-DTYPE_BYTES[e.dtype], rank.get(e.dtype, len(rank)), e.name))
+    header, at = {"__metadata__": {"format": "pt"}}, 0
     for e in order:
         header[e.name] = {"dtype": e.dtype, "shape": list(e.shape), "data_offsets": [at, at + e.nbytes]}
         at += e.nbytes
-    header["__metadata__"] = {"format": "pt"}
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
     with open(path, "wb") as f:
@@ -180,6 +183,20 @@ def _write_tensor(t, out: _HashingWriter) -> None:
     import torch
     t = t.detach().to("cpu").contiguous().reshape(-1)
     out.write(t.view(torch.uint8).numpy() if t.numel() else b"")
+
+
+def _write_gguf_tensor(ckpt: Path, f, e, out: _HashingWriter) -> None:
+    """A GGUF tensor dequantized to its planned dtype: a matrix a block of rows at a time, anything
+    else whole (a norm's vector)."""
+    import torch
+
+    from .gguf_checkpoint import read_row_blocks
+    if len(e.shape) != 2:
+        _write_tensor(f.get_tensor(e.name), out)
+        return
+    dtype = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[e.dtype]
+    for _a, rows in read_row_blocks(ckpt, e.name):
+        _write_tensor(rows.to(dtype), out)
 
 
 def parse_range(value: str) -> tuple[int, int]:

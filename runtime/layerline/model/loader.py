@@ -22,7 +22,7 @@ from safetensors import safe_open
 
 from ..checkpoint import CheckpointError, CheckpointIndex, read_index
 from ..errors import LayerlineError
-from ..gguf_checkpoint import GGUFTensors, is_gguf, read_int4_codes, read_row_blocks, to_hf_rows
+from ..gguf_checkpoint import GGUFTensors, is_gguf, read_int4_codes, read_row_blocks
 from ..precision import precision as precision_row
 from ..precision import INT4_GROUP, torch_dtype
 from .llama import ModelArgs, Stage, hf_name
@@ -84,7 +84,7 @@ def stage_tensor_names(index: CheckpointIndex, start: int, end: int, first: bool
 def _gguf_int8(path: str, name: str, shape: tuple, device: str) -> tuple[torch.Tensor, torch.Tensor]:
     """`quantize_rows` of a GGUF matrix, made a block of rows at a time."""
     q, scale = quantize_row_blocks(read_row_blocks(path, name), *shape)
-    return to_hf_rows(path, name, q).to(device), to_hf_rows(path, name, scale).to(device)
+    return q.to(device), scale.to(device)
 
 
 def _gguf_int4(f: GGUFTensors, path: str, name: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
