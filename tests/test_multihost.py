@@ -196,6 +196,11 @@ def test_deploy_across_hosts_idempotent_teardown(cluster):
         peers = established(f"{PREFIX}-{cur['host']}", port)
         assert addrs[prev["host"]] in peers, f"{cur['host']}:{port} peers {peers}, expected {addrs[prev['host']]}"
 
+    # on the namespace network, a client with a keypair this deployment does not know is refused by
+    # every worker's data and control socket (ZAP: the handshake fails on the allow-list, nothing is
+    # answered); the controller's key is let in on the same control socket
+    strangers_refused(home, actives, pids)
+
     # nothing changed: nothing restarts, the play reports no change
     t0 = time.perf_counter()
     second = playbook("deploy.yml", "-i", inv, *extra, timeout=900)
@@ -215,3 +220,49 @@ def test_deploy_across_hosts_idempotent_teardown(cluster):
         assert pid not in netns_pids(f"{PREFIX}-{h}")
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def strangers_refused(home: Path, actives: list[dict], pids: dict) -> None:
+    import zmq
+    from zmq.utils.monitor import recv_monitor_message
+
+    from layerline import keys, wire
+    from layerline.pipeline import control
+    ctl_keys = str(home / "keys" / "controller")
+    ctx = zmq.Context()
+    socks = []
+    try:
+        for st in actives:
+            addr, port = st["endpoint"].rsplit(":", 1)
+            ctl = f"{addr}:{int(port) + 1}"
+            assert control(ctl, "health", keys_dir=ctl_keys, peer=st["host"])["pid"] == pids[st["host"]]
+            server = keys.load_host_keys(ctl_keys).server_key(st["host"], "peer")
+            for ep, op in ((st["endpoint"], "forward"), (ctl, "shutdown")):
+                s = ctx.socket(zmq.DEALER)
+                s.setsockopt(zmq.LINGER, 0)
+                pub, sec = zmq.curve_keypair()
+                keys.connect_curve(s, keys.HostKeys(dir="-", public=pub, secret=sec), server)
+                mon = s.get_monitor_socket()
+                s.connect(ep)
+                s.send_multipart(wire.encode({"op": op}), flags=zmq.NOBLOCK)
+                socks.append((ep, s, mon, set()))
+        deadline = time.time() + 3.0
+        while time.time() < deadline:
+            for ep, s, mon, events in socks:
+                assert not s.poll(0), f"a stranger got an answer from {ep}"
+                while mon.poll(0):
+                    events.add(recv_monitor_message(mon)["event"])
+            time.sleep(0.05)
+        for ep, _, _, events in socks:
+            assert zmq.EVENT_HANDSHAKE_FAILED_AUTH in events and zmq.EVENT_HANDSHAKE_SUCCEEDED not in events, \
+                (ep, events)
+    finally:
+        for _, s, mon, _ in socks:
+            s.disable_monitor()
+            mon.close(0)
+            s.close(0)
+        ctx.term()
+    for st in actives:   # no effect: each worker still runs as before
+        addr, port = st["endpoint"].rsplit(":", 1)
+        assert control(f"{addr}:{int(port) + 1}", "health", keys_dir=ctl_keys,
+                       peer=st["host"])["pid"] == pids[st["host"]]
