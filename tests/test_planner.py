@@ -6,6 +6,7 @@ ordered contiguous split on small instances.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -15,6 +16,7 @@ import pytest
 from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
+from layerline.caps import NodeCaps
 from layerline.cost import CostOptions, ModelCost
 from layerline.errors import LayerlineError
 from layerline.planner import DEFAULT_HOP_S, Node, PlanError, make_plan, plan_table, validate_plan
@@ -656,9 +658,6 @@ def test_planner_prefers_resident_experts_over_a_slow_disk():
 
 
 def test_measured_step_factor_scales_the_mode_it_was_measured_for():
-    import dataclasses
-
-    from layerline.caps import NodeCaps
     mc = _mc()
     base = make_plan(nodes_of([spec("a", BIG, precision="int8")]), mc, OPTS)
     [st] = base.actives
@@ -683,3 +682,21 @@ def test_measured_step_factor_scales_the_mode_it_was_measured_for():
     assert a.layers[1] - a.layers[0] > b.layers[1] - b.layers[0]
     # the factor travels in the plan's JSON
     assert make_plan([fast], mc, OPTS).to_dict()["stages"][0]["step_factor"] == 0.5
+
+
+def test_a_plan_measured_after_launch_equals_the_next_plan():
+    """deploy: plan, launch (workers time their step, the probe cache keeps the factor), the plan
+    re-predicted from it; the next deploy plans exactly that, so it changes nothing."""
+    from layerline.planner import with_measured_factors
+    mc = _mc()
+    specs = [spec("a", BIG), spec("b", BIG), spec("s", BIG, role="standby", standby_for="b")]
+    first = plan(specs, mc, OPTS, "uniform")
+    measured = {s["host"]: caps(s) for s in specs}
+    for h, f in (("a", 0.37), ("b", 1.9)):
+        measured[h]["devices"][0]["step_factors"] = {"bf16/off": f}
+    got = with_measured_factors(first, measured).to_dict()
+    nodes = [dataclasses.replace(n, caps=NodeCaps.from_dict(measured[n.host], n.host)) for n in nodes_of(specs)]
+    assert got == make_plan(nodes, mc, OPTS, "uniform").to_dict()
+    assert [s["step_factor"] for s in got["stages"]] == [0.37, 1.9, 1.0]
+    assert with_measured_factors(got, measured).to_dict() == got, "measured again: the same plan"
+    assert with_measured_factors(first, {}).to_dict() == first

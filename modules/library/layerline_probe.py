@@ -152,7 +152,8 @@ cached:
   type: bool
   sample: false
 step_factor:
-  description: With O(record_step), the factor kept for the worker's mode, or null when none was kept.
+  description: With O(record_step), the factor kept for the worker's mode, or null when none was kept
+    (the cached caps with it are returned as the C(layerline_caps) fact).
   returned: with O(record_step)
   type: float
   sample: 0.412
@@ -308,7 +309,9 @@ def record_step(module, path, step):
     caps = with_step_factor(data["caps"], step["device"], step_mode(step["precision"], step["compile"]), factor)
     if not module.check_mode:
         write_cache(module, path, data.get("key"), caps)
-    module.exit_json(changed=False, cached=True, step_factor=factor)
+    # the facts too, so a plan made later in the same run predicts from it
+    caps["machine_id"] = machine_id()
+    module.exit_json(changed=False, cached=True, step_factor=factor, ansible_facts={"layerline_caps": caps})
 
 
 def write_cache(module, path, key, caps):

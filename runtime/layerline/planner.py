@@ -594,8 +594,38 @@ def _assemble(hosts, actives, tabs, ranges, opts, kvp: KvProfile, rung, policy, 
     stages = _with_threads(stages, {h.host: h for h in hosts})
     act = [s for s in stages if s.role == "active"]
     return Plan(precision=rung, objective=opts.objective, policy=policy, kv=kvp, num_layers=num_layers,
-                stages=tuple(stages), predicted_token_s=sum(s.predicted_s for s in act) + hop_s * (len(act) + 1),
+                stages=tuple(stages), predicted_token_s=_token_s(act, hop_s),
                 bottleneck_s=max(s.predicted_s for s in act), hop_s=hop_s, hop_source=hop_source)
+
+
+def _token_s(actives, hop_s: float) -> float:
+    """A token's predicted time: every active stage in turn and a hop into, between and out of them."""
+    return sum(s.predicted_s for s in actives) + hop_s * (len(actives) + 1)
+
+
+def with_measured_factors(plan: Plan | dict, caps_by_host: dict) -> Plan:
+    """The plan, its layers unchanged, with each stage predicted from the step factor its host's
+    caps now hold for the stage's mode (what its worker measured at warm-up, kept by the probe
+    cache): the predictions the next plan makes, so a deploy that changes nothing plans the same.
+    Stages whose host has no caps, or the same factor, keep theirs."""
+    plan = Plan.from_dict(plan)
+    stages = []
+    for st in plan.stages:
+        f = st.step_factor
+        caps = caps_by_host.get(st.host)
+        if caps is not None:
+            try:
+                dev = NodeCaps.from_dict(caps, st.host).device(st.device.split("+")[0], st.host)
+                f = factor_for(dev.step_factors, st.precision, st.compile)
+            except CapsError:
+                pass
+        if f != st.step_factor:  # the disk's share is not the mode's: it stays as it was
+            st = dataclasses.replace(st, step_factor=f,
+                                     predicted_s=(st.predicted_s - st.disk_s) / st.step_factor * f + st.disk_s)
+        stages.append(st)
+    act = [s for s in stages if s.role == "active"]
+    return dataclasses.replace(plan, stages=tuple(stages), predicted_token_s=_token_s(act, plan.hop_s),
+                               bottleneck_s=max(s.predicted_s for s in act))
 
 
 def validate_plan(plan: Plan | dict) -> None:
