@@ -375,8 +375,9 @@ def test_unsupported_gguf_is_one_clear_error(tmp_path):
 # --- SmolLM2: three worker processes against transformers --------------------------------------------
 
 @pytest.fixture(scope="module")
-def smol_reference():
-    """transformers' greedy answers to CHATS (loaded once), with the prompts as ids."""
+def smol_reference(tmp_path_factory):
+    """transformers' greedy answers to CHATS (loaded once), with the prompts as ids; and SmolLM2 as a
+    Hugging Face safetensors dir (transformers' save_pretrained of what it read from the GGUF)."""
     import transformers
     tok = tokenizer_for(SMOL)
     sp = special_tokens_for(SMOL)
@@ -389,18 +390,32 @@ def smol_reference():
             out = model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False,
                                  eos_token_id=sp["eos"]["id"], pad_token_id=sp["eos"]["id"])
             want.append(out[0, len(p):].tolist())
-    return prompts, want
+    # save_pretrained refuses a model read from GGUF ("not serializable"): write its config and
+    # weights as save_pretrained would (a tied LM head is the embedding, kept once)
+    from safetensors.torch import save_file
+    hf_dir = tmp_path_factory.mktemp("smollm2") / "hf"
+    hf_dir.mkdir()
+    cfg = model.config.to_dict()
+    cfg.pop("quantization_config", None)
+    (hf_dir / "config.json").write_text(json.dumps(cfg))
+    sd = model.state_dict()
+    if cfg.get("tie_word_embeddings"):
+        sd.pop("lm_head.weight", None)
+    save_file({k: v.contiguous() for k, v in sd.items()}, str(hf_dir / "model.safetensors"), metadata={"format": "pt"})
+    return prompts, want, hf_dir
 
 
 @pytest.mark.e2e
-def test_smollm2_three_stage_fp32_pipeline_equals_transformers(smol_reference):
+@pytest.mark.parametrize("form", ["gguf", "safetensors dir"])
+def test_smollm2_three_stage_fp32_pipeline_equals_transformers(smol_reference, form):
     from layerline.cli import local_stages, stop_local
     from layerline.driver import Pipeline
     from layerline.generate import generate
-    prompts, want = smol_reference
+    prompts, want, hf_dir = smol_reference
     eos = special_tokens_for(SMOL)["eos"]["id"]
+    ckpt = str(SMOL) if form == "gguf" else str(hf_dir)
     t0 = time.perf_counter()
-    procs, first, tmp = local_stages(str(SMOL), 3, "fp32", kv_context=512, threads=1)
+    procs, first, tmp = local_stages(ckpt, 3, "fp32", kv_context=512, threads=1)
     try:
         with Pipeline(first) as pipe:
             g = generate(pipe, prompts, NEW_TOKENS, eos=eos)
@@ -410,5 +425,5 @@ def test_smollm2_three_stage_fp32_pipeline_equals_transformers(smol_reference):
     got = g.tokens  # the new tokens of each prompt
     for m, a in zip(CHATS, got):
         print(f"\n[{m[-1]['content']}] -> {tok.decode(a, skip_special_tokens=True)!r}")
-    print(f"3 stages, fp32, {time.perf_counter() - t0:.1f} s")
+    print(f"3 stages, fp32, from the {form}, {time.perf_counter() - t0:.1f} s")
     assert got == want
