@@ -241,8 +241,9 @@ class Worker:
         """Seconds of one decode step of one sequence, as serving runs it (compiled when compiled),
         after a `prefix`-token prompt: what the plan's predicted_s predicts. Reported in the ready
         file and `stats`; the launch keeps measured / predicted in the probe cache per precision
-        and compile mode (cost.step_factor) for the next plan. The fastest of up to `steps` steps
-        within about `budget_s`: other work on a shared machine only ever slows a step."""
+        and compile mode (cost.step_factor) for the next plan. The median of up to `steps` steps
+        within about `budget_s` (the first warms caches and is left out): the planner predicts
+        what serving will see, and on a shared machine the fastest step says too little."""
         torch = self.torch
         try:
             cache = self.stage.new_cache(1, prefix + 1, dtype=self.kv_dtype)
@@ -250,17 +251,16 @@ class Worker:
             dtype = torch.int64 if self.args.first else self.stage.dtype
             self.stage(torch.zeros(shape, dtype=dtype, device=self.args.device), start_pos=0, cache=cache)
             x = torch.zeros(shape[:1] + (1,) + shape[2:], dtype=dtype, device=self.args.device)
-            best, deadline = None, time.perf_counter() + budget_s
+            times, deadline = [], time.perf_counter() + budget_s
             for i in range(steps):
                 t0 = time.perf_counter()
                 self.stage(x, start_pos=prefix, cache=cache)  # the same position again: its KV is overwritten
                 if self.args.device.startswith("cuda"):
                     torch.cuda.synchronize()
-                dt = time.perf_counter() - t0
-                best = dt if i and (best is None or dt < best) else best  # the first step warms caches
-                if i >= 3 and time.perf_counter() > deadline:
+                times.append(time.perf_counter() - t0)
+                if i >= 4 and time.perf_counter() > deadline:
                     break
-            return best
+            return sorted(times[1:])[len(times[1:]) // 2]
         except Exception as e:  # noqa: BLE001 - a worker that cannot time itself still serves
             print(f"layerline worker {self.name}: could not time a decode step: {e}", file=sys.stderr, flush=True)
             return None
