@@ -20,7 +20,7 @@ import time
 import httpx
 import pytest
 
-from helpers import ROOT, playbook, wait_for
+from helpers import BIN, ROOT, playbook, wait_for
 
 # tier: e2e (tests/conftest.py marks by module)
 
@@ -42,10 +42,15 @@ def deployed(tmp_path_factory):
     (inv / "standby.yml").write_text(json.dumps({"layerline": {"hosts": {"w4": {
         "layerline_port": "{{ layerline_port_base | int + 30 }}", "layerline_role": "standby",
         "layerline_standby_for": "w3"}}}}))
-    extra = ["-i", str(inv), "-e", json.dumps({
-        "layerline_home": str(home), "layerline_checkpoint": str(ckpt), "layerline_demo_checkpoint": False,
-        "layerline_policy": "uniform", "layerline_precision": "fp32", "layerline_port_base": PORT_BASE,
-        "layerline_prompt": "", "layerline_seq": 8, "layerline_generate": 4})]
+    # a stage down for 10 s past its supervisor's restarts is re-planned around: the server runs drain.yml
+    drain = (f"env ANSIBLE_CONFIG={ROOT / 'ansible.cfg'} {BIN / 'ansible-playbook'} {ROOT / 'drain.yml'} "
+             f"-i {inv} -e @{home / 'vars.json'} -e layerline_drain={{host}}")
+    ev = {"layerline_home": str(home), "layerline_checkpoint": str(ckpt), "layerline_demo_checkpoint": False,
+          "layerline_policy": "uniform", "layerline_precision": "fp32", "layerline_port_base": PORT_BASE,
+          "layerline_prompt": "", "layerline_seq": 8, "layerline_generate": 4,
+          "layerline_serve_restart_wait": 10, "layerline_serve_on_stage_lost": drain}
+    (home / "vars.json").write_text(json.dumps(ev))
+    extra = ["-i", str(inv), "-e", json.dumps(ev)]
     try:
         playbook("deploy.yml", *extra)
         reference = {i: complete(p) for i, p in enumerate(PROMPTS)}
@@ -211,22 +216,26 @@ def test_drain_and_rejoin_under_load_lose_nothing(deployed):
     assert ready(home, "w4")["pid"] == w4 and not ready(home, "w3") and not ready(home, "w4", 1)
     n += load.check(reference)
 
-    # w1 dies for good (its supervisor stopped too): the server marks it down, and drain.yml takes it
-    # out although it does not answer (the gate lets down only the hosts being drained); w4 keeps w3's
+    # w1 dies for good (its supervisor stopped too): the server marks it down, waits 10 s for a restart
+    # that does not come, and runs its --on-stage-lost command: drain.yml for w1, which takes it out
+    # although it does not answer (the gate lets down only the hosts being drained); w4 keeps w3's
     # place in the new plan
     r = subprocess.run([sys.executable, "-m", "layerline.supervise", "stop", "--state-dir",
                         str(home / "state" / "w1")], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
-    wait_for(lambda: 'layerline_stage_up{host="w1",role="active"} 0.0' in httpx.get(URL + "/metrics", timeout=10).text,
-             timeout=30, what="the server to mark w1 down")
-    r = playbook("drain.yml", *extra, "-e", "layerline_drain=w1")
-    assert "through w2, w4" in " ".join(r.stdout.split()), r.stdout[-3000:]
+    log_file = home / "state" / "server" / "on-stage-lost-w1.log"
+    wait_for(lambda: log_file.exists() and "PLAY RECAP" in log_file.read_text(), timeout=240,
+             what=f"the server's drain of w1 to end ({log_file})")
+    log = log_file.read_text()
+    assert httpx.get(URL + "/health", timeout=10).status_code == 200
+    assert "through w2, w4" in " ".join(log.split()), log[-3000:]
     assert [h for h, _, _ in actives(home)] == ["w2", "w4"]
     assert json.loads((home / "route.json").read_text()) == {"slot": 1, "drained": ["w3", "w1"],
                                                              "promoted": {"w4": "w3"}}
     assert all(complete(p) == reference[i] for i, p in enumerate(PROMPTS[:2]))
     print(f"\n{n} requests of {N_TOKENS} tokens through a drain, a standby promoted for a SIGKILLed worker, a "
-          "SIGSTOP, a rejoin, a drain that promoted the standby in place: all 200, all equal to the undisturbed tokens")
+          "SIGSTOP, a rejoin, a drain that promoted the standby in place: all 200, all equal to the undisturbed tokens; "
+          "a dead host re-planned around by the server")
 
 
 def test_bad_drains_are_one_line_and_touch_nothing(deployed):

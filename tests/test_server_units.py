@@ -112,6 +112,8 @@ def _args(*argv):
     ([], "--plan"), (["--plan", "p.json", "--first", "tcp://127.0.0.1:1"], "one of them"),
     (["--first", "tcp://127.0.0.1:1", "--host", "0.0.0.0"], "--api-keys"),
     (["--first", "tcp://127.0.0.1:1", "--max-queue", "0"], "--max-queue"),
+    (["--first", "tcp://127.0.0.1:1", "--on-stage-lost", "no-such-program {host}"], "no-such-program is not an executable"),
+    (["--first", "tcp://127.0.0.1:1", "--on-stage-lost", "'unclosed"], "not a command line"),
 ])
 def test_flag_mistakes_are_one_line(argv, msg, capsys):
     assert cli.run(_args(*argv)) == 2
@@ -137,3 +139,17 @@ def test_importing_the_cli_loads_no_web_stack():
             "print(sorted(m for m in ('fastapi', 'uvicorn', 'torch', 'starlette') if m in sys.modules))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.stdout.strip() == "[]", r.stderr
+
+
+def test_on_stage_lost_runs_detached_with_the_host(tmp_path):
+    """The hook fills in {host}, starts the command without waiting, and writes its output beside the log."""
+    run = cli._on_lost(f"sh -c 'echo lost {{host}} > {tmp_path}/out.tmp && mv {tmp_path}/out.tmp {tmp_path}/out.txt'",
+                       str(tmp_path / "requests.log"))
+    run("w2")
+    import time
+    deadline = time.time() + 10
+    while not (tmp_path / "out.txt").exists() and time.time() < deadline:
+        time.sleep(0.05)
+    assert (tmp_path / "out.txt").read_text() == "lost w2\n"
+    assert (tmp_path / "on-stage-lost-w2.log").exists()
+    assert cli._on_lost(None, None) is None

@@ -59,10 +59,35 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--restart-wait", type=float, default=30.0,
                    help="with no standby for a stage that is down: seconds to wait for its supervisor's restart "
                         "before the requests it holds fail with 503")
+    p.add_argument("--on-stage-lost", default=None, metavar="CMD",
+                   help="run CMD ({host}: the stage's host) when an active stage stays down past --restart-wait, "
+                        "e.g. 'ansible-playbook drain.yml -e layerline_drain={host}': it re-plans over the "
+                        "survivors and switches this server to them (its output goes beside --log-file)")
     p.add_argument("--log-file", default=None, help="append one line per request here (default: stderr)")
     p.add_argument("--ready-file", default=None,
                    help="written (JSON: pid, url, model, stages) once the server listens; removed when it stops")
     return p
+
+
+def _on_lost(cmd: str | None, log_file: str | None):
+    """The --on-stage-lost hook: CMD with {host} filled in, started detached (it may switch this
+    very server's route, so the server never waits for it); its output goes to
+    on-stage-lost-HOST.log beside the request log. None without CMD."""
+    if not cmd:
+        return None
+    import shlex
+    import subprocess
+
+    def run(host: str) -> None:
+        argv = [w.replace("{host}", host) for w in shlex.split(cmd)]
+        out = os.path.join(os.path.dirname(os.path.abspath(log_file)) if log_file else os.getcwd(),
+                           f"on-stage-lost-{host}.log")
+        with open(out, "ab") as f:
+            subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                             start_new_session=True)
+        logging.getLogger("layerline.server").warning("failover: re-planning around %s: %s (output: %s)",
+                                                      host, " ".join(argv), out)
+    return run
 
 
 def _fail(msg: str) -> int:
@@ -85,6 +110,15 @@ def _check(a) -> None:
     for flag in ("health_interval", "health_deadline", "restart_wait"):
         if not getattr(a, flag) > 0:
             raise LayerlineError(f"--{flag.replace('_', '-')} {getattr(a, flag)}: must be a positive number of seconds")
+    if a.on_stage_lost:
+        import shlex
+        import shutil
+        try:
+            prog = shlex.split(a.on_stage_lost)[0]
+        except (ValueError, IndexError) as e:
+            raise LayerlineError(f"--on-stage-lost {a.on_stage_lost!r}: not a command line ({e or 'empty'})") from None
+        if not shutil.which(prog):
+            raise LayerlineError(f"--on-stage-lost: {prog} is not an executable on PATH; give its full path")
     if not a.api_keys and not is_loopback(a.host):
         raise LayerlineError(f"--host {a.host}: refusing to listen off loopback without --api-keys FILE "
                              "(keys, one per line, mode 0600)")
@@ -302,7 +336,7 @@ def _serve(a, plan: dict | None, keys, admin_keys=None) -> int:
     sched.start()
     failover = Failover(states, health=stage_health, set_next=set_next, engine=sched.call, open_pipe=pipe_into,
                         metrics=metrics, interval=a.health_interval, deadline=a.health_deadline,
-                        restart_wait=a.restart_wait)
+                        restart_wait=a.restart_wait, on_lost=_on_lost(a.on_stage_lost, a.log_file))
     failover.start()
     try:
         app = create_app(sched, text, ServerConfig(name, context, kv_tokens, keys, a.max_body_bytes,

@@ -14,7 +14,9 @@ When an active stage is down (or restarted), the coordinator thread
    without one, waits up to `restart_wait` seconds for the stage to answer again (the
    supervisor restarts it on the same port);
 3. resumes the engine (the replays go out first), or, when nothing came back in time, fails
-   the affected requests with a 503 error and keeps refusing new ones until the stage answers.
+   the affected requests with a 503 error and keeps refusing new ones until the stage answers
+   or a route switch leaves it out: the server's --on-stage-lost command (drain.yml for that
+   host) is started then, so the survivors are re-planned and the server switched to them.
 
 A planned route change (drain.yml, a rejoin) goes through switch(): every stage of the new
 route must answer health first (else nothing changes); then, in the engine's thread and so at a
@@ -104,16 +106,19 @@ class Failover:
     set_next(pred, standby) points the predecessor stage at the standby (control op set_next).
     engine(fn, timeout_s) runs fn(engine) in the engine's thread and returns what it returns.
     open_pipe(stage) -> a Pipeline into that stage (called in the engine's thread).
+    on_lost(host) is called (and must not block) when an active stage stayed down past restart_wait:
+    the server's --on-stage-lost command, which re-plans around it (drain.yml).
     """
 
     def __init__(self, stages: list[StageState], *, health: Callable, set_next: Callable, engine: Callable,
                  open_pipe: Callable, metrics=None, interval: float = 0.5, deadline: float = 2.0,
-                 restart_wait: float = 30.0):
+                 restart_wait: float = 30.0, on_lost: Callable | None = None):
         self.stages = stages
         self.route = Route([s for s in stages if s.role == "active"])
         self.health, self.set_next, self.engine, self.open_pipe = health, set_next, engine, open_pipe
         self.metrics = metrics
         self.interval, self.deadline, self.restart_wait = interval, deadline, restart_wait
+        self.on_lost = on_lost
         self.events: queue.SimpleQueue = queue.SimpleQueue()
         self.lock = threading.Lock()
         self.stop_ev = threading.Event()
@@ -259,6 +264,11 @@ class Failover:
                 self.engine(lambda eng: eng.unavailable(msg), 10.0)
                 self.history.add(dead.host, "failed", msg)
                 log.error("failover: %s", msg)
+                if self.on_lost is not None:
+                    try:
+                        self.on_lost(dead.host)
+                    except Exception as e:  # noqa: BLE001 - the server serves on; the log says why
+                        log.error("failover: could not start the re-plan around %s: %s", dead.host, e)
                 return
         self._count(dead, "waited" if kind == DOWN else "restarted")
         self._resume(dead, t0)
