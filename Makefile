@@ -24,8 +24,11 @@ demo: setup
 teardown: setup
 	$(BIN)/ansible-playbook teardown.yml
 
+# two test files at a time (--dist loadfile keeps a file's deployment in one process; each file
+# has its own ports and layerline_home): most of a deploy test's time is Ansible and workers
+# waiting on each other, so two overlap well even on two cores
 test: setup
-	$(BIN)/python -m pytest -q --durations=20 tests
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=20 tests
 
 # the fast tier only (markers: unit, e2e, multihost; tests/conftest.py assigns them): under a minute
 test-unit: setup

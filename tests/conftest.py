@@ -3,7 +3,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import os
+
 import pytest
+
+# Ports for local pipelines and test workers (layerline.local.free_ports): below the kernel's ephemeral
+# range (so no outgoing connection takes one between the pick and the worker's bind), a range of its
+# own for each pytest-xdist process (`make test` runs two), and clear of the fixed ports 29100-29999
+# that the deploy tests use.
+_xdist = os.environ.get("PYTEST_XDIST_WORKER", "")
+_slot = int(_xdist[2:]) % 4 if _xdist.startswith("gw") and _xdist[2:].isdigit() else 0
+if _xdist or "LAYERLINE_PORT_RANGE" not in os.environ:   # a worker inherits the controller's: replace it
+    os.environ["LAYERLINE_PORT_RANGE"] = f"{20000 + 2000 * _slot}-{21998 + 2000 * _slot}"
 # torch._dynamo registers a polyfill for sys.intern when it is first imported, and Ansible's
 # module_utils (loaded in-process by some module tests) replaces sys.intern with a patch class
 # that dynamo then refuses. Load dynamo first, while sys.intern is still the builtin.
@@ -72,11 +83,19 @@ def _tier(item) -> str | None:
     return tier
 
 
+# The slowest files first (minutes each: deploys, compiles, the operations proof): `make test` runs
+# two files at a time (pytest-xdist --dist loadfile), and a long file started last would run alone.
+SLOW_FIRST = ("test_drain", "test_e2e_deploy", "test_compile", "test_multihost", "test_cluster", "test_gguf",
+              "test_bad_deploys", "test_int4", "test_families")
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         tier = _tier(item)
         if tier is not None:
             item.add_marker(getattr(pytest.mark, tier))
+    rank = {m: i for i, m in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda it: rank.get(it.path.stem, len(rank)))   # stable: file order within a rank
 
 
 # A small Llama-family demo model: fast to write, load and run on a busy CPU.

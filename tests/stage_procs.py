@@ -7,7 +7,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -56,21 +55,10 @@ def control(endpoint: str, op: str, timeout_s: float = 5.0, **fields) -> dict:
 
 
 def free_port_pairs(n: int) -> list[int]:
-    """n ports p, each with p + 1 (the worker's control socket) free as well."""
-    out: list[int] = []
-    while len(out) < n:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            p = s.getsockname()[1]
-        if p + 1 > 65535 or p in out or p + 1 in out or p - 1 in out:
-            continue
-        try:
-            with socket.socket() as s2:
-                s2.bind(("127.0.0.1", p + 1))
-        except OSError:
-            continue
-        out.append(p)
-    return out
+    """n ports p, each with p + 1 (the worker's control socket) free as well (layerline.local.free_ports:
+    from this test process's own range, see tests/conftest.py)."""
+    from layerline.local import free_ports
+    return free_ports(n)
 
 
 def start_workers(ckpt: str, splits: list[tuple[int, int]], precision: str = "fp32", kv_context: int = 128,

@@ -6,7 +6,6 @@ import concurrent.futures
 import json
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -56,9 +55,8 @@ def write_tokenizer(ckpt: Path, vocab_size: int, template: str | None) -> None:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from layerline.local import free_ports   # this test process's own range (tests/conftest.py)
+    return free_ports(1)[0]
 
 
 class Server:

@@ -7,6 +7,7 @@ use, so a local pipeline runs exactly what a deployed one would.
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -18,18 +19,46 @@ from .errors import LayerlineError
 from .planner import Plan
 
 
+def _bindable(port: int) -> bool:
+    try:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+        return True
+    except OSError:
+        return False
+
+
 def free_ports(n: int) -> list[int]:
-    """n free loopback ports, each with its +1 control port also free."""
+    """n free loopback ports, each with its +1 control port also free.
+
+    By default the kernel's ephemeral range (bind to port 0). With LAYERLINE_PORT_RANGE=LO-HI, ports
+    from that range instead: outgoing connections never take a port there, and parallel test
+    processes each get a range of their own (tests/conftest.py), so none takes another's ports
+    between the pick and the worker's bind."""
+    rng = os.environ.get("LAYERLINE_PORT_RANGE")
+    if rng:
+        try:
+            lo, hi = (int(x) for x in rng.split("-"))
+            assert 1024 <= lo < hi <= 65534
+        except (ValueError, AssertionError):
+            raise LayerlineError(f"LAYERLINE_PORT_RANGE {rng!r}: must be LO-HI with 1024 <= LO < HI < 65535") from None
+        span = (hi - lo) // 2
+        start = random.randrange(span)
+        out = []
+        for k in range(span):
+            p = lo + 2 * ((start + k) % span)
+            if _bindable(p) and _bindable(p + 1):
+                out.append(p)
+                if len(out) == n:
+                    return out
+        raise LayerlineError(f"LAYERLINE_PORT_RANGE {rng}: fewer than {n} free port pairs")
     out: list[int] = []
     while len(out) < n:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             p = s.getsockname()[1]
-        with socket.socket() as s2:
-            try:
-                s2.bind(("127.0.0.1", p + 1))
-            except OSError:
-                continue
+        if p + 1 > 65535 or not _bindable(p + 1):
+            continue
         if p not in out and p + 1 not in out and p - 1 not in out:
             out.append(p)
     return out
