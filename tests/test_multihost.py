@@ -200,6 +200,9 @@ def test_deploy_across_hosts_idempotent_teardown(cluster):
     # every worker's data and control socket (ZAP: the handshake fails on the allow-list, nothing is
     # answered); the controller's key is let in on the same control socket
     strangers_refused(home, actives, pids)
+    # a server bound off loopback (the controller's bridge address) answers a namespace host only
+    # with an API key
+    server_needs_a_key(info, home, cluster)
 
     # nothing changed: nothing restarts, the play reports no change
     t0 = time.perf_counter()
@@ -266,3 +269,30 @@ def strangers_refused(home: Path, actives: list[dict], pids: dict) -> None:
         addr, port = st["endpoint"].rsplit(":", 1)
         assert control(f"{addr}:{int(port) + 1}", "health", keys_dir=ctl_keys,
                        peer=st["host"])["pid"] == pids[st["host"]]
+
+
+def server_needs_a_key(info: dict, home: Path, cluster: dict) -> None:
+    addr, port = info["controller_addr"], 29885
+    keys = home / "api_keys"
+    keys.write_text("k-multihost-0123456789\n")
+    keys.chmod(0o600)
+    ready = home / "server2.json"
+    extra = json.loads(cluster["extra"][1])
+    p = subprocess.Popen([sys.executable, "-m", "layerline.cli", "serve", "--plan", str(home / "plan.json"),
+                          "--checkpoint", extra["layerline_checkpoint"], "--host", addr, "--port", str(port),
+                          "--keys", str(home / "keys" / "controller"), "--api-keys", str(keys),
+                          "--ready-file", str(ready)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 120
+        while not ready.exists():
+            assert p.poll() is None and time.time() < deadline, p.stdout.read() if p.poll() is not None else "no ready file"
+            time.sleep(0.2)
+        probe = ("import httpx, sys; u = sys.argv[1]; h = {'Authorization': 'Bearer ' + sys.argv[2]};"
+                 "print(httpx.get(u).status_code, httpx.get(u, headers=h).status_code)")
+        r = subprocess.run(["ip", "netns", "exec", f"{PREFIX}-h1", sys.executable, "-c", probe,
+                            f"http://{addr}:{port}/v1/models", keys.read_text().strip()],
+                           capture_output=True, text=True, timeout=60)
+        assert r.stdout.split() == ["401", "200"], r.stdout + r.stderr
+    finally:
+        p.terminate()
+        p.wait(30)
