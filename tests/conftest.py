@@ -85,7 +85,7 @@ def _tier(item) -> str | None:
 
 # The slowest files first (minutes each: deploys, compiles, the operations proof): `make test` runs
 # two files at a time (pytest-xdist --dist loadfile), and a long file started last would run alone.
-SLOW_FIRST = ("test_drain", "test_e2e_deploy", "test_compile", "test_multihost", "test_cluster", "test_gguf",
+SLOW_FIRST = ("test_drain", "test_multihost", "test_e2e_deploy", "test_compile", "test_cluster", "test_gguf",
               "test_bad_deploys", "test_int4", "test_families")
 
 
