@@ -3,10 +3,12 @@
 In process: Stage.forward_rows equals per-sequence one-token steps (llama, a sliding window
 shorter than the prompts, Qwen2's biases, Mixtral's experts). Through real workers (three stages,
 fp32, the small demo checkpoint): a `rows` message steps several sequences at once with the
-tokens and logits each gets stepped alone; a row whose sequence a stage lacks or holds at
-another length fails the whole message with code seq_unknown and the offending ids, nothing
-applied; every malformed rows message gets an error reply and the worker lives on; release and
-the KV budget's evictions show up as seq_unknown.
+tokens and logits each gets stepped alone; a row whose sequence a stage lacks or holds fewer
+tokens of fails the whole message with code seq_unknown and the offending ids, nothing applied,
+while a step behind what a stage holds rewinds it there (the logits of computing that position
+fresh); a forward of an older route epoch than a stage has seen for its sequence is dropped
+unanswered and counted; every malformed rows message gets an error reply and the worker lives
+on; release and the KV budget's evictions show up as seq_unknown.
 """
 from __future__ import annotations
 
@@ -276,6 +278,9 @@ def bad_rows() -> dict:
         "bad reserve": ({"rows": [["b1", 2]], "reserve": 0}, one, "header.reserve"),
         "bad logits": ({"rows": [["b1", 2]], "logits": "first"}, one, "header.logits"),
         "token id out of range": ({"rows": [["b1", 2]]}, torch.tensor([[VOCAB]]), "input_ids"),
+        "negative epoch": ({"rows": [["b1", 2]], "epoch": -1}, one, "header.epoch"),
+        "epoch a bool": ({"rows": [["b1", 2]], "epoch": True}, one, "header.epoch"),
+        "epoch a string": ({"rows": [["b1", 2]], "epoch": "3"}, one, "header.epoch"),
     }
 
 
@@ -325,3 +330,51 @@ def test_the_kv_budget_evicts_the_oldest_and_rows_then_name_it(small_ckpt):
 def test_a_per_sequence_step_of_an_unknown_sequence_names_it_too(client):
     h, _ = client.call({"seq": "nope", "pos": 3, "cache": True}, {"input_ids": torch.tensor([[1]])})
     assert h["op"] == "error" and h["code"] == "seq_unknown" and h["seqs"] == ["nope"]
+
+
+def test_a_step_behind_what_a_stage_holds_rewinds_it(client, reference):
+    """After a failover the engine resends each sequence from what every stage confirmed, which a
+    stage may hold more of: it rewinds there and computes what a fresh computation would."""
+    prompt = [3, 17, 42, 99, 7]
+    prefill(client, "rw", prompt)
+    t1, t2 = 11, 12
+    first = step_alone(client, "rw", 5, t1)
+    second = step_alone(client, "rw", 6, t2)          # every stage holds 7 tokens now
+    assert torch.allclose(step_alone(client, "rw", 5, t1), first, rtol=0, atol=ATOL)   # one sequence, back to 5
+    h, t = step_rows(client, [("rw", 6, t2)])
+    assert torch.allclose(ok(h, t)[0, -1], second, rtol=0, atol=ATOL)
+    h, t = step_rows(client, [("rw", 5, t1)])          # a row, back from 7 to 5
+    assert torch.allclose(ok(h, t)[0, -1], first, rtol=0, atol=ATOL)
+    fresh = reference(torch.tensor([prompt + [t1]]))[0, -1]   # the whole model, no cache
+    assert torch.allclose(ok(h, t)[0, -1], fresh, rtol=0, atol=1e-4)
+    h, t = client.call({"seq": "rw", "pos": 2, "cache": True, "logits": "last"},
+                       {"input_ids": torch.tensor([prompt[2:] + [t1]])})   # the middle of the prompt
+    assert torch.allclose(ok(h, t)[0, -1], fresh, rtol=0, atol=1e-4)
+    h, _ = step_rows(client, [("rw", 8, t2)])          # past what it holds (6): still seq_unknown
+    assert h["code"] == "seq_unknown" and h["seqs"] == ["rw"] and "holds 6 tokens, row pos 8" in h["error"]
+    client.release("rw")
+
+
+def test_a_forward_of_an_older_epoch_is_dropped_unanswered(client, pipeline):
+    """A stage that has seen epoch 1 for a sequence drops an epoch-0 forward of it without
+    computing or answering it (stale_dropped); forwards without an epoch are served; the epoch
+    travels with the message to the last stage."""
+    before = [control(c, "stats") for c in pipeline.control]
+    h, t = client.call({"seq": "ep", "pos": 0, "cache": True, "reserve": 24, "logits": "last", "epoch": 1},
+                       {"input_ids": torch.tensor([[1, 2, 3]])})
+    assert ok(h, t).shape == (1, 1, VOCAB) and h["epoch"] == 1
+    stale = [client.send({"seq": "ep", "pos": 3, "cache": True, "logits": "last", "epoch": 0},
+                         {"input_ids": torch.tensor([[4]])}),
+             client.send({"rows": [["ep", 3]], "cache": True, "logits": "last", "epoch": 0},
+                         {"input_ids": torch.tensor([[4]])}),
+             client.send({"seq": "ep", "pos": 0, "cache": True, "logits": "last", "epoch": 0},   # would restart it
+                         {"input_ids": torch.tensor([[9]])})]
+    rid = client.send({"rows": [["ep", 3]], "cache": True, "logits": "last", "epoch": 2},
+                      {"input_ids": torch.tensor([[4]])})
+    got, h, t = client.recv()   # one pipeline, first in first out: an answer to a stale one would come first
+    assert got == rid and got not in stale and h["epoch"] == 2 and ok(h, t).shape == (1, 1, VOCAB)
+    step_alone(client, "ep", 4, 5)   # no epoch: never dropped
+    after = [control(c, "stats") for c in pipeline.control]
+    assert [a["stale_dropped"] - b["stale_dropped"] for a, b in zip(after, before)] == [3, 0, 0]
+    assert after[0]["requests"] - before[0]["requests"] == 6 and after[1]["requests"] - before[1]["requests"] == 3
+    client.release("ep")

@@ -280,6 +280,8 @@ def bad_inputs(reply_to: str) -> dict:
         "reply_to not a string": (0, wire.encode(H(reply_to=["tcp://127.0.0.1:1"]), GOOD_IDS), "header.reply_to",
                                   "rejected"),
         "bad deadline": (0, wire.encode(H(deadline="tomorrow"), GOOD_IDS), "header.deadline", "rejected"),
+        "negative epoch": (0, wire.encode(H(epoch=-1, cache=True, seq="s"), GOOD_IDS), "header.epoch", "rejected"),
+        "epoch a float": (0, wire.encode(H(epoch=1.5), GOOD_IDS), "header.epoch", "rejected"),
         "control op on the data socket": (0, wire.encode({"op": "shutdown", "id": "bad-1"}), "header.op", "rejected"),
         "result op on the data socket": (0, wire.encode({"op": "result", "id": "bad-1"}), "header.op", "rejected"),
         "release without seq": (0, wire.encode({"op": "release", "id": "bad-1"}), "header.seq", "rejected"),

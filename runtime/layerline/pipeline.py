@@ -2,7 +2,9 @@
 
 The Pipeline binds one result socket (reply_to) and names it in every request, so the last
 stage answers whoever asked. Each request carries an id and a deadline; stages append their
-compute time to the header, so one result tells where the time went.
+compute time to the header, so one result tells where the time went. With `epoch` set (the
+generation engine's route epoch) every forward carries it, and a stage drops one of an older
+epoch than a newer forward of the same sequence it has seen (layerline.worker).
 
 Off loopback (or with curve="on") both of its sockets run CURVE with the controller's keys
 dir (keys_dir; `layerline drive --keys DIR`): the DEALER to stage 0 trusts only the first
@@ -63,6 +65,7 @@ class Pipeline:
     keys_dir: str | None = None    # the controller's keys dir (needed when CURVE is on)
     first_key: str | None = None   # stage 0's host name in keys_dir/peers/ (or a .key file, or z85)
     curve: str = "auto"            # auto: CURVE on each socket whose address is not loopback; on: always
+    epoch: int | None = None       # stamped on every forward (None: none, never dropped as stale)
 
     def __post_init__(self):
         wire.endpoint(self.first, "first stage endpoint")
@@ -134,6 +137,8 @@ class Pipeline:
     def _send(self, head: dict, input_ids: torch.Tensor) -> str:
         rid = f"r{os.getpid()}-{next(self._ids)}"
         head.update(op="forward", id=rid, reply_to=self.reply_to, deadline=time.time() + self.timeout_s, timings=[])
+        if self.epoch is not None:
+            head["epoch"] = self.epoch
         self._pending[rid] = time.perf_counter()
         self.to_first.send_multipart(wire.encode(head, {"input_ids": input_ids.to(torch.int64)}), copy=False)
         return rid
@@ -155,9 +160,9 @@ class Pipeline:
     def submit_rows(self, rows: list[tuple[str, int]], input_ids: torch.Tensor) -> str:
         """One step of B sequences, one token each, in one message: rows [(seq, pos), ...], ids [B].
 
-        Each row's sequence must already hold exactly pos tokens at every stage; the logits come
-        back [B, 1, vocab]. A stage that lost some of them answers seq_unknown with their ids
-        (DriveError.seqs) and applies nothing."""
+        Each row's sequence must already hold at least pos tokens at every stage (one holding more
+        is rewound to pos); the logits come back [B, 1, vocab]. A stage that lost some of them
+        answers seq_unknown with their ids (DriveError.seqs) and applies nothing."""
         return self._send({"cache": True, "logits": "last", "rows": [[str(q), int(p)] for q, p in rows]},
                           input_ids.reshape(-1, 1))
 

@@ -3,7 +3,7 @@
 A message is [header, frame, frame, ...]. The header names each tensor's dtype and shape and
 how many frames carry it (tensors over 16 MB are split: zmq slows on single huge frames).
 Op-specific fields are checked by whoever reads them (`require`, `rows`: the [[seq, pos], ...]
-of a step over rows of different sequences, see layerline.worker).
+of a step over rows of different sequences, `epoch`: the driver's route epoch; see layerline.worker).
 decode() validates every field against bounds before touching a byte of tensor data, so a
 bad message raises WireError (which names the field) and never crashes the receiver.
 """
@@ -137,7 +137,8 @@ def rows(header: dict, max_pos: int | None = None) -> list[tuple[str, int]]:
     """header.rows of a batched step over rows of different sequences: [[seq, pos], ...], one
     pair per row of the message's tensor (batch B = len(rows) <= MAX_BATCH), each seq a wire id
     at most once, each pos an integer in [1, max_pos]: the position of the row's one new token,
-    which is also how many tokens that sequence's KV cache must already hold.
+    which is also how many tokens that sequence's KV cache must already hold (at least: a stage
+    that holds more rewinds to pos).
 
     Checked by the op that reads it (a stage's forward), not by decode_header, so its error
     reply also reaches the message's reply_to."""
@@ -157,6 +158,21 @@ def rows(header: dict, max_pos: int | None = None) -> list[tuple[str, int]]:
         seen.add(r[0])
         out.append((r[0], r[1]))
     return out
+
+
+def epoch(header: dict) -> int | None:
+    """header.epoch of a forward: the route epoch its driver was in when it sent it (an integer
+    >= 0), or None when it names none. A stage drops a forward of an older epoch than the last one
+    that wrote any of its sequences there (layerline.worker); forwards without one are never dropped.
+
+    Checked by the op that reads it (a stage's forward), so its error reply also reaches reply_to."""
+    if "epoch" not in header:
+        return None
+    v = header["epoch"]
+    if type(v) is not int or v < 0:
+        raise WireError(f"header.epoch: {str(v)[:40]!r} is not an integer >= 0; send the driver's route epoch, "
+                        "or no epoch (never dropped)")
+    return v
 
 
 def decode(frames: list, limits: Limits = Limits()) -> tuple[dict, dict[str, torch.Tensor]]:

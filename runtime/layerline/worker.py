@@ -15,15 +15,22 @@ error message, never a dead worker.
 Data messages (op forward; tensor `input_ids` [B, T] int64 at the first stage, `hidden`
 [B, T, hidden] after it; the last stage sends op result with `logits` to `reply_to`):
 - no cache: pos 0 (or none), the whole input at once;
-- one sequence: `cache: true`, `seq`, `pos` (tokens its cache holds: 0 starts it anew),
+- one sequence: `cache: true`, `seq`, `pos` (where the T new tokens start: 0 starts it anew),
   `reserve` (tokens to size its cache for), T tokens, B rows of that one sequence;
 - rows of different sequences (continuous batching): `cache: true`, `rows: [[seq, pos], ...]`
   (no top-level seq or pos), one new token per row ([B, 1] ids / [B, 1, hidden], B = len(rows)),
-  row i at position pos of its own sequence, which must hold exactly pos tokens here (prefilled
-  by one-sequence messages with batch 1); `logits: "last"` gives [B, 1, vocab]. Every row is
-  checked before any is computed: rows whose sequence this stage lacks or holds at another
-  length fail the whole message with code "seq_unknown" and `seqs` (those ids) in the error
-  header, so the sender replays just them and resends.
+  row i at position pos of its own sequence (prefilled by one-sequence messages with batch 1);
+  `logits: "last"` gives [B, 1, vocab].
+A cached sequence must hold at least pos tokens here; one that holds more is rewound to pos and
+written from there (writes are idempotent by position: a driver resends from what every stage
+confirmed after a failover, and the stages that kept their caches go on). Every row is checked
+before any is computed: rows whose sequence this stage lacks or holds fewer than pos tokens of
+fail the whole message with code "seq_unknown" and `seqs` (those ids) in the error header, so the
+sender replays just them from 0 and resends.
+`epoch` (optional, an integer >= 0): the driver's route epoch, passed on to the next stage. A
+forward of an older epoch than the last one that wrote any of its sequences here is dropped
+unanswered (its driver forgot it; computing it could rewind what the newer one wrote), counted in
+`stats` as stale_dropped. Forwards without an epoch are never dropped.
 `op: release, seq` frees a sequence's KV cache here and on every later stage. A stage keeps at
 most MAX_SEQS sequences within its --kv-bytes budget, the least recently used going first.
 
@@ -55,12 +62,17 @@ from .wire import MAX_BATCH, MAX_REPLY_PEERS, MAX_SEQS
 
 
 class SeqUnknown(LayerlineError):
-    """Sequences this stage lacks (or holds at another length): the sender replays them. The
-    error reply carries code "seq_unknown" and their ids in `seqs`."""
+    """Sequences this stage lacks (or holds fewer tokens of than asked): the sender replays them.
+    The error reply carries code "seq_unknown" and their ids in `seqs`."""
 
     def __init__(self, message: str, seqs: list[str]):
         super().__init__(message, "seq_unknown")
         self.header = {"seqs": list(seqs)}
+
+
+class Stale(Exception):
+    """A forward of an older route epoch than the last one that wrote one of its sequences here:
+    dropped without an answer (its driver forgot the request)."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -144,6 +156,7 @@ class Stats:
     requests: int = 0
     errors: int = 0
     rejected: int = 0
+    stale_dropped: int = 0
     compute_s: float = 0.0
 
 
@@ -411,9 +424,11 @@ class Worker:
         self.caches[seq] = cache
         return cache
 
-    def _checked(self, h: dict) -> tuple[list, bool]:
-        """The fields every forward has: (timings so far, whether only the last logits are asked)."""
+    def _checked(self, h: dict) -> tuple[list, bool, int | None]:
+        """The fields every forward has: (timings so far, whether only the last logits are asked, its
+        route epoch)."""
         wire = self.wire
+        epoch = wire.epoch(h)
         deadline = h.get("deadline")
         if deadline is not None and (isinstance(deadline, bool) or not isinstance(deadline, (int, float))
                                      or not math.isfinite(deadline)):
@@ -422,7 +437,14 @@ class Worker:
             raise LayerlineError(f"stage {self.name}: request {h.get('id')} missed its deadline before compute")
         if "logits" in h and h["logits"] not in ("last", "all"):
             raise wire.WireError("header.logits: must be \"last\" or \"all\"")
-        return self._timings(h), h.get("logits") == "last"
+        return self._timings(h), h.get("logits") == "last", epoch
+
+    @staticmethod
+    def _fresh(epoch: int | None, caches: list) -> None:
+        """Raise Stale for a forward of an older epoch than the last one that wrote any of these
+        caches (None: a sequence this stage lacks)."""
+        if epoch is not None and any(c is not None and c.epoch > epoch for c in caches):
+            raise Stale()
 
     def forward(self, h: dict, tensors: dict) -> tuple[dict, dict]:
         if "rows" in h:
@@ -432,7 +454,7 @@ class Worker:
         use_cache = h.get("cache", False)
         if not isinstance(use_cache, bool):
             raise wire.WireError("header.cache: must be true or false")
-        timings, last_only = self._checked(h)
+        timings, last_only, epoch = self._checked(h)
         x = self._validate_input(h, tensors)
         cache = None
         if use_cache:
@@ -440,13 +462,14 @@ class Worker:
             reserve = wire.require(h, "reserve", int, 1, self.args.kv_context) if "reserve" in h \
                 else self.args.kv_context
             cache = self.caches.get(seq)
+            self._fresh(epoch, [cache])
             if pos == 0 or cache is None:
                 if pos != 0:
                     raise SeqUnknown(f"stage {self.name}: seq {seq} is unknown at position {pos}; "
                                      "replay its prefix from 0", [seq])
                 self.caches.pop(seq, None)
                 cache = self._new_cache(seq, x.shape[0], max(reserve, x.shape[1]))
-            elif cache.length != pos:
+            elif cache.length < pos:
                 raise SeqUnknown(f"stage {self.name}: seq {seq} holds {cache.length} tokens, got position {pos}; "
                                  "replay its prefix from 0", [seq])
             elif cache.batch != x.shape[0]:
@@ -455,6 +478,8 @@ class Worker:
                 raise LayerlineError(f"stage {self.name}: seq {seq} would exceed --kv-context {self.args.kv_context} "
                                      f"(it reserved {cache.max_len} tokens)")
             self.caches.move_to_end(seq)
+            if epoch is not None:
+                cache.epoch = epoch
         elif pos != 0:
             raise wire.WireError("header.pos: must be 0 without cache")
         elif x.shape[0] * x.shape[1] > self.args.kv_context:
@@ -464,7 +489,7 @@ class Worker:
             out = self.stage(x.to(self.args.device), start_pos=pos, cache=cache, last_only=last_only)
         else:
             out = self.stage(x.to(self.args.device), start_pos=pos, cache=cache)
-        return self._reply(h, ("id", "seq", "pos", "cache", "reply_to", "deadline", "logits", "reserve"),
+        return self._reply(h, ("id", "seq", "pos", "cache", "reply_to", "deadline", "logits", "reserve", "epoch"),
                            timings, out, t0)
 
     def forward_rows(self, h: dict, tensors: dict) -> tuple[dict, dict]:
@@ -479,21 +504,22 @@ class Worker:
             raise wire.WireError("header.cache: must be true with rows (each row steps a cached sequence)")
         if "reserve" in h:
             wire.require(h, "reserve", int, 1, self.args.kv_context)
-        timings, _ = self._checked(h)
+        timings, _, epoch = self._checked(h)
         x = self._validate_input(h, tensors)
         if x.shape[1] != 1:
             raise wire.WireError(f"header.rows: one new token per row, but the tensor holds {x.shape[1]} per row")
         if x.shape[0] != len(rows):
             raise wire.WireError(f"header.rows: {len(rows)} rows but the tensor's batch is {x.shape[0]}")
+        self._fresh(epoch, [self.caches.get(seq) for seq, _ in rows])
         bad = []
         for seq, pos in rows:
             c = self.caches.get(seq)
             if c is None:
                 bad.append((seq, "unknown"))
-            elif c.length != pos:
+            elif c.length < pos:
                 bad.append((seq, f"holds {c.length} tokens, row pos {pos}"))
         if bad:
-            raise SeqUnknown(f"stage {self.name}: rows name sequences this stage lacks or holds at another length: "
+            raise SeqUnknown(f"stage {self.name}: rows name sequences this stage lacks or holds fewer tokens of: "
                              f"{', '.join(f'{s} ({why})' for s, why in bad)}; replay them from 0 and resend",
                              [s for s, _ in bad])
         caches = []
@@ -506,11 +532,14 @@ class Worker:
                 raise LayerlineError(f"stage {self.name}: seq {seq} would exceed --kv-context {self.args.kv_context} "
                                      f"(it reserved {c.max_len} tokens)")
             caches.append(c)
-        for seq, _ in rows:
+        for (seq, _), c in zip(rows, caches):
             self.caches.move_to_end(seq)
+            if epoch is not None:
+                c.epoch = epoch
         t0 = time.perf_counter()
         out = self.stage.forward_rows(x.to(self.args.device), [p for _, p in rows], caches)
-        return self._reply(h, ("id", "rows", "cache", "reply_to", "deadline", "logits", "reserve"), timings, out, t0)
+        return self._reply(h, ("id", "rows", "cache", "reply_to", "deadline", "logits", "reserve", "epoch"), timings,
+                           out, t0)
 
     def _reply(self, h: dict, keep: tuple, timings: list, out, t0: float) -> tuple[dict, dict]:
         if self.args.device != "cpu":
@@ -548,6 +577,8 @@ class Worker:
                 self._send(self._peer(h["reply_to"]), msg, h["reply_to"])
             else:
                 self._send(self.next, msg, self.next_addr)
+        except Stale:
+            self.stats.stale_dropped += 1
         except wire.WireError as e:
             self.stats.rejected += 1
             self._error(ident, h, str(e))
@@ -597,7 +628,8 @@ class Worker:
             elif op == "stats":
                 s = self.stats
                 reply = {"op": "ok", "name": self.name, "requests": s.requests, "errors": s.errors,
-                         "rejected": s.rejected, "compute_s": s.compute_s, "sequences": len(self.caches),
+                         "rejected": s.rejected, "stale_dropped": s.stale_dropped, "compute_s": s.compute_s,
+                         "sequences": len(self.caches),
                          "compile": self.args.compile, "compile_s": self.compile_s,
                          "compiled": self.stage.compiled, "compile_error": self.stage.compile_error,
                          "step_s": self.step_s}
