@@ -18,6 +18,7 @@ import pytest
 
 from helpers import stop_process
 
+from layerline import wire
 from layerline.checkpoint import write_demo_checkpoint
 from layerline.local import free_ports, local_keys, local_plan
 from layerline.spec import worker_spec
@@ -122,8 +123,8 @@ class Server:
         return httpx.get(self.url + "/metrics", timeout=5).text
 
     def metric(self, name: str, **labels) -> float:
-        for m in re.finditer(rf"^{re.escape(name)}\{{([^}}]*)\}} (\S+)$", self.metrics(), re.M):
-            got = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
+        for m in re.finditer(rf"^{re.escape(name)}(?:\{{([^}}]*)\}})? (\S+)$", self.metrics(), re.M):
+            got = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1) or ""))
             if all(got.get(k) == v for k, v in labels.items()):
                 return float(m.group(2))
         return float("nan")
@@ -237,7 +238,9 @@ def plain(ckpt, tmp_path_factory):
 
 
 def test_sigkill_restarted_by_the_supervisor(plain):
+    """The restarted stage lost every running sequence's cache: they replay their prefix."""
     cluster, server, reference = plain
+    replays = server.metric("layerline_replays_total")
     pid = cluster.status("stage1")["worker_pid"]
     assert pid
     t = {}
@@ -255,13 +258,17 @@ def test_sigkill_restarted_by_the_supervisor(plain):
     n = [server.metric("layerline_failovers_total", host="stage1", action=a) for a in ("waited", "restarted")]
     assert sum(x for x in n if x == x) >= 1, server.metrics()
     assert server.metric("layerline_stage_up", host="stage1", role="active") == 1.0
+    assert server.metric("layerline_replays_total") > replays
     log = server.log.read_text()
     assert "stage1" in log and ("is down" in log or "restarted between" in log)
 
 
 def test_sigstop_without_a_standby(plain):
+    """The stopped stage comes back with its caches (the same process): the server resends every
+    sequence from what every stage confirmed and none replays its prefix."""
     cluster, server, reference = plain
     server.wait_all_up()
+    replays = server.metric("layerline_replays_total")
     pid = cluster.status("stage2")["worker_pid"]
     t = {}
 
@@ -282,6 +289,7 @@ def test_sigstop_without_a_standby(plain):
     after = server.metric("layerline_failovers_total", host="stage2", action="waited")
     assert after == (0 if before != before else before) + 1  # nan: no failover of stage2 before
     assert cluster.status("stage2")["worker_pid"] == pid  # the same process answered again
+    assert server.metric("layerline_replays_total") == replays   # every stage kept its caches
     assert server.metric("layerline_stage_up", host="stage2", role="active") == 1.0
     assert re.search(r"stage stage2 \(active\) at tcp://127\.0\.0\.1:\d+ is down", server.log.read_text())
 
@@ -358,36 +366,57 @@ def test_no_standby_and_no_restart_in_time_is_503_then_recovers(plain, ckpt, tmp
         server.stop()
 
 
-def test_engine_fail_over_forgets_in_flight_and_replays_from_zero():
-    """No processes: requests in flight are forgotten (late answers dropped), running sequences
-    replay from position 0 once resumed, nothing is dispatched while paused."""
-    from layerline.driver import Pipeline
-    from layerline.generate import READY, Engine, Sequence
+def test_engine_fail_over_keeps_what_the_stages_confirmed():
+    """No processes: a fail_over starts a new epoch (stamped on what is sent next), forgets the
+    requests in flight (late answers dropped) and dispatches nothing while paused; on resume each
+    running sequence is resent from what every stage confirmed (held), not from 0. A stage that lost
+    one answers seq_unknown: it replays from 0, and a replay a failover caused never counts toward
+    max_replays (here 0), however many failovers come; one without a failover does."""
+    from layerline.driver import DriveError, Pipeline
+    from layerline.generate import INFLIGHT, READY, Engine, Sequence
+    from layerline.pipeline import Answer
 
     with Pipeline("tcp://127.0.0.1:1", timeout_s=30) as pipe:
-        eng = Engine(pipe, stages=3, rows=True)
+        eng = Engine(pipe, stages=3, rows=True, max_replays=0)
         a, b = Sequence("a", [1, 2, 3], 8), Sequence("b", [4, 5], 8)
         for s in (a, b):
             eng.add(s)
         eng._admit()
         a.tokens += [9, 10]
         a.held = 4          # mid-decode: one sampled token not fed yet
+        assert pipe.epoch == 0
         eng._dispatch()
         assert eng.inflight and pipe._pending
         rids = list(eng.inflight)
         assert eng.fail_over("stage1 down") == 2
+        assert pipe.epoch == eng.epoch == 1
         assert not eng.inflight and not any(r in pipe._pending for r in rids)
-        assert all(s.state == READY and s.held == 0 for s in (a, b))
+        assert all(s.state == READY for s in (a, b)) and (a.held, b.held) == (4, 0)
         eng._dispatch()
         assert not eng.inflight  # paused
         sent = []
-        pipe.submit = lambda ids, seq=None, pos=0, **kw: sent.append((seq, pos, ids.tolist())) or f"x{len(sent)}"
+        pipe.to_first.send_multipart = lambda frames, **kw: sent.append(wire.decode(frames)[0])
         eng.resume()
         eng._dispatch()
-        assert sent[0] == ("a", 0, [[1, 2, 3, 9, 10]])  # the replay first, its whole history
-        assert sent[1] == ("b", 0, [[4, 5]])
+        assert [(h.get("seq"), h.get("pos"), h.get("rows"), h["epoch"]) for h in sent] == \
+            [("b", 0, None, 1), (None, None, [["a", 4]], 1)]   # b's prompt from 0, a's step at 4
+        # a stage lost `a`: it replays from 0, and the replay does not count toward max_replays
+        eng._answer(Answer(sent[1]["id"], None, DriveError("gone", "seq_unknown", ["a"])))
+        assert a.held == 0 and a.state == READY and a.replays == 0 and eng.replays == 1
+        eng.fail_over("route switch")   # and again: a new epoch, its replays free as well
+        eng.resume()
+        sent.clear()
+        eng._dispatch()
+        assert [(h["seq"], h["pos"], h["epoch"]) for h in sent] == [("a", 0, 2), ("b", 0, 2)]
+        for h in sent:
+            eng._answer(Answer(h["id"], None, DriveError("gone", "seq_unknown", None)))
+        assert a.replays == b.replays == 0 and eng.replays == 3 and b.state == READY
+        b.state = INFLIGHT   # no failover explains this one: max_replays 0 fails it
+        eng.inflight["late"] = ("seq", [b], [2])
+        eng._answer(Answer("late", None, DriveError("gone", "seq_unknown", None)))
+        assert b.finish == "error" and b.replays == 0
         events = []
         c = Sequence("c", [7], 4, sink=lambda k, v: events.append(k))
         eng.running["c"] = c
         eng.kv_used += c.reserve
-        assert eng.unavailable("stage2 is down") == 3 and events == ["unavailable"] and not eng.running
+        assert eng.unavailable("stage2 is down") == 2 and events == ["unavailable"] and not eng.running

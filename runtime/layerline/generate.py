@@ -11,10 +11,15 @@ token history and what the stages hold of it; every step it
   no stage idles while another computes; sequences join and leave at every step,
 - replays a sequence's history from position 0 when a stage lost its cache (restart,
   promotion, eviction: error code "seq_unknown"),
-- fails over when told a stage is gone (`fail_over`): forgets every request in flight (late
-  answers are dropped as unknown), marks every running sequence for a replay from position 0
-  and dispatches nothing until `resume` (after `replace_pipe` when stage 0 changed), or fails
-  them all with `unavailable` (a "stage_down" error, HTTP 503) when nothing came back.
+- fails over when told a stage is gone or the route changes (`fail_over`): the route epoch goes
+  up (every forward carries it; a stage drops one of an older epoch than the last that wrote its
+  sequence there), every request in flight is forgotten (late answers are dropped as unknown),
+  and nothing is dispatched until `resume` (after `replace_pipe` when stage 0 changed); then each
+  running sequence is resent from what every stage confirmed (`held`): stages that kept its cache
+  rewind to there and go on, a stage that lost it (restarted, promoted, newly planned) answers
+  seq_unknown and just that sequence replays from 0, a replay that does not count toward
+  max_replays. Or it fails them all with `unavailable` (a "stage_down" error, HTTP 503) when
+  nothing came back.
 
 Stages that do not speak `rows` yet get one message per sequence per step (all in flight).
 `generate()` is a thin wrapper: add every prompt, run until all are done. The server runs the
@@ -101,7 +106,8 @@ class Sequence:
     tokens: list[int] = field(default_factory=list)   # prompt + generated
     held: int = 0                  # tokens every stage holds in its cache
     state: str = WAITING
-    replays: int = 0
+    replays: int = 0               # replays that count toward the engine's max_replays
+    failed_over: bool = False      # a failover since its last answer: a replay it causes is not counted
     finish: str | None = None
     error: str | None = None
 
@@ -204,6 +210,8 @@ class Engine:
         self.paused: str | None = None   # why nothing is dispatched (a failover in progress)
         self.down: str | None = None     # why requests are refused (no route serves)
         self.failovers = 0
+        self.epoch = 0                   # the route epoch: up at every fail_over, stamped on every forward
+        pipe.epoch = self.epoch
         self.poller = zmq.Poller()
         self.poller.register(pipe.to_first, zmq.POLLIN)
         self.poller.register(pipe.results, zmq.POLLIN)
@@ -350,10 +358,13 @@ class Engine:
                 if s.sid not in lost:
                     s.state = READY  # nothing was applied: step it again
                     continue
-                if s.replays >= self.max_replays:
+                if s.failed_over:  # the failover's stage lost it: not this sequence's fault
+                    s.failed_over = False
+                elif s.replays >= self.max_replays:
                     self._fail([s], a.error)
                     continue
-                s.replays += 1
+                else:
+                    s.replays += 1
                 self.replays += 1
                 s.held = 0  # replay its whole history from position 0 (writes are idempotent by position)
                 s.state = READY
@@ -367,6 +378,7 @@ class Engine:
                 continue
             s.held += n
             s.state = READY
+            s.failed_over = False
             if s.held == len(s.tokens):
                 sampled.append((i, s))
         if not sampled:
@@ -412,20 +424,22 @@ class Engine:
     # -- failover (the server's monitor calls these in the engine's thread)
 
     def fail_over(self, reason: str) -> int:
-        """A stage is gone: forget everything in flight, replay every running sequence from position 0
-        once dispatching resumes, dispatch nothing until then. Returns how many sequences replay."""
+        """A stage is gone or the route changes: a new epoch, everything in flight forgotten, nothing
+        dispatched until resume(). Then every running sequence is resent from what every stage
+        confirmed (held); a stage that lost it answers seq_unknown and it replays from 0, uncounted
+        toward max_replays. Returns how many running sequences had something in the stages."""
         self.paused = reason
         self.failovers += 1
+        self.epoch += 1
+        self.pipe.epoch = self.epoch   # what is still on its way at a stage is dropped once this one passed
         self.pipe.forget(list(self.inflight))  # late answers to these are dropped as unknown
         self.inflight.clear()
         n = 0
         for s in self.running.values():
             if s.state in (READY, INFLIGHT):
-                if s.held or s.state == INFLIGHT:
-                    n += 1
-                    self.replays += 1
-                s.held = 0   # its cache at the restarted or promoted stage is gone; writes are idempotent elsewhere
-                s.state = READY
+                n += bool(s.held or s.state == INFLIGHT)
+                s.state = READY   # resent at held: whatever of its in-flight step a stage applied is rewound
+                s.failed_over = True
         return n
 
     def resume(self) -> None:
@@ -457,6 +471,7 @@ class Engine:
                 except KeyError:
                     pass
         self.pipe = pipe
+        pipe.epoch = self.epoch
         self.poller.register(pipe.to_first, zmq.POLLIN)
         self.poller.register(pipe.results, zmq.POLLIN)
         if getattr(old, "_layerline_rows", None) is not None:

@@ -6,24 +6,30 @@ control endpoint, `layerline_stage_up{host,role}` 0. A stage that answers with a
 before was restarted between two probes (its caches are gone just the same).
 
 When an active stage is down (or restarted), the coordinator thread
-1. pauses the engine: it forgets every request in flight (their answers may never come; late
-   ones are dropped as unknown) and marks every running sequence for a replay from position 0;
+1. pauses the engine (Engine.fail_over): a new wire epoch, so a stage drops what is still on its
+   way from before once a newer forward of that sequence passed it; every request in flight is
+   forgotten (their answers may never come; late ones are dropped as unknown);
 2. promotes a standby for that host when the plan has one that answers: `set_next` on the
    predecessor (or a new Pipeline into the standby when stage 0 died); the Route switches
    (epoch + 1) and the old stage becomes the standby of the new one;
    without one, waits up to `restart_wait` seconds for the stage to answer again (the
    supervisor restarts it on the same port);
-3. resumes the engine (the replays go out first), or, when nothing came back in time, fails
-   the affected requests with a 503 error and keeps refusing new ones until the stage answers
-   or a route switch leaves it out: the server's --on-stage-lost command (drain.yml for that
-   host) is started then, so the survivors are re-planned and the server switched to them.
+3. resumes the engine: every running sequence is resent from what every stage confirmed; the
+   stages that kept their caches (a stage that stalled and came back, its neighbours) go on, a
+   stage that lost them (restarted, a promoted standby) answers seq_unknown and just those
+   sequences replay their prefix (layerline_replays counts them). Or, when nothing came back in
+   time, it fails the affected requests with a 503 error and keeps refusing new ones until the
+   stage answers or a route switch leaves it out: the server's --on-stage-lost command
+   (drain.yml for that host) is started then, so the survivors are re-planned and the server
+   switched to them.
 
 A planned route change (drain.yml, a rejoin) goes through switch(): every stage of the new
 route must answer health first (else nothing changes); then, in the engine's thread and so at a
 step boundary, a stage that stays but hands its output elsewhere is pointed at its new
-successor (`set_next`: a standby promoted in place), the in-flight requests are forgotten, the engine drives a new pipeline into the
-new first stage and every running sequence replays its prefix there; the epoch goes up and the
-monitor watches the new stages. One failover or switch runs at a time.
+successor (`set_next`: a standby promoted in place), the engine fails over (as above), drives a
+new pipeline into the new first stage and resumes: stages whose ranges did not change keep their
+caches, and each running sequence replays its prefix only where a stage lacks it. The route epoch
+goes up and the monitor watches the new stages. One failover or switch runs at a time.
 """
 from __future__ import annotations
 
@@ -233,9 +239,10 @@ class Failover:
     def _failover(self, dead: StageState, kind: str) -> None:
         t0 = time.monotonic()
         n = self.engine(lambda eng: eng.fail_over(f"stage {dead.host} {kind}"), 10.0)
-        self.history.add(dead.host, "paused", f"{n} sequences to replay")
-        log.warning("failover: stage %s at %s %s; paused with %d running sequences to replay from position 0",
-                    dead.host, dead.control, kind, n or 0)
+        self.history.add(dead.host, "paused", f"{n} sequences paused")
+        log.warning("failover: stage %s at %s %s; paused %d running sequences (they go on from what every stage "
+                    "confirmed; a stage that lost them gets their prefix replayed)", dead.host, dead.control, kind,
+                    n or 0)
         if kind == DOWN:
             sb = self._standby_for(dead)
             if sb is not None and self._promote(dead, sb):
@@ -377,9 +384,11 @@ class Failover:
             self._watch(s)
         self.threads = [t for t in self.threads if t.is_alive()]
         took = time.monotonic() - t0
-        self.history.add(actives[0].host, "switched", f"epoch {self.route.epoch}, {n} sequences replayed")
-        log.warning("route switch: epoch %d over %s; %d running sequences replay their prefix (%.3f s)",
-                    self.route.epoch, ", ".join(s.host for s in actives), n or 0, took)
+        self.history.add(actives[0].host, "switched", f"epoch {self.route.epoch}, {n} sequences carried over")
+        log.warning("route switch: epoch %d over %s; %d running sequences carried over, their prefix replayed only "
+                    "on stages that lack it (%.3f s)", self.route.epoch, ", ".join(s.host for s in actives), n or 0,
+                    took)
+        # "replayed": the running sequences carried over (the name is the admin API's)
         return {"epoch": self.route.epoch, "replayed": n or 0, "seconds": round(took, 4),
                 "stages": [s.host for s in actives],
                 "standbys": [s.host for s in stages if s.role != "active"]}

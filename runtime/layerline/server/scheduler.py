@@ -108,7 +108,8 @@ class Scheduler:
             return
         eng = None
         try:
-            # a failover replays on its own (not counted); these are replays a stage asked for
+            # max_replays counts the replays no failover explains (a failover's are free); every replay
+            # a stage asks for, after a failover too, goes to layerline_replays
             eng = Engine(pipe, stages=self.stages, chunk=self.chunk, busy_chunk=self.busy_chunk,
                          kv_tokens=self.kv_tokens, max_running=self.max_running, rows=self.rows,
                          on_step=self._on_step, max_replays=4)
