@@ -11,7 +11,7 @@ token history and what the stages hold of it; every step it
   no stage idles while another computes; sequences join and leave at every step,
 - replays a sequence's history from position 0 when a stage lost its cache (restart,
   promotion, eviction: error code "seq_unknown"),
-- fails over when told a stage is gone or the route changes (`fail_over`): the route epoch goes
+- fails over when told a stage is gone or the route changes (`fail_over`): the wire epoch goes
   up (every forward carries it; a stage drops one of an older epoch than the last that wrote its
   sequence there), every request in flight is forgotten (late answers are dropped as unknown),
   and nothing is dispatched until `resume` (after `replace_pipe` when stage 0 changed); then each
@@ -210,7 +210,9 @@ class Engine:
         self.paused: str | None = None   # why nothing is dispatched (a failover in progress)
         self.down: str | None = None     # why requests are refused (no route serves)
         self.failovers = 0
-        self.epoch = 0                   # the route epoch: up at every fail_over, stamped on every forward
+        # the wire epoch, stamped on every forward: up at every fail_over (a waited-for stage too, so
+        # it is not the server's Route.epoch, which counts promotions and switches)
+        self.epoch = 0
         pipe.epoch = self.epoch
         self.poller = zmq.Poller()
         self.poller.register(pipe.to_first, zmq.POLLIN)
