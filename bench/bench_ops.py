@@ -12,10 +12,12 @@ records the arrival time of every token. Then, one after the other:
   rejoin    ansible-playbook deploy.yml -e layerline_rejoin=w2
   standby   SIGKILL w3's worker; the standby w4 is promoted (w3's supervisor restarts it too)
   restart   SIGKILL w1's worker, which has no standby; its supervisor restarts it
+  stall     SIGSTOP w1's worker for 5 s (no standby): the server waits for it, its caches survive
 
 For each operation the table gives its wall time (the playbook's, or for a kill: until every
 stream that was running had its next token), the longest inter-token gap of any stream while it
-ran as a ratio to the normal median gap of the same run, and the requests it overlapped:
+ran as a ratio to the normal median gap of the same run, the sequences replayed (a stage lacked
+their cache: layerline_replays_total) and the requests it overlapped:
 completed with the undisturbed tokens, failed (not 200, an error object, an exception or a
 truncated stream) and completed with other tokens. Every stream is checked against a reference
 made before the load starts, one request at a time. teardown.yml runs at the end, also on failure.
@@ -48,7 +50,7 @@ N_CLIENTS = 8
 N_TOKENS = 48
 PROMPTS = [[5 + i, 17, 3 + 2 * i, 99 - i] for i in range(N_CLIENTS)]
 PLAYBOOK_TIMEOUT = 300     # s, each playbook run
-TOTAL_BUDGET = 480         # s, after which the remaining operations are skipped (teardown still runs)
+TOTAL_BUDGET = 540         # s, after which the remaining operations are skipped (teardown still runs)
 MAX_REQUESTS_PER_CLIENT = 2000
 CLOCK0 = time.time() - time.perf_counter()
 
@@ -371,6 +373,31 @@ def kill_op(load: Load, home: Path, host: str, notes: list[str]) -> tuple[float,
     return t_kill, t_end
 
 
+def stop_op(load: Load, home: Path, host: str, notes: list[str], seconds: float = 5.0) -> tuple[float, float]:
+    """SIGSTOP host's worker mid-stream for `seconds`, then SIGCONT; the window: (t_stop, t_end)."""
+    pid, d = worker_pid(home, host)
+    if not pid:
+        raise RuntimeError(f"no live worker pid for {host} in {d}")
+    t_wait = time.perf_counter()
+    while time.perf_counter() - t_wait < 10 and not load.all_ticked_after(time.perf_counter() - 0.5):
+        time.sleep(0.02)
+    t_stop = time.perf_counter()
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        time.sleep(seconds)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    healthy = wait_healthy(45)
+    t_end = time.perf_counter() + 1.0
+    resumed_by = t_end + 9.0
+    while time.perf_counter() < resumed_by and not load.all_ticked_after(t_end - 1.0):
+        time.sleep(0.05)
+    time.sleep(max(0.0, t_end - time.perf_counter()))
+    notes.append(f"{host} SIGSTOP {seconds:g} s at {clock(t_stop)}: /health 200 with every stage up "
+                 + (f"{t_end - 1.0 - t_stop:.1f} s after the stop" if healthy is not None else "NOT within 45 s"))
+    return t_stop, t_end
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--keep", action="store_true", help="keep the temp dir (logs, state) at the end")
@@ -423,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
         n0 = time.perf_counter()
         time.sleep(a.normal_s)
         n1 = time.perf_counter()
-        rows.append({"op": "normal", "t0": n0, "t1": n1, "wall": n1 - n0})
+        rows.append({"op": "normal", "t0": n0, "t1": n1, "wall": n1 - n0, "replays": 0.0})
 
         def over_budget() -> bool:
             return time.perf_counter() - t_begin > TOTAL_BUDGET
@@ -435,6 +462,7 @@ def main(argv: list[str] | None = None) -> int:
                 notes.append(f"{name}: skipped, over the {TOTAL_BUDGET} s budget")
                 continue
             log(f"{name} ...")
+            r0 = metric("layerline_replays_total")
             t0 = time.perf_counter()
             wall, out, rc = run()
             t1 = time.perf_counter()
@@ -448,17 +476,21 @@ def main(argv: list[str] | None = None) -> int:
             if failed:
                 tail = [ln for ln in out.splitlines() if "fatal:" in ln or "msg:" in ln or "FAILED" in ln][-5:]
                 notes.append(f"{name} failure lines: " + " | ".join(t.strip()[:300] for t in tail))
-            rows.append({"op": name, "t0": t0, "t1": t1, "wall": wall})
+            rows.append({"op": name, "t0": t0, "t1": t1, "wall": wall,
+                         "replays": metric("layerline_replays_total") - r0})
             time.sleep(a.settle_s)
 
         promoted_before = metric("layerline_failovers_total", host="w3", action="promoted")
-        for name, host in (("SIGKILL w3, standby w4", "w3"), ("SIGKILL w1, no standby", "w1")):
+        for name, host, op in (("SIGKILL w3, standby w4", "w3", kill_op), ("SIGKILL w1, no standby", "w1", kill_op),
+                               ("SIGSTOP w1 5 s, no standby", "w1", stop_op)):
             if over_budget():
                 notes.append(f"{name}: skipped, over the {TOTAL_BUDGET} s budget")
                 continue
             log(f"{name} ...")
-            t0, t1 = kill_op(load, home, host, notes)
-            rows.append({"op": name, "t0": t0, "t1": t1, "wall": None})  # until its stall ended: below
+            r0 = metric("layerline_replays_total")
+            t0, t1 = op(load, home, host, notes)
+            rows.append({"op": name, "t0": t0, "t1": t1, "wall": None,  # until its stall ended: below
+                         "replays": metric("layerline_replays_total") - r0})
             time.sleep(a.settle_s)
         fo = {k: metric("layerline_failovers_total", host=h, action=k)
               for h, k in (("w3", "promoted"), ("w1", "waited"), ("w1", "restarted"))}
@@ -491,8 +523,8 @@ def main(argv: list[str] | None = None) -> int:
               f"w4 standby for w3; {N_CLIENTS} clients streaming {N_TOKENS} greedy tokens in a loop")
         print(f"normal inter-token gap: median {med * 1e3:.1f} ms, p99 {p99 * 1e3:.1f} ms "
               f"({len(ng)} gaps in {normal['wall']:.0f} s)\n")
-        hdr = f"| {'operation':<24} | {'wall s':>7} | {'longest gap s':>13} | {'/ normal median':>15} | " \
-              f"{'longest TTFT s':>14} | {'ok':>4} | {'failed':>6} | {'other tokens':>12} |"
+        hdr = f"| {'operation':<26} | {'wall s':>7} | {'longest gap s':>13} | {'/ normal median':>15} | " \
+              f"{'longest TTFT s':>14} | {'replays':>7} | {'ok':>4} | {'failed':>6} | {'other tokens':>12} |"
         print(hdr)
         print("|" + "|".join("-" * (len(c)) for c in hdr.split("|")[1:-1]) + "|")
         all_bad = []
@@ -508,8 +540,9 @@ def main(argv: list[str] | None = None) -> int:
                 row["wall"] = gb - row["t0"]
             c = classify(load.requests, reference, row["t0"], row["t1"])
             all_bad += [f"{row['op']}: {b}" for b in c["bad"]]
-            print(f"| {row['op']:<24} | {row['wall']:>7.2f} | {worst:>13.3f} | {worst / med:>14.1f}x | "
-                  f"{longest_ttft(reqs, row['t0'], row['t1']):>14.2f} | {c['ok']:>4} | {c['failed']:>6} | "
+            print(f"| {row['op']:<26} | {row['wall']:>7.2f} | {worst:>13.3f} | {worst / med:>14.1f}x | "
+                  f"{longest_ttft(reqs, row['t0'], row['t1']):>14.2f} | {row['replays']:>7g} | {c['ok']:>4} | "
+                  f"{c['failed']:>6} | "
                   f"{c['mismatched']:>12} |")
         total = classify(load.requests, reference, float("-inf"), float("inf"))
         print(f"\nall requests: {total['ok']} with the undisturbed tokens, {total['failed']} failed, "

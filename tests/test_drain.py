@@ -167,7 +167,8 @@ def test_drain_and_rejoin_under_load_lose_nothing(deployed):
 
     # under load, w3's worker is SIGKILLed while its supervisor is held (so it is not back before the
     # monitor looks): the standby w4 is promoted; then w1's worker stops answering for 5 s (SIGSTOP,
-    # no standby): the server waits for it. Every running sequence replays; nothing is lost.
+    # no standby): the server waits for it. Only what w4 lacks is replayed (the stall replays
+    # nothing); nothing is lost.
     promoted = metric("layerline_failovers_total")
     with Load() as load:
         sup = supervisor_pid(home, "w3", 1)
@@ -182,6 +183,7 @@ def test_drain_and_rejoin_under_load_lose_nothing(deployed):
     n += load.check(reference)
     health = httpx.get(URL + "/health", timeout=10).json()
     assert [s["name"] for s in health["stages"]] == ["w1", "w4"], health
+    replays = metric("layerline_replays_total")
     with Load() as load:
         pid = ready(home, "w1", 1)["pid"]
         os.kill(pid, signal.SIGSTOP)
@@ -192,6 +194,7 @@ def test_drain_and_rejoin_under_load_lose_nothing(deployed):
                  what="the server to wait for w1 and answer again")
         time.sleep(1.0)
     n += load.check(reference)
+    assert metric("layerline_replays_total") == replays, "w1 kept its caches: the stall replays nothing"
 
     # w2 rejoins under load, from Python (the same plays as deploy.yml -e layerline_rejoin=w2):
     # back to three hosts and the standby, on slot 0

@@ -96,7 +96,8 @@ def test_deploy_drive_idempotent_teardown(run_vars):
 
 def test_controller_killed_mid_deploy_then_run_again(run_vars):
     """The controller dies (SIGKILL) while the workers start; the next deploy.yml converges: every
-    worker serves the plan, the drive matches, and no half-written file is left in layerline_home."""
+    worker serves the plan, the drive matches, and no half-written file is left in layerline_home.
+    Then a drive against other weights than the workers serve fails: the check can fail."""
     home, extra = run_vars
     p = subprocess.Popen([str(BIN / "ansible-playbook"), "deploy.yml", *extra], cwd=ROOT, env=ansible_env(),
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -119,14 +120,10 @@ def test_controller_killed_mid_deploy_then_run_again(run_vars):
     left = [str(f) for f in home.rglob("*") if ".tmp" in f.name or f.name.startswith(".ansible_tmp")]
     assert not left, left
 
-
-def test_drive_fails_when_pipeline_disagrees(run_vars):
-    """The drive's check can fail: workers serving other weights than the reference reads."""
-    home, extra = run_vars
+    # the drive's check can fail: drive.yml on its own reads the saved plan, and its reference now
+    # reads other weights than the workers serve
     from layerline.checkpoint import write_demo_checkpoint
     other = write_demo_checkpoint(home / "other", layers=6, hidden=256, vocab=2000, dtype="bfloat16", seed=4)
-    playbook("deploy.yml", *extra)
-    # drive.yml on its own reads the saved plan; its reference now reads different weights
     r = playbook("playbooks/drive.yml", *extra, "-e", f"layerline_checkpoint={other}", check=False)
     assert r.returncode != 0
     out = " ".join(r.stdout.split())  # the yaml callback folds long lines
