@@ -24,13 +24,13 @@ demo: setup
 teardown: setup
 	$(BIN)/ansible-playbook teardown.yml
 
-# three test files at a time (--dist loadfile keeps a file's deployment in one process; each file
-# has its own ports and layerline_home): much of a deploy test's time is Ansible, ssh and workers
-# waiting on each other, so a third file fills those waits even on two cores while the two longest
-# (the operations proofs) run. --no-loadscope-reorder keeps tests/conftest.py's order (the slowest
-# files first); xdist would start the files with most tests
+# two test files at a time (--dist loadfile keeps a file's deployment in one process; each file
+# has its own ports and layerline_home): most of a deploy test's time is Ansible and workers
+# waiting on each other, so two overlap well even on two cores (three only contend more).
+# --no-loadscope-reorder keeps tests/conftest.py's order (the slowest files first); xdist would
+# start the files with most tests
 test: setup
-	$(BIN)/python -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder --durations=20 tests
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=20 tests
 
 # the fast tier only (markers: unit, e2e, multihost; tests/conftest.py assigns them): under a minute
 test-unit: setup
