@@ -345,56 +345,62 @@ def pct(xs: list[float], p: float) -> float:
 
 # --- the run ----------------------------------------------------------------------------------------
 
-def kill_op(load: Load, home: Path, host: str, notes: list[str]) -> tuple[float, float]:
-    """SIGKILL host's worker mid-stream; the window to look for its stall in: (t_kill, t_end)."""
+def _live_pid_mid_stream(load: Load, home: Path, host: str) -> tuple[int, str]:
+    """host's worker pid and state dir, once every client has had a token in the last 0.5 s
+    (mid-stream; bounded: 10 s)."""
     pid, d = worker_pid(home, host)
     if not pid:
         raise RuntimeError(f"no live worker pid for {host} in {d}")
-    # mid-stream: every client has had a token in the last 0.5 s (bounded: 10 s)
     t_wait = time.perf_counter()
     while time.perf_counter() - t_wait < 10 and not load.all_ticked_after(time.perf_counter() - 0.5):
         time.sleep(0.02)
-    t_kill = time.perf_counter()
-    os.kill(pid, signal.SIGKILL)
-    log(f"SIGKILL {host} worker pid {pid} ({d}) at {clock(t_kill)}")
-    time.sleep(1.0)  # let the health check see it before asking for /health ourselves
-    healthy = wait_healthy(45)
+    return pid, d
+
+
+def _healthy_and_streaming(load: Load) -> tuple[float, bool, bool]:
+    """Wait for /health with every stage up, then for every stream's next token (bounded):
+    (the window's end, healthy within 45 s, every stream ticked)."""
+    healthy = wait_healthy(45) is not None
     t_end = time.perf_counter() + 1.0
     resumed_by = t_end + 9.0
     while time.perf_counter() < resumed_by and not load.all_ticked_after(t_end - 1.0):
         time.sleep(0.05)
-    if not load.all_ticked_after(t_end - 1.0):
-        notes.append(f"{host} kill: not every stream had a token within 10 s of the server being healthy again")
+    ticked = load.all_ticked_after(t_end - 1.0)
     time.sleep(max(0.0, t_end - time.perf_counter()))
+    return t_end, healthy, ticked
+
+
+def kill_op(load: Load, home: Path, host: str, notes: list[str]) -> tuple[float, float]:
+    """SIGKILL host's worker mid-stream; the window to look for its stall in: (t_kill, t_end)."""
+    pid, d = _live_pid_mid_stream(load, home, host)
+    t_kill = time.perf_counter()
+    os.kill(pid, signal.SIGKILL)
+    log(f"SIGKILL {host} worker pid {pid} ({d}) at {clock(t_kill)}")
+    time.sleep(1.0)  # let the health check see it before asking for /health ourselves
+    t_end, healthy, ticked = _healthy_and_streaming(load)
+    if not ticked:
+        notes.append(f"{host} kill: not every stream had a token within 10 s of the server being healthy again")
     new, _ = worker_pid(home, host)
     notes.append(f"{host} kill at {clock(t_kill)}: worker pid {pid} -> {new} (a new pid from its supervisor: "
                  f"{bool(new and new != pid)}); /health 200 with every stage up "
-                 + (f"{t_end - 1.0 - t_kill:.1f} s after the kill" if healthy is not None else "NOT within 45 s"))
+                 + (f"{t_end - 1.0 - t_kill:.1f} s after the kill" if healthy else "NOT within 45 s"))
     return t_kill, t_end
 
 
 def stop_op(load: Load, home: Path, host: str, notes: list[str], seconds: float = 5.0) -> tuple[float, float]:
     """SIGSTOP host's worker mid-stream for `seconds`, then SIGCONT; the window: (t_stop, t_end)."""
-    pid, d = worker_pid(home, host)
-    if not pid:
-        raise RuntimeError(f"no live worker pid for {host} in {d}")
-    t_wait = time.perf_counter()
-    while time.perf_counter() - t_wait < 10 and not load.all_ticked_after(time.perf_counter() - 0.5):
-        time.sleep(0.02)
+    pid, _ = _live_pid_mid_stream(load, home, host)
     t_stop = time.perf_counter()
     os.kill(pid, signal.SIGSTOP)
     try:
         time.sleep(seconds)
     finally:
         os.kill(pid, signal.SIGCONT)
-    healthy = wait_healthy(45)
-    t_end = time.perf_counter() + 1.0
-    resumed_by = t_end + 9.0
-    while time.perf_counter() < resumed_by and not load.all_ticked_after(t_end - 1.0):
-        time.sleep(0.05)
-    time.sleep(max(0.0, t_end - time.perf_counter()))
+    t_end, healthy, ticked = _healthy_and_streaming(load)
+    if not ticked:
+        notes.append(f"{host} SIGSTOP: not every stream had a token within 10 s of the server being healthy again")
     notes.append(f"{host} SIGSTOP {seconds:g} s at {clock(t_stop)}: /health 200 with every stage up "
-                 + (f"{t_end - 1.0 - t_stop:.1f} s after the stop" if healthy is not None else "NOT within 45 s"))
+                 + (f"{t_end - 1.0 - t_stop:.1f} s after the stop" if healthy else "NOT within 45 s"))
     return t_stop, t_end
 
 
