@@ -6,7 +6,7 @@ fp32, the small demo checkpoint): a `rows` message steps several sequences at on
 tokens and logits each gets stepped alone; a row whose sequence a stage lacks or holds fewer
 tokens of fails the whole message with code seq_unknown and the offending ids, nothing applied,
 while a step behind what a stage holds rewinds it there (the logits of computing that position
-fresh); a forward of an older route epoch than a stage has seen for its sequence is dropped
+fresh); a forward of an older wire epoch than a stage has seen for its sequence is dropped
 unanswered and counted; every malformed rows message gets an error reply and the worker lives
 on; release and the KV budget's evictions show up as seq_unknown.
 """

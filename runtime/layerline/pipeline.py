@@ -3,8 +3,9 @@
 The Pipeline binds one result socket (reply_to) and names it in every request, so the last
 stage answers whoever asked. Each request carries an id and a deadline; stages append their
 compute time to the header, so one result tells where the time went. With `epoch` set (the
-generation engine's route epoch) every forward carries it, and a stage drops one of an older
-epoch than a newer forward of the same sequence it has seen (layerline.worker).
+generation engine's wire epoch, which every failover and route switch raises) every forward
+carries it, and a stage drops one of an older epoch than a newer forward of the same sequence
+it has seen (layerline.worker).
 
 Off loopback (or with curve="on") both of its sockets run CURVE with the controller's keys
 dir (keys_dir; `layerline drive --keys DIR`): the DEALER to stage 0 trusts only the first

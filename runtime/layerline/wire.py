@@ -3,7 +3,7 @@
 A message is [header, frame, frame, ...]. The header names each tensor's dtype and shape and
 how many frames carry it (tensors over 16 MB are split: zmq slows on single huge frames).
 Op-specific fields are checked by whoever reads them (`require`, `rows`: the [[seq, pos], ...]
-of a step over rows of different sequences, `epoch`: the driver's route epoch; see layerline.worker).
+of a step over rows of different sequences, `epoch`: the driver's wire epoch; see layerline.worker).
 decode() validates every field against bounds before touching a byte of tensor data, so a
 bad message raises WireError (which names the field) and never crashes the receiver.
 """
@@ -161,7 +161,7 @@ def rows(header: dict, max_pos: int | None = None) -> list[tuple[str, int]]:
 
 
 def epoch(header: dict) -> int | None:
-    """header.epoch of a forward: the route epoch its driver was in when it sent it (an integer
+    """header.epoch of a forward: the wire epoch its driver was in when it sent it (an integer
     >= 0), or None when it names none. A stage drops a forward of an older epoch than the last one
     that wrote any of its sequences there (layerline.worker); forwards without one are never dropped.
 
@@ -170,7 +170,7 @@ def epoch(header: dict) -> int | None:
         return None
     v = header["epoch"]
     if type(v) is not int or v < 0:
-        raise WireError(f"header.epoch: {str(v)[:40]!r} is not an integer >= 0; send the driver's route epoch, "
+        raise WireError(f"header.epoch: {str(v)[:40]!r} is not an integer >= 0; send the driver's wire epoch, "
                         "or no epoch (never dropped)")
     return v
 

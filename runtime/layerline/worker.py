@@ -27,7 +27,7 @@ confirmed after a failover, and the stages that kept their caches go on). Every 
 before any is computed: rows whose sequence this stage lacks or holds fewer than pos tokens of
 fail the whole message with code "seq_unknown" and `seqs` (those ids) in the error header, so the
 sender replays just them from 0 and resends.
-`epoch` (optional, an integer >= 0): the driver's route epoch, passed on to the next stage. A
+`epoch` (optional, an integer >= 0): the driver's wire epoch, passed on to the next stage. A
 forward of an older epoch than the last one that wrote any of its sequences here is dropped
 unanswered (its driver forgot it; computing it could rewind what the newer one wrote), counted in
 `stats` as stale_dropped. Forwards without an epoch are never dropped.
@@ -71,7 +71,7 @@ class SeqUnknown(LayerlineError):
 
 
 class Stale(Exception):
-    """A forward of an older route epoch than the last one that wrote one of its sequences here:
+    """A forward of an older wire epoch than the last one that wrote one of its sequences here:
     dropped without an answer (its driver forgot the request)."""
 
 
@@ -426,7 +426,7 @@ class Worker:
 
     def _checked(self, h: dict) -> tuple[list, bool, int | None]:
         """The fields every forward has: (timings so far, whether only the last logits are asked, its
-        route epoch)."""
+        wire epoch)."""
         wire = self.wire
         epoch = wire.epoch(h)
         deadline = h.get("deadline")

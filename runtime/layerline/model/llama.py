@@ -316,7 +316,7 @@ class StageCache:
     def __init__(self, layers: list[KVCache]):
         self.layers = layers
         self.length = 0
-        self.epoch = -1  # the route epoch of the last forward that wrote it (layerline.worker drops older ones)
+        self.epoch = -1  # the wire epoch of the last forward that wrote it (layerline.worker drops older ones)
 
     @property
     def batch(self) -> int:
