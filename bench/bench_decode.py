@@ -100,13 +100,14 @@ def pipelines(ckpt: str, prompt: list[int], new: int, precision: str, compile: s
     from layerline.generate import generate
     procs: list = []
     try:
-        firsts = []
+        started = []
         for n in (1, 3):
-            ps, first, _ = local_stages(ckpt, n, precision, compile=compile,
-                                        compile_cache=str(ROOT / ".cache" / "inductor"))
-            procs += ps
-            firsts.append(first)
-        with Pipeline(firsts[0]) as one, Pipeline(firsts[1]) as three:
+            ls = local_stages(ckpt, n, precision, compile=compile, compile_cache=str(ROOT / ".cache" / "inductor"))
+            procs += ls.procs
+            started.append(ls)
+        # each pipeline keeps as many micro-batches in flight as its plan says (its depth)
+        with Pipeline(started[0].first, depth=started[0].depth) as one, \
+                Pipeline(started[1].first, depth=started[1].depth) as three:
             runs = [(one, 1), (three, 1), (three, 4)]
             for pipe, seqs in runs:  # warm: connections, allocations
                 generate(pipe, [prompt[:8]] * seqs, 4)

@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, vocab, (a.prompt,), generator=g).tolist() for _ in range(64)]
     levels = [int(x) for x in a.clients.split(",")]
-    procs, first, tmp = local_stages(ckpt, 3, a.precision, threads=a.threads)
+    procs, first, tmp, depth = local_stages(ckpt, 3, a.precision, threads=a.threads)
     server = None
     report: dict = {"prompt": a.prompt, "new": a.new, "levels": []}
     try:
@@ -135,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
         # the server asks the stages' control sockets as the controller (CURVE, the run's keys)
         server = subprocess.Popen([sys.executable, "-m", "layerline.server", "--first", first, "--first-key", "stage0",
                                    "--keys", os.path.join(tmp, "keys", "controller"), "--checkpoint", ckpt,
-                                   "--model-name", "bench", "--port", str(port), "--chunk", str(a.chunk), "--log-file",
+                                   "--model-name", "bench", "--port", str(port), "--chunk", str(a.chunk),
+                                   "--microbatches", str(depth), "--log-file",
                                    os.path.join(tmp, "server.log")], stderr=open(os.path.join(tmp, "server.err"), "w"))
         import httpx
         deadline = time.time() + 120
@@ -149,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise SystemExit("server did not start: " + open(os.path.join(tmp, "server.err")).read()[-2000:])
             time.sleep(0.2)
         asyncio.run(level(url, 1, 2, prompts, 8))  # warm the path
-        with Pipeline(first, timeout_s=300) as pipe:
+        with Pipeline(first, timeout_s=300, depth=depth) as pipe:
             generate(pipe, [prompts[0]], 8)
             # (b) one client via the server vs generate() straight, taking turns
             direct, served = [], []

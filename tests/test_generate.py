@@ -19,7 +19,7 @@ from layerline.model.sampling import sample
 
 @pytest.fixture(scope="module")
 def pipeline(small_ckpt):
-    procs, first, _ = local_stages(str(small_ckpt), 3, "fp32")
+    procs, first, _, _ = local_stages(str(small_ckpt), 3, "fp32")
     try:
         with Pipeline(first, timeout_s=60) as pipe:
             yield pipe
@@ -56,6 +56,42 @@ def test_several_sequences_in_flight_equal_one_at_a_time(pipeline, full):
     assert sum(s.logits.shape[0] for s in g.steps) == 6 * len(PROMPTS)
     assert any(s.logits.shape[0] >= 2 for s in g.steps), "sequences share decode steps (rows micro-batches)"
     assert len(g.stage_seconds()) == 3 and all(t > 0 for t in g.stage_seconds())
+
+
+class CountingPipeline(Pipeline):
+    """A real Pipeline that counts its rows messages in flight (the engine's micro-batches)."""
+    def __post_init__(self):
+        super().__post_init__()
+        self.rows_out, self.most_rows_out, self.rows_ids = 0, 0, set()
+
+    def submit_rows(self, *a, **kw):
+        rid = super().submit_rows(*a, **kw)
+        self.rows_ids.add(rid)
+        self.rows_out += 1
+        self.most_rows_out = max(self.most_rows_out, self.rows_out)
+        return rid
+
+    def answers(self, sock):
+        out = super().answers(sock)
+        for a in out:
+            if a.rid in self.rows_ids:
+                self.rows_ids.discard(a.rid)
+                self.rows_out -= 1
+        return out
+
+
+@pytest.mark.parametrize("depth", [1, 3])
+def test_micro_batches_in_flight_follow_the_pipelines_depth(pipeline, full, depth):
+    """Stages that share cores (a plan's depth 1) get one micro-batch of every decoding row;
+    stages on machines of their own (depth 3) get one each, so none idles."""
+    prompts = [[7, 1, 2], [7, 3, 4], [7, 5, 6], [7, 8, 9]]
+    with CountingPipeline(pipeline.first, timeout_s=60, depth=depth) as pipe:
+        g = generate(pipe, prompts, 8)
+    assert g.tokens == [in_process(full, p, 8) for p in prompts]
+    assert pipe.most_rows_out == 1 if depth == 1 else 1 < pipe.most_rows_out <= depth
+    if depth == 1:  # once every prompt is in, all four rows step together
+        assert max(s.logits.shape[0] for s in g.decode) == len(prompts)
+    assert g.decode_tokens_per_s() > 0
 
 
 def test_unbatched_equals_batched(pipeline):

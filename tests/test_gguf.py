@@ -415,7 +415,7 @@ def test_smollm2_three_stage_fp32_pipeline_equals_transformers(smol_reference, f
     eos = special_tokens_for(SMOL)["eos"]["id"]
     ckpt = str(SMOL) if form == "gguf" else str(hf_dir)
     t0 = time.perf_counter()
-    procs, first, tmp = local_stages(ckpt, 3, "fp32", kv_context=512, threads=1)
+    procs, first, tmp, _ = local_stages(ckpt, 3, "fp32", kv_context=512, threads=1)
     try:
         with Pipeline(first) as pipe:
             g = generate(pipe, prompts, NEW_TOKENS, eos=eos)

@@ -19,7 +19,9 @@ from hypothesis import strategies as st
 from layerline.caps import NodeCaps
 from layerline.cost import CostOptions, ModelCost
 from layerline.errors import LayerlineError
-from layerline.planner import DEFAULT_HOP_S, Node, PlanError, make_plan, plan_table, validate_plan
+from layerline.pipeline import pipeline_for_plan
+from layerline.planner import (DEFAULT_HOP_S, Node, Plan, PlanError, make_plan, pipeline_depth, plan_table,
+                               validate_plan)
 
 PB = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 1.0}
 KVB = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1}
@@ -555,10 +557,25 @@ def test_hosts_on_one_machine_split_its_ram():
     # the same grouping decides threads and spin: three stages share box's cores
     shared = {s["host"]: s["shares_cores_with"] for s in p["stages"]}
     assert shared == {"a": 2, "b": 2, "c": 2, "other": 0, "solo": 0}
+    # and how many micro-batches the engine keeps in flight: one per core group (box, other, solo)
+    assert Plan.from_dict(p).depth == 3
+    live = {**p, "stages": [{**st, "endpoint": f"tcp://127.0.0.1:{5600 + i}"} for i, st in enumerate(p["stages"])]}
+    with pipeline_for_plan(live) as pipe:  # what the server and the drive engine go by
+        assert pipe.depth == 3
     # without a machine_id (an older probe) the hostname tells
     legacy = plan([spec("a", ram, hostname="box"), spec("b", ram, hostname="box")], _mc(),
                   CostOptions(context=256), "uniform")
     assert [s["mem_budget_bytes"] for s in legacy["stages"]] == [ram // 2, ram // 2]
+
+
+def test_pipeline_depth_counts_core_groups():
+    """CPU stages of one machine take turns on its cores; each GPU computes on its own; a stage
+    of an older plan, without a machine, counts alone."""
+    assert pipeline_depth([("m1", "cpu"), ("m1", "cpu"), ("m1", "cpu")]) == 1
+    assert pipeline_depth([("m1", "cpu"), ("m2", "cpu"), ("m1", "cpu")]) == 2
+    assert pipeline_depth([("m1", "cuda:0"), ("m1", "cuda:1"), ("m1", "cpu")]) == 3
+    assert pipeline_depth([(None, "cpu"), (None, "cpu")]) == 2
+    assert pipeline_depth([]) == 1
 
 
 def test_make_plan_leaves_its_inputs_alone():

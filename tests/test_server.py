@@ -133,7 +133,7 @@ def plan_of(first: str, keys: str) -> dict:
 
 @pytest.fixture(scope="module")
 def stages(ckpt):
-    procs, first, tmp = local_stages(str(ckpt), 3, "fp32", threads=1)
+    procs, first, tmp, _ = local_stages(str(ckpt), 3, "fp32", threads=1)
     keys = controller_keys(tmp)
     try:
         yield procs, first, plan_of(first, keys), keys

@@ -20,7 +20,7 @@ from test_server import Server  # noqa: E402
 def curve_stages(tmp_path_factory):
     ckpt = write_demo_checkpoint(tmp_path_factory.mktemp("curve") / "m", layers=2, hidden=64, vocab=300,
                                  dtype="float32", seed=2)
-    procs, first, tmp = local_stages(str(ckpt), 2, "fp32", threads=1, curve="on")
+    procs, first, tmp, _ = local_stages(str(ckpt), 2, "fp32", threads=1, curve="on")
     try:
         yield ckpt, first, os.path.join(tmp, "keys", "controller")
     finally:

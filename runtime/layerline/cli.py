@@ -220,11 +220,11 @@ def cmd_generate(a) -> int:
     if a.compile != "off":
         print(f"layerline generate: the workers compile their decode step first (--compile {a.compile})",
               file=sys.stderr, flush=True)
-    procs, first, tmp = local_stages(a.checkpoint, a.local_stages, a.precision, threads=a.threads, curve=a.curve,
+    procs, first, tmp, depth = local_stages(a.checkpoint, a.local_stages, a.precision, threads=a.threads, curve=a.curve,
                                      compile=a.compile, policy=a.policy)
     try:
         keys_dir = os.path.join(tmp, "keys", "controller") if a.curve == "on" else None
-        with Pipeline(first, keys_dir=keys_dir, first_key="stage0", curve=a.curve) as pipe:
+        with Pipeline(first, keys_dir=keys_dir, first_key="stage0", curve=a.curve, depth=depth) as pipe:
             g = generate(pipe, prompts, a.max_new_tokens, sampling, eos=_eos(a.checkpoint, a.ignore_eos))
     finally:
         stop_local(procs)

@@ -7,8 +7,9 @@ token history and what the stages hold of it; every step it
 - feeds waiting prompts in chunks (at most `chunk` tokens per message, so a long prompt never
   stalls running streams for long; one such chunk in flight while others decode),
 - steps the decoding sequences as micro-batches of rows (`rows` messages: each row its own
-  sequence at its own position), with as many micro-batches in flight as there are stages, so
-  no stage idles while another computes; sequences join and leave at every step,
+  sequence at its own position), with as many micro-batches in flight as the pipeline's depth
+  (the plan's core groups: stages sharing a machine's cores take turns anyway), so no machine
+  idles while another computes; sequences join and leave at every step,
 - replays a sequence's history from position 0 when a stage lost its cache (restart,
   promotion, eviction: error code "seq_unknown"),
 - fails over when told a stage is gone or the route changes (`fail_over`): the wire epoch goes
@@ -66,6 +67,9 @@ class Generation:
     new_tokens: int
     replays: int = 0
     decode: list[StepResult] = field(default_factory=list)  # the one-token steps
+    # decode tokens that came back after the last prompt's prefill, and the seconds from that
+    # prefill's answer to the last of them: decode alone, with nothing else in the stages
+    decode_window: tuple[int, float] = (0, 0.0)
 
     @property
     def tokens_per_s(self) -> float:
@@ -77,10 +81,12 @@ class Generation:
         return [sum(s.timings[i]["s"] for s in self.steps if len(s.timings) > i) for i in range(n)]
 
     def decode_tokens_per_s(self) -> float | None:
-        """Tokens per second over the decode steps alone (prefill excluded)."""
-        if not self.decode:
+        """Tokens per second once every prompt is in: the decode window (prefill, and decode steps
+        that queued behind it, excluded; steps in flight together counted once)."""
+        tokens, seconds = self.decode_window
+        if not tokens or seconds <= 0:
             return None
-        return sum(s.logits.shape[0] for s in self.decode) / sum(s.wall_s for s in self.decode)
+        return tokens / seconds
 
 
 # --- one sequence ---------------------------------------------------------------------------------
@@ -175,8 +181,8 @@ class Engine:
     Not thread-safe: one thread calls everything (generate() runs it to completion; the server
     runs `serve` in a thread of its own and talks to it through `inbox`).
 
-    stages: micro-batches kept in flight (the pipeline's depth; learnt from the first result's
-    timings when not given). chunk: prompt tokens per message; busy_chunk: the same while other
+    stages: micro-batches kept in flight (default: the pipeline's depth, which a plan gives as its
+    core groups; else one per stage, learnt from the first result's timings). chunk: prompt tokens per message; busy_chunk: the same while other
     sequences decode (smaller, so a prompt delays their steps less). kv_tokens: KV tokens every
     stage can hold across sequences: a sequence is admitted when its reserve (prompt + max_new)
     fits beside the running ones.
@@ -191,6 +197,7 @@ class Engine:
             raise LayerlineError(f"chunk {chunk}: must be at least 1")
         self.pipe = pipe
         self.stages = stages
+        self._stages_seen = 0     # stages in the last result (the depth when neither stages nor the pipe say)
         self.chunk = chunk
         self.busy_chunk = max(1, busy_chunk)
         self.kv_tokens = kv_tokens
@@ -206,6 +213,8 @@ class Engine:
         self.inflight: dict[str, tuple[str, list[Sequence], list[int]]] = {}  # rid -> (kind, seqs, positions)
         self.steps: list[StepResult] = []
         self.decode_steps: list[StepResult] = []
+        self._decode_marks: list[tuple[float, int]] = []   # (when, tokens) of each decode step (record)
+        self._prefill_done = 0.0                           # when the last prefill answer came (record)
         self.replays = 0
         self.paused: str | None = None   # why nothing is dispatched (a failover in progress)
         self.down: str | None = None     # why requests are refused (no route serves)
@@ -260,7 +269,7 @@ class Engine:
             s.emit("admitted")
 
     def _depth(self) -> int:
-        return max(1, self.stages or 1)
+        return max(1, self.stages or self.pipe.depth or self._stages_seen or 1)
 
     def _dispatch(self) -> None:
         if self.paused is not None:
@@ -387,8 +396,12 @@ class Engine:
             return
         if self.record:
             self.steps.append(res)
+            now = time.perf_counter()
             if kind == "rows" or (fed[0] == 1 and len(seqs[0].tokens) > len(seqs[0].prompt)):
                 self.decode_steps.append(res)
+                self._decode_marks.append((now, len(sampled)))
+            else:
+                self._prefill_done = now
         logits = res.logits[:, -1].float()
         greedy = [i for i, s in sampled if s.sampling.temperature == 0]
         picks = dict(zip(greedy, logits[greedy].argmax(-1).tolist())) if greedy else {}
@@ -401,8 +414,8 @@ class Engine:
                 self._finish(s, "stop")
             elif len(s.tokens) - len(s.prompt) >= s.max_new:
                 self._finish(s, "length")
-        if self.stages is None and res.timings:
-            self.stages = len(res.timings)
+        if res.timings:
+            self._stages_seen = len(res.timings)
 
     def _finish(self, s: Sequence, reason: str, release: bool = True) -> None:
         if s.state == DONE:
@@ -461,6 +474,13 @@ class Engine:
             s.error = message
             self._finish(s, "unavailable", release=False)
         return len(seqs)
+
+    def decode_window(self) -> tuple[int, float]:
+        """(tokens, seconds) decoded after the last prefill answer (Generation.decode_window)."""
+        after = [(t, n) for t, n in self._decode_marks if t > self._prefill_done]
+        if not after:
+            return 0, 0.0
+        return sum(n for _, n in after), after[-1][0] - self._prefill_done
 
     def replace_pipe(self, pipe: Pipeline) -> None:
         """Drive a new stage 0 (a promoted standby): the old pipeline's sockets close, answers still
@@ -580,7 +600,7 @@ def generate(pipe: Pipeline, prompts: list[list[int]], max_new_tokens: int, samp
         eng.close()
     out = [s.generated for s in seqs]
     return Generation(out, eng.steps, time.perf_counter() - t0, sum(len(t) for t in out), eng.replays,
-                      eng.decode_steps)
+                      eng.decode_steps, eng.decode_window())
 
 
 _counter = itertools.count()

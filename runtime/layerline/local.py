@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import NamedTuple
 
 from .errors import LayerlineError
 from .planner import Plan
@@ -99,7 +100,8 @@ def local_plan(checkpoint: str, n: int, precision: str, host_vars: dict[str, dic
 def local_stages(checkpoint: str, n: int, precision: str, kv_context: int = 4096, threads: int | None = None,
                  curve: str = "auto", compile: str = "off", compile_cache: str | None = None,
                  ready_timeout: float | None = None, policy: str = "uniform"):
-    """Start n workers on this machine; returns (procs, first endpoint, tmpdir).
+    """Start n workers on this machine; returns LocalStages (procs, first endpoint, tmpdir, the
+    plan's depth: pass it to the Pipeline, as pipeline_for_plan does).
 
     compile: the workers' --compile mode; they compile before they are ready, so the wait for
     them is the spec's compile wait unless ready_timeout says otherwise.
@@ -118,6 +120,13 @@ def local_stages(checkpoint: str, n: int, precision: str, kv_context: int = 4096
             if attempt == 2:
                 raise LayerlineError("local stages: their ports were taken by other processes three times; "
                                      "free some loopback ports and try again") from None
+
+
+class LocalStages(NamedTuple):
+    procs: list
+    first: str      # stage 0's data endpoint
+    tmp: str        # keys, state dirs
+    depth: int      # micro-batches worth keeping in flight (Plan.depth: 1, the stages share these cores)
 
 
 class _PortTaken(Exception):
@@ -167,7 +176,7 @@ def _start_local(checkpoint, n, precision, kv_context, threads, curve, compile, 
         if isinstance(e, _PortTaken):
             shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return procs, plan.actives[0].endpoint, tmp
+    return LocalStages(procs, plan.actives[0].endpoint, tmp, plan.depth)
 
 
 def stop_local(procs) -> None:

@@ -25,6 +25,7 @@ import zmq
 from . import keys as keymod
 from . import wire
 from .errors import LayerlineError
+from .planner import pipeline_depth
 
 
 class DriveError(LayerlineError):
@@ -67,6 +68,7 @@ class Pipeline:
     first_key: str | None = None   # stage 0's host name in keys_dir/peers/ (or a .key file, or z85)
     curve: str = "auto"            # auto: CURVE on each socket whose address is not loopback; on: always
     epoch: int | None = None       # stamped on every forward (None: none, never dropped as stale)
+    depth: int | None = None       # micro-batches worth keeping in flight (the plan's; None: one per stage)
 
     def __post_init__(self):
         wire.endpoint(self.first, "first stage endpoint")
@@ -268,8 +270,11 @@ def pipeline_for_plan(plan, *, keys_dir: str | None = None, reply_host: str | No
     get = (lambda s, k: s[k]) if isinstance(plan, dict) else getattr
     first, last = stages[0], stages[-1]
     endpoint = str(get(first, "endpoint"))
+    opt = (lambda s, k: s.get(k)) if isinstance(plan, dict) else getattr
+    depth = pipeline_depth((opt(s, "machine"), str(opt(s, "device") or "cpu")) for s in stages)
     return Pipeline(endpoint, reply_host=reply_host or reply_host_for(str(get(last, "endpoint"))),
-                    timeout_s=timeout_s, ctx=ctx, keys_dir=keys_dir, first_key=str(get(first, "host")), curve=curve)
+                    timeout_s=timeout_s, ctx=ctx, keys_dir=keys_dir, first_key=str(get(first, "host")), curve=curve,
+                    depth=depth)
 
 
 _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL

@@ -141,6 +141,11 @@ class Plan:
     def actives(self) -> list[StagePlan]:
         return [s for s in self.stages if s.role == "active"]
 
+    @property
+    def depth(self) -> int:
+        """Micro-batches the engine keeps in flight through the actives (pipeline_depth)."""
+        return pipeline_depth((s.machine, s.device) for s in self.actives)
+
     def stage(self, host: str) -> StagePlan | None:
         """This host's stage (looked up by name, never by position)."""
         return next((s for s in self.stages if s.host == host), None)
@@ -542,20 +547,37 @@ def _stage(h: _Host, tab: _Table, a: int, b: int, role: str, batch: int, standby
                      machine=h.node.caps.machine, compile=h.node.compile, step_factor=h.factor(tab.precision))
 
 
+def core_group(machine: str | None, device: str, index: int = 0) -> tuple:
+    """Which stages compute on the same cores: CPU stages on one machine share them; a GPU is
+    its own. A stage whose machine is unknown (an older plan) counts alone."""
+    if machine is None:
+        return ("stage", index)
+    return (machine, device if device.startswith("cuda") else "cpu")
+
+
+def pipeline_depth(stages) -> int:
+    """Micro-batches worth keeping in flight: one per core group along the route. Stages that share
+    cores take turns on a token anyway; stepping them at once only makes their threads fight (three
+    stages of one 2-core machine, each with 2 threads, decode 4 sequences 15x slower in 1-row
+    micro-batches than in one 4-row batch). stages: (machine, device) pairs in pipeline order."""
+    return max(1, len({core_group(m, d, i) for i, (m, d) in enumerate(stages)}))
+
+
 def _with_threads(stages: list[StagePlan], hosts: dict[str, _Host]) -> list[StagePlan]:
-    """Each stage's CPU threads and spin policy, from which stages share its machine.
+    """Each stage's CPU threads and spin policy, from which stages share its cores (core_group).
 
     Stages on one machine take turns on a token, so each may use all its cores, but an idle one
     must sleep at once rather than spin on cores a busy one needs.
     """
-    sharing: dict[str, int] = {}
+    sharing: dict[tuple, int] = {}
     for st in stages:
         if not st.device.startswith("cuda"):
-            sharing[st.machine] = sharing.get(st.machine, 0) + 1
+            g = core_group(st.machine, st.device)
+            sharing[g] = sharing.get(g, 0) + 1
     out = []
     for st in stages:
         n = hosts[st.host].node
-        others = sharing.get(st.machine, 1) - 1
+        others = sharing.get(core_group(st.machine, st.device), 1) - 1
         out.append(dataclasses.replace(st, threads=n.threads or n.caps.cores, shares_cores_with=others,
                                        spin=SPIN_SHARED if others else SPIN_ALONE))
     return out

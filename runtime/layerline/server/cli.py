@@ -48,7 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--busy-chunk", type=int, default=64,
                    help="prompt tokens per prefill message while other sequences decode")
     p.add_argument("--microbatches", type=int, default=None,
-                   help="decode micro-batches kept in flight (default: one per stage)")
+                   help="decode micro-batches kept in flight (default: the plan's core groups: one per machine, "
+                        "one per GPU; with --first, one per stage)")
     p.add_argument("--default-max-tokens", type=int, default=256, help="chat requests that give no max_tokens")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds a step may take before it fails")
@@ -330,7 +331,7 @@ def _serve(a, plan: dict | None, keys, admin_keys=None) -> int:
     sys.setswitchinterval(0.0005)
     name = a.model_name or (os.path.basename(os.path.normpath(a.checkpoint)) if a.checkpoint else "layerline")
     metrics = Metrics()
-    sched = Scheduler(open_pipe, stages=a.microbatches or len(stages), kv_tokens=kv_tokens, max_running=a.max_running,
+    sched = Scheduler(open_pipe, stages=a.microbatches, kv_tokens=kv_tokens, max_running=a.max_running,
                       max_queue=a.max_queue, chunk=a.chunk, busy_chunk=a.busy_chunk,
                       metrics=metrics)
     sched.start()
