@@ -44,6 +44,39 @@ def test_the_compiled_steps_view_equals_the_eager_forward(tmp_path, arch, one_th
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_compiled_rows_equal_the_eager_rows(tmp_path, arch, one_thread):
+    """Rows of several sequences, each at its own position in its own cache, through the compiled
+    step (padded to a bucket, more than the largest bucket in parts) give the eager forward_rows'
+    numbers and leave the caches as it does."""
+    kw = {"sliding_window": 4} if arch == "mistral" else {}
+    ck = write_demo_checkpoint(tmp_path / arch, layers=3, hidden=64, vocab=300, dtype="float32", seed=3,
+                               arch=arch, **kw)
+    n = read_index(ck).num_layers
+    for first, last, lo, hi in ((True, False, 0, 2), (False, True, 2, n)):
+        eager = load_stage(str(ck), lo, hi, first, last, "fp32")
+        fast = load_stage(str(ck), lo, hi, first, last, "fp32")
+        fast.compile("default")
+        g = torch.Generator().manual_seed(0)
+        lens = [3, 5, 7, 2, 6, 4, 3, 8, 5, 1]  # ten rows: a bucket of 8, then 2
+        ce, cf = [], []
+        for length in lens:
+            x = torch.randint(0, 300, (1, length), generator=g) if first else torch.randn(1, length, 64, generator=g)
+            ce.append(_prefilled(eager, x, 16))
+            cf.append(_prefilled(fast, x, 16))
+        for rows in (10, 3, 10):
+            x = torch.randint(0, 300, (rows, 1), generator=g) if first else torch.randn(rows, 1, 64, generator=g)
+            pos = [c.length for c in ce[:rows]]
+            want = eager.forward_rows(x, pos, ce[:rows])
+            got = fast.forward_rows(x, pos, cf[:rows])
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert fast.compiled, fast.compile_error
+        for a, b in zip(ce, cf):
+            assert a.length == b.length
+            for la, lb in zip(a.layers, b.layers):
+                torch.testing.assert_close(lb.k[:, :, :a.length], la.k[:, :, :a.length])
+
+
 def test_compile_mode_is_checked_and_moe_stays_eager(tmp_path, small_ckpt, one_thread):
     stage = load_stage(str(small_ckpt), 0, 2, True, False, "fp32")
     with pytest.raises(LayerlineError, match="--compile fast"):
@@ -68,13 +101,13 @@ def test_compiled_worker_serves_without_recompiling(small_ckpt, tmp_path):
         ready = w.info[0]
         assert ready["compile"] == "default" and ready["compile_s"] > 0 and ready["compiled"]
         before = control(control_endpoint(first), "stats")
-        assert before["compiled_graphs"] >= 2  # batch 1, and the dynamic batch
+        assert before["compiled_graphs"] >= 5  # batch 1, the dynamic batch, rows of 2, 4 and 8 sequences
         # its compiled step, timed at warm-up: the launch keeps it as the mode's factor for the planner
         assert 0 < ready["step_s"] < 60 and before["step_s"] == ready["step_s"]
         prompts = [[1, 2, 3, 4], [9, 8, 7, 6], [5, 5, 5], [42], [3, 1, 4, 1, 5, 9, 2, 6], [7, 7, 1, 2]]
         with Pipeline(first, timeout_s=120) as pipe:
             g = generate(pipe, prompts, 6)
-        # rows of different sequences: one row takes the compiled step, several the eager forward
+        # rows of different sequences: one row takes the one-sequence step, several the rows step
         c = Client(first)
         try:
             rows = []

@@ -226,7 +226,8 @@ class Worker:
 
     def warm_up(self, mode: str) -> None:
         """Compile the decode step before serving, so no request waits minutes for it: batch 1,
-        then batch 2 (the dynamic-batch graph every larger batch reuses)."""
+        then batch 2 (the dynamic-batch graph every larger batch reuses), then rows of several
+        sequences at each of ROWS_BUCKETS (the engine's micro-batches)."""
         torch = self.torch
         self.stage.compile(mode)
         if not self.stage.compiled:
@@ -248,6 +249,19 @@ class Worker:
                       "layerline_compile: off)", file=sys.stderr, flush=True)
                 return
             print(f"layerline worker {self.name}: batch {b} compiled ({time.perf_counter() - t0:.0f} s)", flush=True)
+        # rows of several sequences (the engine's micro-batches): one graph per bucket
+        from .model.llama import ROWS_BUCKETS
+        caches = [self.stage.new_cache(1, 8, dtype=self.kv_dtype) for _ in range(ROWS_BUCKETS[-1])]
+        for b in ROWS_BUCKETS:
+            shape = (b, 1) if self.args.first else (b, 1, self.margs.hidden_size)
+            x = torch.zeros(shape, dtype=torch.int64 if self.args.first else self.stage.dtype)
+            self.stage.forward_rows(x.to(self.args.device), [0] * b, caches[:b])
+            if not self.stage.compiled:
+                print(f"layerline worker {self.name}: --compile {mode} failed for rows, decoding eagerly: "
+                      f"{self.stage.compile_error}", file=sys.stderr, flush=True)
+                return
+            print(f"layerline worker {self.name}: rows of {b} sequences compiled ({time.perf_counter() - t0:.0f} s)",
+                  flush=True)
         self.compile_s = time.perf_counter() - t0
 
     def measure_step(self, prefix: int = 32, budget_s: float = 1.0, steps: int = 12) -> float | None:

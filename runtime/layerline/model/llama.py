@@ -31,6 +31,10 @@ the keys in view. A prefill, a one-token decode step and a step over rows of *di
 sequences, each at its own position (continuous batching: `Stage.forward_rows`), are that one
 path; only the key range differs: eagerly the filled part of the cache, compiled (`compile()`,
 the one-token step) the whole buffer behind a mask, so its shapes do not change as it fills.
+Compiled, a step over rows of several sequences runs the same forward with its attention as one
+opaque op (`rows_attention`): the projections and MLPs compile (one graph per row-count bucket),
+while each row attends over its own cache eagerly, outside the graph, so no cache length is a
+graph input.
 """
 from __future__ import annotations
 
@@ -278,6 +282,35 @@ class RMSNorm(nn.Module):
 
 
 ROWS_PAD = 32  # a step over rows of several sequences pads their keys to a multiple of this
+# compiled steps over rows of several sequences: one graph per bucket (rows padded up to it);
+# more rows go through the largest bucket a part at a time
+ROWS_BUCKETS = (2, 4, 8)
+ROWS_OP = "rows-op"  # the views of a compiled rows step: attention through rows_attention
+
+
+class _RowsCall:
+    """What `rows_attention` reads during one compiled rows step: the stage and its rows' caches.
+    Set only around that call, in the thread that computes (a worker computes in one thread)."""
+    stage = None
+    caches: list = []
+
+
+_ROWS = _RowsCall()
+
+
+@torch.library.custom_op("layerline::rows_attention", mutates_args=())
+def rows_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
+                   layer: int) -> torch.Tensor:
+    """The attention of a compiled rows step, run eagerly: row i writes its k/v into its own cache
+    at pos[i] and attends over that sequence's keys (`Attention._attend_rows`). Rows past the
+    call's caches are padding and give zeros. q [B, nh, 1, hd] -> [B, 1, nh * hd]."""
+    return _ROWS.stage.rows_attention(q, k, v, pos, layer)
+
+
+@rows_attention.register_fake
+def _(q, k, v, pos, layer):
+    b, nh, t, hd = q.shape
+    return q.new_empty(b, t, nh * hd)
 
 
 def kv_update(kbuf: torch.Tensor, vbuf: torch.Tensor, pos: torch.Tensor, k: torch.Tensor,
@@ -426,6 +459,8 @@ class Attention(nn.Module):
         v = v.reshape(b, t, nkv, hd).transpose(1, 2)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
+        if view is ROWS_OP:  # compiled rows: the caches stay outside the graph
+            return self.o_proj(torch.ops.layerline.rows_attention(q, k, v, torch.stack(pos), self.layer))
         if len(view) > 1:
             return self.o_proj(self._attend_rows(q, k, v, pos, kv, view))
         if kv is not None:
@@ -500,6 +535,7 @@ class DecoderLayer(nn.Module):
         self.window = args.window(layer)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
         self.self_attn = Attention(args, dtype, quant)
+        self.self_attn.layer = layer  # which caches rows_attention reads
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
         if args.num_experts:
             self.block_sparse_moe = SparseMoE(layer, args.hidden_size, args.intermediate_size, args.num_experts,
@@ -557,7 +593,8 @@ class Stage(nn.Module):
     written there by one update (`kv_update`). A prefill, a one-token step and a step over rows of
     different sequences (`forward_rows`) are the same code; `compile()` compiles it for the
     one-token step of one sequence, which then attends over its whole KV buffer behind a mask
-    (shapes fixed by the cache, so one graph serves a whole generation).
+    (shapes fixed by the cache, so one graph serves a whole generation), and for rows of several
+    sequences, whose attention runs eagerly inside it (`rows_attention`; a graph per ROWS_BUCKETS).
     """
 
     def __init__(self, args: ModelArgs, start: int, end: int, first: bool, last: bool, dtype: torch.dtype,
@@ -614,12 +651,12 @@ class Stage(nn.Module):
         return out
 
     def compile(self, mode: str = "default") -> None:
-        """Run one-token steps of one sequence through torch.compile with inductor freezing.
+        """Run one-token steps through torch.compile with inductor freezing.
 
         mode: "off" (eager), "default", or "max-autotune" (searches GEMM kernels: slower to warm
-        up, faster after). Prefills, replays and steps over rows of several sequences run the same
-        forward eagerly: their shapes vary, a step's do not. Mixtral's routing is data-dependent,
-        so MoE stages stay eager.
+        up, faster after). Steps over rows of several sequences compile too, a graph per row
+        bucket (their attention outside it). Prefills and replays run the same forward eagerly:
+        their shapes vary. Mixtral's routing is data-dependent, so MoE stages stay eager.
         """
         if mode not in COMPILE_MODES:
             raise LayerlineError(f"--compile {mode}: not one of {', '.join(COMPILE_MODES)}")
@@ -655,7 +692,8 @@ class Stage(nn.Module):
         positions; P = B (T = 1), B sequences, row i at pos[i].
         kv: per layer, per sequence, its (k, v) buffers; None without a KV cache.
         views: per attention window, per sequence, (lo, hi, mask) (see `_views`); None: attend
-        over the whole buffer behind a mask made from `pos` (the compiled step: fixed shapes).
+        over the whole buffer behind a mask made from `pos` (the compiled step: fixed shapes);
+        ROWS_OP: rows of several sequences through `rows_attention` (kv None; the compiled rows step).
         """
         if self.first:
             h = self.embed_tokens(h)
@@ -663,7 +701,9 @@ class Stage(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [P, 1, T, hd]: broadcast over heads
         cos, sin = emb.cos().to(h.dtype), emb.sin().to(h.dtype)
         rows = pos.unbind(0)  # each row group's positions [T]
-        if views is None:
+        if views is ROWS_OP:
+            views = dict.fromkeys(self.windows, ROWS_OP)
+        elif views is None:
             idx = torch.arange(kv[0][0][0].shape[2], device=pos.device)
             views = {}
             for w in self.windows:
@@ -751,6 +791,11 @@ class Stage(nn.Module):
                 out = self._step(h, pos, kv, None)
             except Exception as e:  # noqa: BLE001 - a failed compile leaves the cache as it was
                 self._compile_failed(e)
+        elif t == 1 and caches is not None and len(caches) > 1 and self._step is not None:
+            try:
+                out = self._rows_step(h, starts, caches)
+            except Exception as e:  # noqa: BLE001 - the eager forward rewrites what it wrote
+                self._compile_failed(e)
         if out is None:
             views = _views(starts, t, self.windows, self.device)
             if t == 1 and len(starts) == 1 and caches is not None and self.dtype != torch.float32:
@@ -758,6 +803,38 @@ class Stage(nn.Module):
             out = self._forward(h, pos, kv, views, last_only)
         for c, s in zip(caches or (), starts):
             c.length = s + t
+        return out
+
+    def _rows_step(self, h: torch.Tensor, starts: list[int], caches: list[StageCache]) -> torch.Tensor:
+        """Rows of several sequences through the compiled step, up to ROWS_BUCKETS[-1] at a time,
+        each part padded to its bucket (padding rows: zeros in, dropped out)."""
+        outs, most = [], ROWS_BUCKETS[-1]
+        for lo in range(0, len(caches), most):
+            part = caches[lo:lo + most]
+            n = len(part)
+            b = next(x for x in ROWS_BUCKETS if x >= n)
+            # always a new tensor (made here, in inference mode): the graph guards on how its input was made
+            x = h.new_zeros((b,) + tuple(h.shape[1:]))
+            x[:n] = h[lo:lo + n]
+            pos = torch.tensor(starts[lo:lo + n] + [0] * (b - n), device=self.device)[:, None]
+            _ROWS.stage, _ROWS.caches = self, part
+            try:
+                outs.append(self._step(x, pos, None, ROWS_OP)[:n])
+            finally:
+                _ROWS.stage, _ROWS.caches = None, []
+        return torch.cat(outs)
+
+    def rows_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
+                       layer: int) -> torch.Tensor:
+        """`rows_attention`'s work for this stage: the eager rows attention of `layer` over the
+        caches of the call in progress, the keys in view as the eager forward's (`_views`)."""
+        caches, mod = _ROWS.caches, self.layers[str(layer)]
+        n, i = len(caches), layer - self.start
+        starts = pos[:n, 0].tolist()
+        view = _views(starts, 1, (mod.window,), q.device)[mod.window]
+        kv = [(c.layers[i].k, c.layers[i].v) for c in caches]
+        out = q.new_zeros(q.shape[0], q.shape[2], q.shape[1] * q.shape[3])
+        out[:n] = mod.self_attn._attend_rows(q[:n], k[:n], v[:n], list(pos[:n].unbind(0)), kv, view)
         return out
 
     def _padded(self, views: dict, max_len: int) -> dict:
