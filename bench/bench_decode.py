@@ -115,7 +115,7 @@ def pipelines(ckpt: str, prompt: list[int], new: int, precision: str, compile: s
             for _ in range(rounds):
                 for j, (pipe, seqs) in enumerate(runs):
                     prompts = [[(t + 7 * i) % 1000 for t in prompt] for i in range(seqs)]
-                    best[j] = max(best[j], generate(pipe, prompts, new).decode_tokens_per_s())
+                    best[j] = max(best[j], generate(pipe, prompts, new).decode_tokens_per_s() or 0.0)
             return best[0], best[1], best[2]
     finally:
         stop_local(procs)

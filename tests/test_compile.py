@@ -77,6 +77,26 @@ def test_compiled_rows_equal_the_eager_rows(tmp_path, arch, one_thread):
                 torch.testing.assert_close(lb.k[:, :, :a.length], la.k[:, :, :a.length])
 
 
+def test_rows_that_fail_compiled_step_eagerly_and_the_one_sequence_step_stays(small_ckpt, monkeypatch, one_thread):
+    """A rows step that raises (out of memory, a compile error) falls back to the eager rows for
+    good and says why; the one-sequence compiled step keeps its graph."""
+    n = read_index(small_ckpt).num_layers
+    eager = load_stage(str(small_ckpt), 0, n, True, True, "fp32")
+    stage = load_stage(str(small_ckpt), 0, n, True, True, "fp32")
+    stage.compile("default")
+
+    def broken(*a, **kw):
+        raise RuntimeError("no memory for the rows graph\nmore")
+    monkeypatch.setattr(stage, "_rows_step", broken)
+    prompts = [[5, 17, 99], [3, 250, 7, 8]]
+    ce = [_prefilled(eager, torch.tensor([p]), 8) for p in prompts]
+    cs = [_prefilled(stage, torch.tensor([p]), 8) for p in prompts]
+    x, pos = torch.tensor([[11], [12]]), [3, 4]
+    torch.testing.assert_close(stage.forward_rows(x, pos, cs), eager.forward_rows(x, pos, ce))
+    assert stage.compiled and not stage.rows_compiled
+    assert stage.compile_error == "rows: RuntimeError: no memory for the rows graph"
+
+
 def test_compile_mode_is_checked_and_moe_stays_eager(tmp_path, small_ckpt, one_thread):
     stage = load_stage(str(small_ckpt), 0, 2, True, False, "fp32")
     with pytest.raises(LayerlineError, match="--compile fast"):

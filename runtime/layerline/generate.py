@@ -400,7 +400,7 @@ class Engine:
             if kind == "rows" or (fed[0] == 1 and len(seqs[0].tokens) > len(seqs[0].prompt)):
                 self.decode_steps.append(res)
                 self._decode_marks.append((now, len(sampled)))
-            else:
+            elif len(seqs[0].tokens) == len(seqs[0].prompt):  # a prompt's prefill (a replay moves nothing)
                 self._prefill_done = now
         logits = res.logits[:, -1].float()
         greedy = [i for i, s in sampled if s.sampling.temperature == 0]
@@ -494,6 +494,8 @@ class Engine:
                     pass
         self.pipe = pipe
         pipe.epoch = self.epoch
+        if pipe.depth is None:  # a promoted stage 0 opened without the plan: the route's depth stands
+            pipe.depth = old.depth
         self.poller.register(pipe.to_first, zmq.POLLIN)
         self.poller.register(pipe.results, zmq.POLLIN)
         if getattr(old, "_layerline_rows", None) is not None:

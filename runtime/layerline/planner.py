@@ -549,7 +549,7 @@ def _stage(h: _Host, tab: _Table, a: int, b: int, role: str, batch: int, standby
 
 def core_group(machine: str | None, device: str, index: int = 0) -> tuple:
     """Which stages compute on the same cores: CPU stages on one machine share them; a GPU is
-    its own. A stage whose machine is unknown (an older plan) counts alone."""
+    its own. A stage whose machine is unknown (an older plan) counts alone when given its index."""
     if machine is None:
         return ("stage", index)
     return (machine, device if device.startswith("cuda") else "cpu")

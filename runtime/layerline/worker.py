@@ -256,10 +256,10 @@ class Worker:
             shape = (b, 1) if self.args.first else (b, 1, self.margs.hidden_size)
             x = torch.zeros(shape, dtype=torch.int64 if self.args.first else self.stage.dtype)
             self.stage.forward_rows(x.to(self.args.device), [0] * b, caches[:b])
-            if not self.stage.compiled:
-                print(f"layerline worker {self.name}: --compile {mode} failed for rows, decoding eagerly: "
-                      f"{self.stage.compile_error}", file=sys.stderr, flush=True)
-                return
+            if not self.stage.rows_compiled:
+                print(f"layerline worker {self.name}: --compile {mode} failed for rows of several sequences, "
+                      f"which step eagerly: {self.stage.compile_error}", file=sys.stderr, flush=True)
+                break
             print(f"layerline worker {self.name}: rows of {b} sequences compiled ({time.perf_counter() - t0:.0f} s)",
                   flush=True)
         self.compile_s = time.perf_counter() - t0

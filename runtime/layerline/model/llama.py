@@ -39,6 +39,7 @@ graph input.
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -288,9 +289,9 @@ ROWS_BUCKETS = (2, 4, 8)
 ROWS_OP = "rows-op"  # the views of a compiled rows step: attention through rows_attention
 
 
-class _RowsCall:
-    """What `rows_attention` reads during one compiled rows step: the stage and its rows' caches.
-    Set only around that call, in the thread that computes (a worker computes in one thread)."""
+class _RowsCall(threading.local):
+    """What `rows_attention` reads during one compiled rows step: the stage and its rows' caches,
+    set only around that call, in the thread that makes it."""
     stage = None
     caches: list = []
 
@@ -303,7 +304,9 @@ def rows_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch
                    layer: int) -> torch.Tensor:
     """The attention of a compiled rows step, run eagerly: row i writes its k/v into its own cache
     at pos[i] and attends over that sequence's keys (`Attention._attend_rows`). Rows past the
-    call's caches are padding and give zeros. q [B, nh, 1, hd] -> [B, 1, nh * hd]."""
+    call's caches are padding and give zeros. q [B, nh, 1, hd] -> [B, 1, nh * hd]. The cache
+    writes are hidden from the graph (mutates_args is empty): each layer's call takes the one
+    before's output, so the graph cannot reorder or drop them."""
     return _ROWS.stage.rows_attention(q, k, v, pos, layer)
 
 
@@ -637,6 +640,7 @@ class Stage(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
         self.expert_store: ExpertStore | None = None  # set by the loader when experts are paged
         self._step = None  # the compiled _forward, when compile() was asked for
+        self.rows_compiled = True  # whether rows of several sequences take it too (False after it failed them)
         self.compile_error: str | None = None  # why compiling failed (the stage then steps eagerly)
 
     def fuse(self) -> None:
@@ -671,6 +675,7 @@ class Stage(nn.Module):
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         kw = {"mode": "max-autotune-no-cudagraphs"} if mode == "max-autotune" else {}
         self._step = torch.compile(self._forward, dynamic=False, **kw)
+        self.rows_compiled = True
 
     @property
     def compiled(self) -> bool:
@@ -791,11 +796,14 @@ class Stage(nn.Module):
                 out = self._step(h, pos, kv, None)
             except Exception as e:  # noqa: BLE001 - a failed compile leaves the cache as it was
                 self._compile_failed(e)
-        elif t == 1 and caches is not None and len(caches) > 1 and self._step is not None:
+        elif t == 1 and caches is not None and len(caches) > 1 and self._step is not None and self.rows_compiled:
             try:
                 out = self._rows_step(h, starts, caches)
             except Exception as e:  # noqa: BLE001 - the eager forward rewrites what it wrote
-                self._compile_failed(e)
+                # rows go eagerly from now on; the one-sequence step keeps its graph
+                self.rows_compiled = False
+                text = str(e).strip()
+                self.compile_error = f"rows: {e.__class__.__name__}: {text.splitlines()[0][:300] if text else ''}"
         if out is None:
             views = _views(starts, t, self.windows, self.device)
             if t == 1 and len(starts) == 1 and caches is not None and self.dtype != torch.float32:
