@@ -15,9 +15,10 @@ import bench_predicted  # noqa: E402
 
 def main() -> int:
     # decode: (b) and (c) on compiled workers (the goal is that compiled pipelines keep their
-    # speed), then where a compiled step's time goes (its kernels are cached by then)
+    # speed; max-autotune: only its GEMMs gain from rows of several sequences), then where a
+    # compiled step's time goes (its kernels are cached by then)
     for name, mod, argv in (("planner", bench_planner, []),
-                            ("decode", bench_decode, ["--pipeline-compile", "default"]),
+                            ("decode", bench_decode, ["--pipeline-compile", "max-autotune"]),
                             ("profile", bench_decode, ["--profile", "--new", "16"]),
                             ("predicted", bench_predicted, []), ("ops", bench_ops, [])):
         print(f"\n=== {name} ===", flush=True)

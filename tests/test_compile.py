@@ -47,24 +47,25 @@ def test_the_compiled_steps_view_equals_the_eager_forward(tmp_path, arch, one_th
 @pytest.mark.parametrize("arch", ["llama", "mistral"])
 def test_compiled_rows_equal_the_eager_rows(tmp_path, arch, one_thread):
     """Rows of several sequences, each at its own position in its own cache, through the compiled
-    step (padded to a bucket, more than the largest bucket in parts) give the eager forward_rows'
-    numbers and leave the caches as it does."""
+    step (more than the largest bucket in parts, the last part padded to its bucket) give the
+    eager forward_rows' numbers and leave the caches as it does. A first stage (token ids) for
+    llama, a last one (hidden states in) for mistral, whose small window (4) cuts keys off."""
     kw = {"sliding_window": 4} if arch == "mistral" else {}
     ck = write_demo_checkpoint(tmp_path / arch, layers=3, hidden=64, vocab=300, dtype="float32", seed=3,
                                arch=arch, **kw)
     n = read_index(ck).num_layers
-    for first, last, lo, hi in ((True, False, 0, 2), (False, True, 2, n)):
+    for first, last, lo, hi in ((True, False, 0, 2),) if arch == "llama" else ((False, True, 2, n),):
         eager = load_stage(str(ck), lo, hi, first, last, "fp32")
         fast = load_stage(str(ck), lo, hi, first, last, "fp32")
         fast.compile("default")
         g = torch.Generator().manual_seed(0)
-        lens = [3, 5, 7, 2, 6, 4, 3, 8, 5, 1]  # ten rows: a bucket of 8, then 2
+        lens = [3, 5, 7, 2, 6, 4, 3, 8, 5, 1, 2]  # eleven rows: a bucket of 8, then 3 padded to 4
         ce, cf = [], []
         for length in lens:
             x = torch.randint(0, 300, (1, length), generator=g) if first else torch.randn(1, length, 64, generator=g)
             ce.append(_prefilled(eager, x, 16))
             cf.append(_prefilled(fast, x, 16))
-        for rows in (10, 3, 10):
+        for rows in (11, 11):
             x = torch.randint(0, 300, (rows, 1), generator=g) if first else torch.randn(rows, 1, 64, generator=g)
             pos = [c.length for c in ce[:rows]]
             want = eager.forward_rows(x, pos, ce[:rows])
