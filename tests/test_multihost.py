@@ -141,7 +141,7 @@ def test_runtime_role_installs_layerline_where_missing(cluster):
     r = playbook("playbooks/runtime.yml", "-i", inv, "-l", "h1", *extra, "-e", f"layerline_runtime_python={bare}",
                  check=False)
     out = " ".join(r.stdout.split())
-    assert r.returncode != 0 and "lacks layerline's dependencies torch, pyzmq, safetensors, numpy, psutil" in out, \
+    assert r.returncode != 0 and "lacks layerline's dependencies torch, pyzmq, safetensors, numpy, psutil, orjson" in out, \
         r.stdout[-3000:]
 
     py = _venv_without_layerline(work, "venv-deps", with_deps=True)

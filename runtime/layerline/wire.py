@@ -9,12 +9,12 @@ bad message raises WireError (which names the field) and never crashes the recei
 """
 from __future__ import annotations
 
-import json
 import math
 import re
 import warnings
 from dataclasses import dataclass
 
+import orjson
 import torch
 
 from .errors import LayerlineError
@@ -48,9 +48,9 @@ _BYTES_VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16}
 # A hop's cost is mostly this module's Python (a decode step moves a few KiB), and each torch
 # call costs several microseconds when a process wakes with cold caches, far more than in a
 # warm loop. So the hot paths make as few torch calls as they can: one JSON encoder, no
-# checks that .numpy() makes anyway, no copies of CPU-contiguous tensors.
-_JSON_OUT = json.JSONEncoder(separators=(",", ":"))
-_JSON_IN = json.JSONDecoder()
+# checks that .numpy() makes anyway, no copies of CPU-contiguous tensors; orjson for the
+# header (a few microseconds less each way than the json module, and stricter: no NaN, no
+# integer past 64 bits, no invalid UTF-8).
 
 # Data ops travel the pipeline; control ops go to a worker's control socket.
 DATA_OPS = {"forward", "result", "error", "release"}
@@ -90,7 +90,10 @@ def encode(header: dict, tensors: dict[str, torch.Tensor] | None = None) -> list
             frames.extend(buf[c * CHUNK_BYTES:(c + 1) * CHUNK_BYTES] for c in range(chunks))
         specs.append({"name": name, "dtype": dname, "shape": list(t.shape), "frames": chunks})
     h["tensors"] = specs
-    head = _JSON_OUT.encode(h).encode()
+    try:
+        head = orjson.dumps(h)
+    except TypeError as e:
+        raise WireError(f"header: {e}") from None
     if len(head) > MAX_HEADER_BYTES:
         raise WireError(f"header: {len(head)} bytes is over the {MAX_HEADER_BYTES} limit")
     frames[0] = head
@@ -118,8 +121,8 @@ def decode_header(frame) -> dict:
     if len(raw) > MAX_HEADER_BYTES:
         raise WireError(f"header: {len(raw)} bytes is over the {MAX_HEADER_BYTES} limit")
     try:
-        h = _JSON_IN.decode(str(raw, "utf-8"))
-    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        h = orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
         raise WireError(f"header: not valid UTF-8 JSON ({e.__class__.__name__})") from None
     if not isinstance(h, dict):
         raise WireError("header: must be a JSON object")
