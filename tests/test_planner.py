@@ -571,11 +571,15 @@ def test_hosts_on_one_machine_split_its_ram():
 def test_pipeline_depth_counts_core_groups():
     """CPU stages of one machine take turns on its cores; each GPU computes on its own; a stage
     of an older plan, without a machine, counts alone."""
-    assert pipeline_depth([("m1", "cpu"), ("m1", "cpu"), ("m1", "cpu")]) == 1
-    assert pipeline_depth([("m1", "cpu"), ("m2", "cpu"), ("m1", "cpu")]) == 2
-    assert pipeline_depth([("m1", "cuda:0"), ("m1", "cuda:1"), ("m1", "cpu")]) == 3
-    assert pipeline_depth([(None, "cpu"), (None, "cpu")]) == 2
+    assert pipeline_depth([("m1", "cpu", 2, 2)] * 3) == 1
+    assert pipeline_depth([("m1", "cpu", 2, 2), ("m2", "cpu", 2, 2), ("m1", "cpu", 2, 2)]) == 2
+    assert pipeline_depth([("m1", "cuda:0", 2, None), ("m1", "cuda:1", 2, None), ("m1", "cpu", 2, 2)]) == 3
+    assert pipeline_depth([(None, "cpu", None, None), (None, "cpu", None, None)]) == 2
     assert pipeline_depth([]) == 1
+    # pinned threads leave cores for more: three 1-thread stages on 2 cores compute two at a time
+    assert pipeline_depth([("m1", "cpu", 1, 2)] * 3) == 2
+    assert pipeline_depth([("m1", "cpu", 2, 8)] * 3) == 3
+    assert pipeline_depth([("m1", "cpu", None, None)] * 3) == 1   # unknown: take turns
 
 
 def test_make_plan_leaves_its_inputs_alone():
