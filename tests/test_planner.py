@@ -571,15 +571,17 @@ def test_hosts_on_one_machine_split_its_ram():
 def test_pipeline_depth_counts_core_groups():
     """CPU stages of one machine take turns on its cores; each GPU computes on its own; a stage
     of an older plan, without a machine, counts alone."""
-    assert pipeline_depth([("m1", "cpu", 2, 2)] * 3) == 1
-    assert pipeline_depth([("m1", "cpu", 2, 2), ("m2", "cpu", 2, 2), ("m1", "cpu", 2, 2)]) == 2
-    assert pipeline_depth([("m1", "cuda:0", 2, None), ("m1", "cuda:1", 2, None), ("m1", "cpu", 2, 2)]) == 3
-    assert pipeline_depth([(None, "cpu", None, None), (None, "cpu", None, None)]) == 2
+    def st(machine, device, threads, cores):
+        return {"machine": machine, "device": device, "threads": threads, "cores": cores}
+    assert pipeline_depth([st("m1", "cpu", 2, 2)] * 3) == 1
+    assert pipeline_depth([st("m1", "cpu", 2, 2), st("m2", "cpu", 2, 2), st("m1", "cpu", 2, 2)]) == 2
+    assert pipeline_depth([st("m1", "cuda:0", 2, None), st("m1", "cuda:1", 2, None), st("m1", "cpu", 2, 2)]) == 3
+    assert pipeline_depth([{"device": "cpu"}, {"device": "cpu"}]) == 2   # an older plan: no machine
     assert pipeline_depth([]) == 1
     # pinned threads leave cores for more: three 1-thread stages on 2 cores compute two at a time
-    assert pipeline_depth([("m1", "cpu", 1, 2)] * 3) == 2
-    assert pipeline_depth([("m1", "cpu", 2, 8)] * 3) == 3
-    assert pipeline_depth([("m1", "cpu", None, None)] * 3) == 1   # unknown: take turns
+    assert pipeline_depth([st("m1", "cpu", 1, 2)] * 3) == 2
+    assert pipeline_depth([st("m1", "cpu", 2, 8)] * 3) == 3
+    assert pipeline_depth([st("m1", "cpu", None, None)] * 3) == 1   # unknown: take turns
 
 
 def test_make_plan_leaves_its_inputs_alone():

@@ -182,10 +182,10 @@ class Engine:
     runs `serve` in a thread of its own and talks to it through `inbox`).
 
     stages: micro-batches kept in flight (default: the pipeline's depth, which a plan gives as its
-    core groups; else one per stage, learnt from the first result's timings). chunk: prompt tokens per message; busy_chunk: the same while other
-    sequences decode (smaller, so a prompt delays their steps less). kv_tokens: KV tokens every
-    stage can hold across sequences: a sequence is admitted when its reserve (prompt + max_new)
-    fits beside the running ones.
+    core groups; else one per stage, learnt from the results' timings). chunk: prompt tokens per
+    message; busy_chunk: the same while other sequences decode (smaller, so a prompt delays their
+    steps less). kv_tokens: KV tokens every stage can hold across sequences: a sequence is
+    admitted when its reserve (prompt + max_new) fits beside the running ones.
     max_running: sequences admitted at once (a stage keeps at most MAX_SEQS caches).
     """
 

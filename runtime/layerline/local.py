@@ -126,7 +126,7 @@ class LocalStages(NamedTuple):
     procs: list
     first: str      # stage 0's data endpoint
     tmp: str        # keys, state dirs
-    depth: int      # micro-batches worth keeping in flight (Plan.depth: 1 for CPU stages, which share these cores)
+    depth: int      # micro-batches worth keeping in flight (Plan.depth: these stages share one machine's cores)
 
 
 class _PortTaken(Exception):

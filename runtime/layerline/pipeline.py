@@ -270,12 +270,9 @@ def pipeline_for_plan(plan, *, keys_dir: str | None = None, reply_host: str | No
     get = (lambda s, k: s[k]) if isinstance(plan, dict) else getattr
     first, last = stages[0], stages[-1]
     endpoint = str(get(first, "endpoint"))
-    opt = (lambda s, k: s.get(k)) if isinstance(plan, dict) else getattr
-    depth = pipeline_depth((opt(s, "machine"), str(opt(s, "device") or "cpu"), opt(s, "threads"), opt(s, "cores"))
-                           for s in stages)
     return Pipeline(endpoint, reply_host=reply_host or reply_host_for(str(get(last, "endpoint"))),
                     timeout_s=timeout_s, ctx=ctx, keys_dir=keys_dir, first_key=str(get(first, "host")), curve=curve,
-                    depth=depth)
+                    depth=pipeline_depth(stages))
 
 
 _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL

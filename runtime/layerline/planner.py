@@ -145,7 +145,7 @@ class Plan:
     @property
     def depth(self) -> int:
         """Micro-batches the engine keeps in flight through the actives (pipeline_depth)."""
-        return pipeline_depth((s.machine, s.device, s.threads, s.cores) for s in self.actives)
+        return pipeline_depth(self.actives)
 
     def stage(self, host: str) -> StagePlan | None:
         """This host's stage (looked up by name, never by position)."""
@@ -562,10 +562,12 @@ def pipeline_depth(stages) -> int:
     Stages that share cores take turns on a token anyway; stepping more of them at once only makes
     their threads fight (three stages of one 2-core machine, each with 2 threads: 34.9 s for 4
     sequences of 128 + 32 tokens in 1-row micro-batches, 18.5 s in one micro-batch).
-    stages: (machine, device, threads, cores) in pipeline order; threads/cores None: unknown."""
+    stages: the route's StagePlans, or their dicts (a plan as JSON); a field they lack is unknown."""
     groups: dict[tuple, list] = {}
-    for i, (m, d, threads, cores) in enumerate(stages):
-        groups.setdefault(core_group(m, d, i), []).append((threads, cores))
+    for i, s in enumerate(stages):
+        get = s.get if isinstance(s, dict) else (lambda k, s=s: getattr(s, k, None))
+        groups.setdefault(core_group(get("machine"), str(get("device") or "cpu"), i), []).append(
+            (get("threads"), get("cores")))
     depth = 0
     for (_, kind), members in groups.items():
         threads = max((t or 0) for t, _ in members)

@@ -228,7 +228,6 @@ class Worker:
         """Compile the decode step before serving, so no request waits minutes for it: batch 1,
         then batch 2 (the dynamic-batch graph every larger batch reuses), then rows of several
         sequences at each of ROWS_BUCKETS (the engine's micro-batches)."""
-        torch = self.torch
         self.stage.compile(mode)
         if not self.stage.compiled:
             print(f"layerline worker {self.name}: --compile {mode}: MoE stages decode eagerly "
@@ -240,9 +239,7 @@ class Worker:
         for b in (1, 2):
             cache = self.stage.new_cache(b, 8, dtype=self.kv_dtype)
             for pos, t in ((0, 2), (2, 1), (3, 1)):  # a prefill, then two steps
-                shape = (b, t) if self.args.first else (b, t, self.margs.hidden_size)
-                x = torch.zeros(shape, dtype=torch.int64 if self.args.first else self.stage.dtype)
-                self.stage(x.to(self.args.device), start_pos=pos, cache=cache)
+                self.stage(self._zeros_input(b, t), start_pos=pos, cache=cache)
             if not self.stage.compiled:
                 print(f"layerline worker {self.name}: --compile {mode} failed, decoding eagerly: "
                       f"{self.stage.compile_error} (install a C++ compiler on this host, or set "
@@ -253,9 +250,7 @@ class Worker:
         from .model.llama import ROWS_BUCKETS
         caches = [self.stage.new_cache(1, 8, dtype=self.kv_dtype) for _ in range(ROWS_BUCKETS[-1])]
         for b in ROWS_BUCKETS:
-            shape = (b, 1) if self.args.first else (b, 1, self.margs.hidden_size)
-            x = torch.zeros(shape, dtype=torch.int64 if self.args.first else self.stage.dtype)
-            self.stage.forward_rows(x.to(self.args.device), [0] * b, caches[:b])
+            self.stage.forward_rows(self._zeros_input(b, 1), [0] * b, caches[:b])
             if not self.stage.rows_compiled:
                 print(f"layerline worker {self.name}: --compile {mode} failed for rows of several sequences, "
                       f"which step eagerly: {self.stage.compile_error}", file=sys.stderr, flush=True)
@@ -263,6 +258,12 @@ class Worker:
             print(f"layerline worker {self.name}: rows of {b} sequences compiled ({time.perf_counter() - t0:.0f} s)",
                   flush=True)
         self.compile_s = time.perf_counter() - t0
+
+    def _zeros_input(self, b: int, t: int):
+        """A stand-in input of b rows of t tokens for this stage (ids, or hidden states), on its device."""
+        shape = (b, t) if self.args.first else (b, t, self.margs.hidden_size)
+        return self.torch.zeros(shape, dtype=self.torch.int64 if self.args.first else self.stage.dtype,
+                                device=self.args.device)
 
     def measure_step(self, prefix: int = 32, budget_s: float = 1.0, steps: int = 12) -> float | None:
         """Seconds of one decode step of one sequence, as serving runs it (compiled when compiled),
@@ -274,10 +275,8 @@ class Worker:
         torch = self.torch
         try:
             cache = self.stage.new_cache(1, prefix + 1, dtype=self.kv_dtype)
-            shape = (1, prefix) if self.args.first else (1, prefix, self.margs.hidden_size)
-            dtype = torch.int64 if self.args.first else self.stage.dtype
-            self.stage(torch.zeros(shape, dtype=dtype, device=self.args.device), start_pos=0, cache=cache)
-            x = torch.zeros(shape[:1] + (1,) + shape[2:], dtype=dtype, device=self.args.device)
+            self.stage(self._zeros_input(1, prefix), start_pos=0, cache=cache)
+            x = self._zeros_input(1, 1)
             times, deadline = [], time.perf_counter() + budget_s
             for i in range(steps):
                 t0 = time.perf_counter()

@@ -331,8 +331,9 @@ def _serve(a, plan: dict | None, keys, admin_keys=None) -> int:
     sys.setswitchinterval(0.0005)
     name = a.model_name or (os.path.basename(os.path.normpath(a.checkpoint)) if a.checkpoint else "layerline")
     metrics = Metrics()
-    sched = Scheduler(open_pipe, stages=a.microbatches or (None if plan else len(stages)), kv_tokens=kv_tokens, max_running=a.max_running,
-                      max_queue=a.max_queue, chunk=a.chunk, busy_chunk=a.busy_chunk,
+    # with a plan, the pipe's depth (pipeline_for_plan); with --first, one micro-batch per stage
+    sched = Scheduler(open_pipe, stages=a.microbatches or (None if plan else len(stages)), kv_tokens=kv_tokens,
+                      max_running=a.max_running, max_queue=a.max_queue, chunk=a.chunk, busy_chunk=a.busy_chunk,
                       metrics=metrics)
     sched.start()
     failover = Failover(states, health=stage_health, set_next=set_next, engine=sched.call, open_pipe=pipe_into,
