@@ -32,8 +32,7 @@ import torch._dynamo  # noqa: F401,E402
 # `make test` runs every tier. A test's own tier marker (e.g. @pytest.mark.e2e) is kept as it is.
 TIERS = ("unit", "e2e", "multihost")
 MODULE_TIER = {
-    "test_e2e_deploy": "e2e",      # deploy.yml on the default inventory
-    "test_e2e_staging": "e2e",     # deploy.yml staging each host's layers
+    "test_e2e_deploy": "e2e",      # deploy.yml on the default inventory, staging each host's layers
     "test_lint": "e2e",            # ansible-lint over every playbook and role (~50 s)
     "test_compile": "e2e",         # torch.compile, a compiled worker process (minutes)
     "test_generate": "e2e",        # generation across real worker processes
@@ -86,7 +85,7 @@ def _tier(item) -> str | None:
 
 # The slowest files first (minutes each: deploys, compiles, the operations proof): `make test` runs
 # two files at a time (pytest-xdist --dist loadfile), and a long file started last would run alone.
-SLOW_FIRST = ("test_drain", "test_multihost", "test_e2e_deploy", "test_e2e_staging", "test_compile", "test_cluster", "test_gguf",
+SLOW_FIRST = ("test_drain", "test_multihost", "test_e2e_deploy", "test_compile", "test_cluster", "test_gguf",
               "test_bad_deploys", "test_int4", "test_families")
 
 

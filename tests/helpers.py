@@ -22,7 +22,11 @@ def ansible_env(**extra) -> dict:
 
 def playbook(name: str, *args: str, timeout: int = 600, check: bool = True) -> subprocess.CompletedProcess:
     cmd = [str(BIN / "ansible-playbook"), name, *args]
+    t0 = time.perf_counter()
     r = subprocess.run(cmd, cwd=ROOT, env=ansible_env(), capture_output=True, text=True, timeout=timeout)
+    # shown with -s (and in a failure's captured output): where an e2e test's time goes
+    print(f"[playbook] {name} {' '.join(a for a in args if len(a) < 40)}: {time.perf_counter() - t0:.1f} s, "
+          f"rc {r.returncode}")
     if check and r.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {r.returncode}\n{r.stdout[-6000:]}\n{r.stderr[-3000:]}")
     return r

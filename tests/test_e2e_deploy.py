@@ -1,4 +1,7 @@
-"""deploy.yml on the embedded default inventory, as a user runs it: plan, launch, drive, re-run, teardown."""
+"""deploy.yml on the embedded default inventory, as a user runs it: plan, stage, launch, drive, re-run,
+teardown. layerline_checkpoint_shared is false here (every other e2e run shares the checkpoint), so the
+same deploys prove weight staging: each host gets only its own layers' tensors, once, and a staged file
+corrupted after shipping is shipped again."""
 from __future__ import annotations
 
 import json
@@ -25,6 +28,7 @@ def run_vars(tmp_path_factory):
     # under auto the planner may validly leave a host out of a model this small.
     extra = json.dumps({"layerline_home": str(home), "layerline_checkpoint": str(ckpt),
                         "layerline_demo_checkpoint": False, "layerline_policy": "uniform",
+                        "layerline_checkpoint_shared": False,
                         "layerline_port_base": 29400, "layerline_prompt": "",  # random ids: no tokenizer
                         "layerline_seq": 12, "layerline_generate": 4, "layerline_sequences": 2,
                         "layerline_sampling": {"temperature": 0.8, "top_p": 0.9}})
@@ -57,6 +61,7 @@ def test_deploy_drive_idempotent_teardown(run_vars):
     drive = json.loads((home / "drive.json").read_text())
     assert "for 2 sequence(s)" in out and len(drive["generate"]["new_tokens"]) == 2
     assert all(len(t) == 4 for t in drive["generate"]["new_tokens"]) and drive["generate"]["tokens_per_s"] > 0
+    staged_only_own_layers(home, plan, out)
     # every worker runs with the plan's precision and layers
     pids = _pids(home)
     for s in actives:
@@ -85,6 +90,7 @@ def test_deploy_drive_idempotent_teardown(run_vars):
     counts = recap(second.stdout)
     assert set(counts) == {"w1", "w2", "w3"}
     assert all(c["changed"] == 0 and c["failed"] == 0 for c in counts.values()), second.stdout[-3000:]
+    assert "shipped 0 bytes to 3 hosts" in " ".join(second.stdout.split()), "staged once"
     assert _pids(home) == pids
     # teardown stops every worker and the server
     playbook("teardown.yml", *extra)
@@ -92,6 +98,26 @@ def test_deploy_drive_idempotent_teardown(run_vars):
         assert not (home / "state" / h / "ready.json").exists()
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def staged_only_own_layers(home, plan: dict, out: str) -> None:
+    """Each host holds only its own layers' tensors (the first the embedding, the last the head),
+    its worker loads them, and the run reports the bytes shipped against the whole model."""
+    from layerline.checkpoint import read_index
+    # probed before staging, each host timed the disk its stage lands on (not "not measured")
+    assert all(s["disk_read_bytes_per_s"] for s in plan["stages"]), plan["stages"]
+    shipped = 0
+    for s in plan["stages"]:
+        staged = home / "state" / s["host"] / "checkpoint"
+        idx = read_index(staged, check=False)  # one stage's tensors, not a whole model
+        assert {t.layer for t in idx.tensors.values() if t.layer is not None} == set(range(*s["layers"]))
+        assert ("model.embed_tokens.weight" in idx.tensors) == (s["layers"][0] == 0)
+        assert ("lm_head.weight" in idx.tensors) == (s["layers"][1] == plan["num_layers"])
+        argv = json.loads((home / "state" / s["host"] / "argv.json").read_text())
+        assert argv[argv.index("--checkpoint") + 1] == str(staged)
+        shipped += sum(p.stat().st_size for p in staged.iterdir())
+    total = read_index(home / "ckpt").total_bytes
+    assert f"shipped {shipped} bytes to 3 hosts; the whole model is {total} bytes" in out
 
 
 def test_controller_killed_mid_deploy_then_run_again(run_vars):
@@ -111,9 +137,17 @@ def test_controller_killed_mid_deploy_then_run_again(run_vars):
         os.killpg(p.pid, signal.SIGKILL)
         p.wait(30)
     assert any("Start the worker" in line for line in seen), "".join(seen)[-3000:]
+    # a staged file corrupted after shipping: its SHA-1 differs, so it alone is shipped again
+    w2 = home / "state" / "w2" / "checkpoint" / "model.safetensors"
+    size = w2.stat().st_size
+    with open(w2, "r+b") as f:
+        f.seek(size // 2)
+        f.write(b"\xff" * 64)
     again = playbook("deploy.yml", *extra)
     out = " ".join(again.stdout.split())
     assert "matches" in out and "DOES NOT MATCH" not in out
+    assert f"shipped {size} bytes to 3 hosts" in out, out[-3000:]
+    assert w2.read_bytes() == (home / "stages" / "w2" / "model.safetensors").read_bytes(), "repaired"
     plan = json.loads((home / "plan.json").read_text())
     for s in plan["stages"]:
         assert json.loads((home / "state" / s["host"] / "ready.json").read_text())["layers"] == s["layers"]

@@ -101,6 +101,18 @@ def test_round_trip_each_dtype_0d_empty_and_multidim(dtype):
         assert torch.equal(out[name], t), name
 
 
+def test_an_empty_tensor_with_huge_other_dims_is_a_wire_error():
+    """Zero elements, but dims whose strides overflow int64: refused by name, not a torch error
+    (found by the JSON-mutation fuzz below)."""
+    head = json.dumps({"op": "forward", "v": 1, "tensors": [{"name": "A", "dtype": "bfloat16", "frames": 1,
+                                                     "shape": [0, 140, 32906, 1414014, 1415901]}]})
+    with pytest.raises(wire.WireError, match=r"header.tensors\[0\].shape: .* spans more than"):
+        wire.decode([head.encode(), b""])
+    _, out = wire.decode([json.dumps({"op": "forward", "v": 1, "tensors": [{"name": "A", "dtype": "bfloat16", "frames": 1,
+                                                                    "shape": [0, 4096, 8]}]}).encode(), b""])
+    assert out["A"].shape == (0, 4096, 8)
+
+
 def test_bfloat16_values_survive_exactly():
     t = torch.tensor([1.0, -2.5, 3.140625, float("inf"), -0.0, 1e-38], dtype=torch.bfloat16)
     _, out = wire.decode(wire.encode({"op": "result"}, {"h": t}))
