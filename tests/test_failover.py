@@ -305,6 +305,9 @@ def test_standby_takes_over(ckpt, tmp_path, dead):
         body = httpx.get(server.url + "/health", timeout=10).json()
         assert [s["name"] for s in body["standbys"]] == ["standby"] and body["standbys"][0]["ok"]
         reference = run_clients(server.url)
+        from layerline.planner import pipeline_depth
+        depth = pipeline_depth([s for s in cluster.plan["stages"] if s["role"] == "active"])
+        assert server.metric("layerline_microbatches") == depth   # the plan's core groups
         st = cluster.status(dead)
         sup, pid = st["supervisor_pid"], st["worker_pid"]
 
@@ -321,6 +324,8 @@ def test_standby_takes_over(ckpt, tmp_path, dead):
         assert [s["name"] for s in body["stages"]] == [("standby" if h == dead else h)
                                                        for h in ("stage0", "stage1", "stage2")]
         assert body["status"] == "ok"
+        # the standby runs on the same machine as the stage it replaced: the same core groups
+        assert server.metric("layerline_microbatches") == depth
         # and it keeps serving on the new route
         again = run_clients(server.url)
         check_same(reference, again)

@@ -104,6 +104,25 @@ def test_kv_budget_from_the_plan():
     assert [s["peer"] for s in st] == ["a", "b"]
 
 
+def test_a_standby_promoted_on_another_machine_gives_the_route_its_core_group():
+    """The route's depth follows its stages' plan entries: three 1-thread stages on one 2-core
+    machine keep 2 micro-batches in flight; a standby on a second machine promoted for the middle
+    one adds that machine's group (3). A stage without a plan entry (--first) leaves it unsaid."""
+    from layerline.server.failover import Route, StageState
+
+    def stage(host, machine):
+        return StageState(host, f"tcp://{machine}:9100", f"tcp://{machine}:9101", planned={
+            "host": host, "role": "active", "machine": machine, "device": "cpu", "threads": 1, "cores": 2})
+    route = Route([stage("a", "m1"), stage("b", "m1"), stage("c", "m1")])
+    assert route.depth() == 2
+    route.switch(1, stage("sb", "m2"))
+    assert route.depth() == 3 and route.epoch == 1
+    route.switch(2, StageState("d", "tcp://m3:9100", "tcp://m3:9101"))
+    assert route.depth() is None
+    plan = {"stages": [dict(stage("a", "m1").planned, endpoint="tcp://m1:9100", layers=[0, 2])]}
+    assert cli._stages_from_plan(plan, None)[0]["planned"]["machine"] == "m1"
+
+
 def _args(*argv):
     return cli.add_arguments(argparse.ArgumentParser()).parse_args(list(argv))
 

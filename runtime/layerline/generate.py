@@ -268,7 +268,9 @@ class Engine:
             s.state = READY
             s.emit("admitted")
 
-    def _depth(self) -> int:
+    @property
+    def depth(self) -> int:
+        """Micro-batches kept in flight: `stages`, else the pipeline's depth, else the stages seen."""
         return max(1, self.stages or self.pipe.depth or self._stages_seen or 1)
 
     def _dispatch(self) -> None:
@@ -287,7 +289,7 @@ class Engine:
         # prompts fill what decode micro-batches leave of the pipeline's depth, and at least one
         # chunk is in flight (decode steps queued behind it wait); without rows every sequence
         # steps alone, all in flight
-        cap = len(prefill) if not self.rows else max(1, self._depth() - min(self._depth(), decoding))
+        cap = len(prefill) if not self.rows else max(1, self.depth - min(self.depth, decoding))
         n_pre = sum(k == "seq" for k in kinds) if self.rows else 0
         # while others decode, prompts go in smaller chunks: a chunk delays every decode step queued behind it
         chunk = min(self.chunk, self.busy_chunk) if (self.rows and decoding) else self.chunk
@@ -297,9 +299,9 @@ class Engine:
             self._submit_seq(s, chunk)
             n_pre += 1
         if decode:
-            per = min(MAX_BATCH, math.ceil(decoding / self._depth()))
+            per = min(MAX_BATCH, math.ceil(decoding / self.depth))
             n_rows = sum(k == "rows" for k in kinds)
-            while decode and n_rows < self._depth():
+            while decode and n_rows < self.depth:
                 batch, decode = decode[:per], decode[per:]
                 self._submit_rows(batch)
                 n_rows += 1

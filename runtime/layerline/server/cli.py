@@ -150,7 +150,7 @@ def _stages_from_plan(plan: dict, ctl) -> list[dict]:
     out = []
     for s in active_stages(plan):
         out.append({"name": str(s.get("host")), "endpoint": str(s["endpoint"]), "layers": s.get("layers"),
-                    "control": control_endpoint(str(s["endpoint"])), "peer": str(s.get("host"))})
+                    "control": control_endpoint(str(s["endpoint"])), "peer": str(s.get("host")), "planned": s})
     return out
 
 
@@ -158,7 +158,7 @@ def _standbys_from_plan(plan: dict) -> list[dict]:
     from ..worker import control_endpoint
     return [{"name": str(s.get("host")), "endpoint": str(s["endpoint"]), "layers": s.get("layers"),
              "control": control_endpoint(str(s["endpoint"])), "peer": str(s.get("host")),
-             "standby_for": s.get("standby_for")}
+             "standby_for": s.get("standby_for"), "planned": s}
             for s in plan["stages"] if s.get("role") == "standby" and s.get("endpoint")]
 
 
@@ -268,9 +268,10 @@ def _serve(a, plan: dict | None, keys, admin_keys=None) -> int:
 
     def states_of(stages: list[dict], standbys: list[dict]) -> list[StageState]:
         peer_of.update({s["name"]: s["peer"] for s in stages + standbys})
-        return [StageState(s["name"], s["endpoint"], s["control"], "active", None, s["layers"]) for s in stages] + \
-            [StageState(s["name"], s["endpoint"], s["control"], "standby", s["standby_for"], s["layers"])
-             for s in standbys]
+        return [StageState(s["name"], s["endpoint"], s["control"], "active", None, s["layers"], s.get("planned"))
+                for s in stages] + \
+            [StageState(s["name"], s["endpoint"], s["control"], "standby", s["standby_for"], s["layers"],
+                        s.get("planned")) for s in standbys]
 
     peer_of: dict[str, str | None] = {}
     states = states_of(stages, _standbys_from_plan(plan) if plan else [])

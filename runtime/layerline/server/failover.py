@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..errors import LayerlineError
+from ..planner import pipeline_depth
 
 log = logging.getLogger("layerline.server")
 
@@ -56,6 +57,7 @@ class StageState:
     role: str = "active"      # active | standby
     standby_for: str | None = None
     layers: list | None = None
+    planned: dict | None = None   # its plan entry (where it runs: the route's depth reads it); None with --first
     up: bool | None = None    # None: not probed yet
     retired: bool = False     # no longer part of the server's stages (after a route switch)
     pid: int | None = None
@@ -90,6 +92,13 @@ class Route:
     def switch(self, i: int, new: StageState) -> None:
         self.actives[i] = new
         self.epoch += 1
+
+    def depth(self) -> int | None:
+        """Micro-batches worth keeping in flight through these stages (planner.pipeline_depth), or
+        None when a stage has no plan entry (a --first server keeps one per stage)."""
+        if any(s.planned is None for s in self.actives):
+            return None
+        return pipeline_depth([s.planned for s in self.actives])
 
     @property
     def first(self) -> StageState:
@@ -313,10 +322,16 @@ class Failover:
             dead.role, dead.standby_for = "standby", sb.host
             self._gauge(sb, 1 if sb.up else 0)
             self._gauge(dead, 1 if dead.up else 0)
+            depth = self.route.depth()
         if self.metrics is not None:
             self.metrics.route_epoch.set(self.route.epoch)
         self.history.add(sb.host, "promoted", f"for {dead.host}, epoch {self.route.epoch}")
-        self.engine(lambda eng: eng.resume(), 10.0)
+
+        def resume(eng):
+            if depth is not None:   # the standby may sit on another machine than the stage it replaces
+                eng.pipe.depth = depth
+            eng.resume()
+        self.engine(resume, 10.0)
         return True
 
     # -- planned route changes

@@ -18,6 +18,8 @@ class Metrics:
         self.generated_tokens = Counter("layerline_generated_tokens", "tokens generated", registry=r)
         self.queue_depth = Gauge("layerline_queue_depth", "requests waiting for a KV slot", registry=r)
         self.running = Gauge("layerline_running_sequences", "sequences being generated", registry=r)
+        self.microbatches = Gauge("layerline_microbatches", "micro-batches the engine keeps in flight (one per "
+                                  "core group of the route, or --microbatches)", registry=r)
         self.kv_tokens = Gauge("layerline_kv_tokens_reserved", "KV tokens the running sequences reserve", registry=r)
         self.ttft = Histogram("layerline_time_to_first_token_seconds", "request arrival to its first token",
                               buckets=_LATENCY, registry=r)

@@ -180,6 +180,7 @@ class Scheduler:
         m = self.metrics
         m.running.set(len(eng.running))
         m.kv_tokens.set(eng.kv_used)
+        m.microbatches.set(eng.depth)
         with self._lock:
             m.queue_depth.set(self._waiting)
 
