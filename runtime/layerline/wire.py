@@ -211,7 +211,7 @@ def decode(frames: list, limits: Limits = Limits()) -> tuple[dict, dict[str, tor
         itemsize = ITEMSIZE[dtype]
         nbytes = math.prod(shape) * itemsize
         # an empty tensor's other dims still make its strides (torch refuses past int64): bound them too
-        if math.prod(max(d, 1) for d in shape) * itemsize > limits.max_bytes:
+        if nbytes == 0 and math.prod(max(d, 1) for d in shape) * itemsize > limits.max_bytes:
             raise WireError(f"{where}.shape: {shape} spans more than the {limits.max_bytes}-byte limit")
         total += nbytes
         if total > limits.max_bytes:
