@@ -305,8 +305,8 @@ def test_standby_takes_over(ckpt, tmp_path, dead):
         body = httpx.get(server.url + "/health", timeout=10).json()
         assert [s["name"] for s in body["standbys"]] == ["standby"] and body["standbys"][0]["ok"]
         reference = run_clients(server.url)
-        from layerline.planner import pipeline_depth
-        depth = pipeline_depth([s for s in cluster.plan["stages"] if s["role"] == "active"])
+        from layerline.planner import Plan
+        depth = Plan.from_dict(cluster.plan).depth
         assert server.metric("layerline_microbatches") == depth   # the plan's core groups
         st = cluster.status(dead)
         sup, pid = st["supervisor_pid"], st["worker_pid"]

@@ -496,8 +496,6 @@ class Engine:
                     pass
         self.pipe = pipe
         pipe.epoch = self.epoch
-        if pipe.depth is None:  # a promoted stage 0 opened without the plan: the route's depth stands
-            pipe.depth = old.depth
         self.poller.register(pipe.to_first, zmq.POLLIN)
         self.poller.register(pipe.results, zmq.POLLIN)
         if getattr(old, "_layerline_rows", None) is not None:

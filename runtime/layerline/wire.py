@@ -47,10 +47,10 @@ _BYTES_VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16}
 
 # A hop's cost is mostly this module's Python (a decode step moves a few KiB), and each torch
 # call costs several microseconds when a process wakes with cold caches, far more than in a
-# warm loop. So the hot paths make as few torch calls as they can: one JSON encoder, no
-# checks that .numpy() makes anyway, no copies of CPU-contiguous tensors; orjson for the
-# header (a few microseconds less each way than the json module, and stricter: no NaN, no
-# integer past 64 bits, no invalid UTF-8).
+# warm loop. So the hot paths make as few torch calls as they can: no checks that .numpy()
+# makes anyway, no copies of CPU-contiguous tensors; orjson for the header (a few
+# microseconds less each way than the json module, and stricter: no NaN, no integer past 64
+# bits, no invalid UTF-8).
 
 # Data ops travel the pipeline; control ops go to a worker's control socket.
 DATA_OPS = {"forward", "result", "error", "release"}
