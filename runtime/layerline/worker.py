@@ -225,9 +225,9 @@ class Worker:
         self.step_s = self.measure_step()
 
     def warm_up(self, mode: str) -> None:
-        """Compile the decode step before serving, so no request waits minutes for it: batch 1,
-        then batch 2 (the dynamic-batch graph every larger batch reuses), then rows of several
-        sequences at each of ROWS_BUCKETS (the engine's micro-batches)."""
+        """Compile the decode step before serving, so no request waits minutes for it: one graph per
+        ROWS_BUCKETS (a sequence's rows, or rows of several sequences: the engine's micro-batches);
+        attention runs outside the graphs, so any cache length reuses them."""
         self.stage.compile(mode)
         if not self.stage.compiled:
             print(f"layerline worker {self.name}: --compile {mode}: MoE stages decode eagerly "
@@ -235,28 +235,18 @@ class Worker:
             return
         print(f"layerline worker {self.name}: compiling the decode step (--compile {mode}); "
               "this takes a while the first time", flush=True)
+        from .model.llama import ROWS_BUCKETS
         t0 = time.perf_counter()
-        for b in (1, 2):
-            cache = self.stage.new_cache(b, 8, dtype=self.kv_dtype)
-            for pos, t in ((0, 2), (2, 1), (3, 1)):  # a prefill, then two steps
-                self.stage(self._zeros_input(b, t), start_pos=pos, cache=cache)
+        caches = [self.stage.new_cache(1, 8, dtype=self.kv_dtype) for _ in range(ROWS_BUCKETS[-1])]
+        for b in ROWS_BUCKETS:
+            self.stage.forward_rows(self._zeros_input(b, 1), [0] * b, caches[:b])
             if not self.stage.compiled:
                 print(f"layerline worker {self.name}: --compile {mode} failed, decoding eagerly: "
                       f"{self.stage.compile_error} (install a C++ compiler on this host, or set "
                       "layerline_compile: off)", file=sys.stderr, flush=True)
                 return
-            print(f"layerline worker {self.name}: batch {b} compiled ({time.perf_counter() - t0:.0f} s)", flush=True)
-        # rows of several sequences (the engine's micro-batches): one graph per bucket
-        from .model.llama import ROWS_BUCKETS
-        caches = [self.stage.new_cache(1, 8, dtype=self.kv_dtype) for _ in range(ROWS_BUCKETS[-1])]
-        for b in ROWS_BUCKETS:
-            self.stage.forward_rows(self._zeros_input(b, 1), [0] * b, caches[:b])
-            if not self.stage.rows_compiled:
-                print(f"layerline worker {self.name}: --compile {mode} failed for rows of several sequences, "
-                      f"which step eagerly: {self.stage.compile_error}", file=sys.stderr, flush=True)
-                break
-            print(f"layerline worker {self.name}: rows of {b} sequences compiled ({time.perf_counter() - t0:.0f} s)",
-                  flush=True)
+            print(f"layerline worker {self.name}: steps of {b} row{'s' if b > 1 else ''} compiled "
+                  f"({time.perf_counter() - t0:.0f} s)", flush=True)
         self.compile_s = time.perf_counter() - t0
 
     def _zeros_input(self, b: int, t: int):

@@ -29,12 +29,11 @@ One forward (`Stage._forward`, after gpt-fast's `Transformer.forward`): the new 
 positions tensor, each layer writes their K/V there with one update (`kv_update`) and attends to
 the keys in view. A prefill, a one-token decode step and a step over rows of *different*
 sequences, each at its own position (continuous batching: `Stage.forward_rows`), are that one
-path; only the key range differs: eagerly the filled part of the cache, compiled (`compile()`,
-the one-token step) the whole buffer behind a mask, so its shapes do not change as it fills.
-Compiled, a step over rows of several sequences runs the same forward with its attention as one
-opaque op (`rows_attention`): the projections and MLPs compile (one graph per row-count bucket),
-while each row attends over its own cache eagerly, outside the graph, so no cache length is a
-graph input.
+path, each attending over the filled part of its cache. Compiled (`compile()`), a one-token step
+runs the same forward with its attention as one opaque op (`rows_attention`): the projections and
+MLPs compile (one graph per row-count bucket), while each row attends over the keys its cache
+holds, eagerly, outside the graph, so no cache length is a graph input. (A graph that attended
+over the whole buffer behind a mask decoded 4x slower with a worker's 4096-token reserve.)
 """
 from __future__ import annotations
 
@@ -283,10 +282,10 @@ class RMSNorm(nn.Module):
 
 
 ROWS_PAD = 32  # a step over rows of several sequences pads their keys to a multiple of this
-# compiled steps over rows of several sequences: one graph per bucket (rows padded up to it);
-# more rows go through the largest bucket a part at a time
-ROWS_BUCKETS = (2, 4, 8)
-ROWS_OP = "rows-op"  # the views of a compiled rows step: attention through rows_attention
+# compiled one-token steps: one graph per bucket of rows (padded up to it); more rows go through
+# the largest bucket a part at a time
+ROWS_BUCKETS = (1, 2, 4, 8)
+ROWS_OP = "rows-op"  # the views of a compiled step: attention through rows_attention
 
 
 class _RowsCall(threading.local):
@@ -294,6 +293,7 @@ class _RowsCall(threading.local):
     set only around that call, in the thread that makes it."""
     stage = None
     caches: list = []
+    views: dict = {}  # per attention window, the rows' key views: made by the step's first layer, read by the rest
 
 
 _ROWS = _RowsCall()
@@ -374,6 +374,20 @@ class StageCache:
         """Forget the cached tokens (the buffers are overwritten as new ones come)."""
         self.length = 0
 
+    def rows(self) -> list["StageCache"]:
+        """One one-row cache per row, over this cache's buffers (views, no copy): how a compiled
+        step takes a sequence of several rows. Their lengths are not kept; this cache's is."""
+        if self.batch == 1:
+            return [self]
+        return [StageCache([_RowKV(c.k[i:i + 1], c.v[i:i + 1]) for c in self.layers]) for i in range(self.batch)]
+
+
+@dataclass
+class _RowKV:
+    """One row of a layer's KV buffers (views into them)."""
+    k: torch.Tensor
+    v: torch.Tensor
+
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
@@ -449,8 +463,8 @@ class Attention(nn.Module):
 
         One group (P = 1) is one sequence of B rows; B groups (P = B, T = 1) are B sequences, row
         i at pos[i] with its own cache. kv: per group, the layer's (k, v) buffers, or None without
-        a cache. view: per group, (lo, hi, mask): the key positions lo..hi-1 it attends (None: the
-        whole buffer) and a [T, keys] mask (True: may attend), or None when every key is visible.
+        a cache. view: per group, (lo, hi, mask): the key positions lo..hi-1 it attends and a
+        [T, keys] mask (True: may attend), or None when every key is visible; or ROWS_OP.
         The projections run over all B rows at once, and so does the attention of B groups: each
         row's keys are gathered, left-aligned, into one padded batch behind a length mask.
         """
@@ -466,14 +480,19 @@ class Attention(nn.Module):
             return self.o_proj(torch.ops.layerline.rows_attention(q, k, v, torch.stack(pos), self.layer))
         if len(view) > 1:
             return self.o_proj(self._attend_rows(q, k, v, pos, kv, view))
+        return self.o_proj(self._attend_one(q, k, v, pos[0], kv[0] if kv is not None else None, view[0]))
+
+    def _attend_one(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
+                    kv: tuple | None, view: tuple) -> torch.Tensor:
+        """One sequence (of B rows): write its k/v at `pos` into its (k, v) buffers `kv` (None: no
+        cache) and attend over the keys in `view` (lo, hi, mask), read in place."""
         if kv is not None:
-            k, v = kv_update(kv[0][0], kv[0][1], pos[0], k, v)
-        lo, hi, mask = view[0]
-        if hi is not None:  # only the keys in view (without a cache: the new ones, from 0)
-            k, v = k[:, :, lo:hi], v[:, :, lo:hi]
+            k, v = kv_update(kv[0], kv[1], pos, k, v)
+        lo, hi, mask = view
+        k, v = k[:, :, lo:hi], v[:, :, lo:hi]  # only the keys in view (without a cache: the new ones, from 0)
         if k.dtype != q.dtype:  # a KV cache kept in another dtype than the compute
             k, v = k.to(q.dtype), v.to(q.dtype)
-        return self.o_proj(self._attend(q, k, v, mask))
+        return self._attend(q, k, v, mask)
 
     def _attend_rows(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: list, kv: list,
                      view: list) -> torch.Tensor:
@@ -594,10 +613,9 @@ class Stage(nn.Module):
 
     One forward (`_forward`, gpt-fast's `Transformer.forward`): tokens at a positions tensor, K/V
     written there by one update (`kv_update`). A prefill, a one-token step and a step over rows of
-    different sequences (`forward_rows`) are the same code; `compile()` compiles it for the
-    one-token step of one sequence, which then attends over its whole KV buffer behind a mask
-    (shapes fixed by the cache, so one graph serves a whole generation), and for rows of several
-    sequences, whose attention runs eagerly inside it (`rows_attention`; a graph per ROWS_BUCKETS).
+    different sequences (`forward_rows`) are the same code; `compile()` compiles it for one-token
+    steps (of one sequence's rows or of several sequences'), whose attention runs eagerly inside it
+    over the keys each cache holds (`rows_attention`; a graph per ROWS_BUCKETS).
     """
 
     def __init__(self, args: ModelArgs, start: int, end: int, first: bool, last: bool, dtype: torch.dtype,
@@ -640,7 +658,6 @@ class Stage(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
         self.expert_store: ExpertStore | None = None  # set by the loader when experts are paged
         self._step = None  # the compiled _forward, when compile() was asked for
-        self.rows_compiled = True  # whether rows of several sequences take it too (False after it failed them)
         self.compile_error: str | None = None  # why compiling failed (the stage then steps eagerly)
 
     def fuse(self) -> None:
@@ -658,8 +675,8 @@ class Stage(nn.Module):
         """Run one-token steps through torch.compile with inductor freezing.
 
         mode: "off" (eager), "default", or "max-autotune" (searches GEMM kernels: slower to warm
-        up, faster after). Steps over rows of several sequences compile too, a graph per row
-        bucket (their attention outside it). Prefills and replays run the same forward eagerly:
+        up, faster after). A graph per row bucket (ROWS_BUCKETS), attention outside it, so one
+        graph serves every cache length. Prefills and replays run the same forward eagerly:
         their shapes vary. Mixtral's routing is data-dependent, so MoE stages stay eager.
         """
         if mode not in COMPILE_MODES:
@@ -675,7 +692,6 @@ class Stage(nn.Module):
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         kw = {"mode": "max-autotune-no-cudagraphs"} if mode == "max-autotune" else {}
         self._step = torch.compile(self._forward, dynamic=False, **kw)
-        self.rows_compiled = True
 
     @property
     def compiled(self) -> bool:
@@ -696,9 +712,8 @@ class Stage(nn.Module):
         pos: int64 [P, T], the new tokens' positions: P = 1, one sequence of B rows at the same
         positions; P = B (T = 1), B sequences, row i at pos[i].
         kv: per layer, per sequence, its (k, v) buffers; None without a KV cache.
-        views: per attention window, per sequence, (lo, hi, mask) (see `_views`); None: attend
-        over the whole buffer behind a mask made from `pos` (the compiled step: fixed shapes);
-        ROWS_OP: rows of several sequences through `rows_attention` (kv None; the compiled rows step).
+        views: per attention window, per sequence, (lo, hi, mask) (see `_views`), or ROWS_OP: one
+        row per sequence through `rows_attention` (kv None; the compiled step).
         """
         if self.first:
             h = self.embed_tokens(h)
@@ -708,12 +723,6 @@ class Stage(nn.Module):
         rows = pos.unbind(0)  # each row group's positions [T]
         if views is ROWS_OP:
             views = dict.fromkeys(self.windows, ROWS_OP)
-        elif views is None:
-            idx = torch.arange(kv[0][0][0].shape[2], device=pos.device)
-            views = {}
-            for w in self.windows:
-                p = [r[:, None] for r in rows]
-                views[w] = [(None, None, (idx <= q) if w is None else (idx <= q) & (idx > q - w)) for q in p]
         for i, layer in enumerate(self.layers.values()):
             h = layer(h, cos, sin, rows, kv[i] if kv is not None else None, views[layer.window])
         if not self.last:
@@ -787,23 +796,13 @@ class Stage(nn.Module):
         if caches is not None:
             kv = [[(c.layers[i].k, c.layers[i].v) for c in caches] for i in range(len(self.layers))]
         out = None
-        if t == 1 and caches is not None and len(caches) == 1 and self._step is not None:
-            # canonical strides: a [b, 1] slice of a wider tensor keeps its old strides, and the
-            # compiled step guards on them (a needless recompile)
-            h = h.clone(memory_format=torch.contiguous_format)
-            torch._dynamo.maybe_mark_dynamic(h, 0)
+        if t == 1 and caches is not None and self._step is not None:
+            # one sequence of B rows steps as B one-row sequences at the same position
+            rows = caches if len(caches) > 1 else caches[0].rows()
             try:
-                out = self._step(h, pos, kv, None)
-            except Exception as e:  # noqa: BLE001 - a failed compile leaves the cache as it was
+                out = self._rows_step(h, starts * len(rows) if len(caches) == 1 else starts, rows)
+            except Exception as e:  # noqa: BLE001 - the eager forward below rewrites what it wrote
                 self._compile_failed(e)
-        elif t == 1 and caches is not None and len(caches) > 1 and self._step is not None and self.rows_compiled:
-            try:
-                out = self._rows_step(h, starts, caches)
-            except Exception as e:  # noqa: BLE001 - the eager forward rewrites what it wrote
-                # rows go eagerly from now on; the one-sequence step keeps its graph
-                self.rows_compiled = False
-                text = str(e).strip()
-                self.compile_error = f"rows: {e.__class__.__name__}: {text.splitlines()[0][:300] if text else ''}"
         if out is None:
             views = _views(starts, t, self.windows, self.device)
             if t == 1 and len(starts) == 1 and caches is not None and self.dtype != torch.float32:
@@ -814,8 +813,8 @@ class Stage(nn.Module):
         return out
 
     def _rows_step(self, h: torch.Tensor, starts: list[int], caches: list[StageCache]) -> torch.Tensor:
-        """Rows of several sequences through the compiled step, up to ROWS_BUCKETS[-1] at a time,
-        each part padded to its bucket (padding rows: zeros in, dropped out)."""
+        """One-row sequences through the compiled step, up to ROWS_BUCKETS[-1] at a time, each part
+        padded to its bucket (padding rows: zeros in, dropped out)."""
         outs, most = [], ROWS_BUCKETS[-1]
         for lo in range(0, len(caches), most):
             part = caches[lo:lo + most]
@@ -825,11 +824,11 @@ class Stage(nn.Module):
             x = h.new_zeros((b,) + tuple(h.shape[1:]))
             x[:n] = h[lo:lo + n]
             pos = torch.tensor(starts[lo:lo + n] + [0] * (b - n), device=self.device)[:, None]
-            _ROWS.stage, _ROWS.caches = self, part
+            _ROWS.stage, _ROWS.caches, _ROWS.views = self, part, {}
             try:
                 outs.append(self._step(x, pos, None, ROWS_OP)[:n])
             finally:
-                _ROWS.stage, _ROWS.caches = None, []
+                _ROWS.stage, _ROWS.caches, _ROWS.views = None, [], {}
         return torch.cat(outs)
 
     def rows_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
@@ -837,12 +836,22 @@ class Stage(nn.Module):
         """`rows_attention`'s work for this stage: the eager rows attention of `layer` over the
         caches of the call in progress, the keys in view as the eager forward's (`_views`)."""
         caches, mod = _ROWS.caches, self.layers[str(layer)]
-        n, i = len(caches), layer - self.start
-        starts = pos[:n, 0].tolist()
-        view = _views(starts, 1, (mod.window,), q.device)[mod.window]
+        n, i, w = len(caches), layer - self.start, mod.window
+        view = _ROWS.views.get(w)
+        if view is None:  # the step's first layer of this window: every layer sees the same keys
+            views = _views(pos[:n, 0].tolist(), 1, (w,), q.device)
+            if n == 1 and self.dtype != torch.float32:
+                views = self._padded(views, caches[0].max_len)
+            view = _ROWS.views[w] = views[w]
         kv = [(c.layers[i].k, c.layers[i].v) for c in caches]
+        if n == 1:  # one row (the usual decode step): its keys read in place, as the eager step does
+            res = mod.self_attn._attend_one(q[:1], k[:1], v[:1], pos[0], kv[0], view[0])
+        else:
+            res = mod.self_attn._attend_rows(q[:n], k[:n], v[:n], list(pos[:n].unbind(0)), kv, view)
+        if n == q.shape[0]:
+            return res
         out = q.new_zeros(q.shape[0], q.shape[2], q.shape[1] * q.shape[3])
-        out[:n] = mod.self_attn._attend_rows(q[:n], k[:n], v[:n], list(pos[:n].unbind(0)), kv, view)
+        out[:n] = res
         return out
 
     def _padded(self, views: dict, max_len: int) -> dict:
