@@ -788,13 +788,6 @@ class Stage(nn.Module):
         """h's T tokens per sequence at positions starts[i].. of caches[i] (one sequence: its B
         rows; several: row i each), through the compiled step when it applies, else eagerly."""
         t = h.shape[1]
-        if len(starts) == 1:
-            pos = torch.arange(starts[0], starts[0] + t, device=self.device)[None]
-        else:
-            pos = torch.tensor(starts, device=self.device)[:, None]
-        kv = None
-        if caches is not None:
-            kv = [[(c.layers[i].k, c.layers[i].v) for c in caches] for i in range(len(self.layers))]
         out = None
         if t == 1 and caches is not None and self._step is not None:
             # one sequence of B rows steps as B one-row sequences at the same position
@@ -804,6 +797,13 @@ class Stage(nn.Module):
             except Exception as e:  # noqa: BLE001 - the eager forward below rewrites what it wrote
                 self._compile_failed(e)
         if out is None:
+            if len(starts) == 1:
+                pos = torch.arange(starts[0], starts[0] + t, device=self.device)[None]
+            else:
+                pos = torch.tensor(starts, device=self.device)[:, None]
+            kv = None
+            if caches is not None:
+                kv = [[(c.layers[i].k, c.layers[i].v) for c in caches] for i in range(len(self.layers))]
             views = _views(starts, t, self.windows, self.device)
             if t == 1 and len(starts) == 1 and caches is not None and self.dtype != torch.float32:
                 views = self._padded(views, caches[0].max_len)
