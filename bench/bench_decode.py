@@ -6,7 +6,8 @@
 (a) one stage, in process, batch 1: layerline's decoder vs transformers generate, same
     checkpoint and dtype: eager, weight-only int8 and int4 (groups of 32, CPU kernel), and with
     --compile (torch.compile of the decode step, inductor freezing; its warm-up is timed and left
-    out of the rate) at each; layerline's stage holds a worker's KV reserve (4096 tokens);
+    out of the rate) at each; layerline's stage reserves KV for 4096 tokens, the most a worker's
+    sequence may reserve by default, so the reserve shows if it costs decode time;
 (b) three local worker processes vs one, one sequence, through the real wire;
 (c) three local stages decoding four sequences together vs one sequence on one stage
     ((b) and (c) take turns on pipelines that both stay up);
@@ -43,7 +44,8 @@ def ensure_demo(path: Path) -> Path:
     return write_demo_checkpoint(path)
 
 
-# the KV reserve a worker holds per sequence by default (layerline_kv_context)
+# the most KV a worker's sequence may reserve by default (layerline_kv_context): a sequence's
+# cache is its reserve (prompt + max_new from the engine; this when a forward names none)
 WORKER_RESERVE = 4096
 
 
@@ -430,13 +432,13 @@ COMPILED_GOALS = {"bf16": 3.0, "int8": 4.5, "int4": 6.5}
 def _part_a(a, ckpt: str, prompt: torch.Tensor, dtype: torch.dtype, out: dict) -> None:
     from layerline.model.quant import int4_kernel_error
     hf = transformers_generate(ckpt, prompt, a.new, dtype)
-    # layerline's stages hold a worker's KV reserve: what a deployed stage decodes with
+    # layerline's stages reserve the most a worker's sequence may: decoding must not pay for it
     one, _ = ours_one_stage(ckpt, prompt, a.new, a.precision, reserve=WORKER_RESERVE)
     q8, _ = ours_one_stage(ckpt, prompt, a.new, "int8", reserve=WORKER_RESERVE)
     out["a"] = {"transformers_tok_s": hf, "layerline_tok_s": one, "ratio": one / hf,
                 "layerline_int8_tok_s": q8, "int8_ratio": q8 / hf}
     print(f"(a) one stage vs transformers generate ({a.precision}): {one:.1f} vs {hf:.1f} tokens/s = {one / hf:.2f}x "
-          f"eager, KV reserve {WORKER_RESERVE} as a worker holds; with --precision int8 (weight-only): {q8:.1f} "
+          f"eager, KV reserve {WORKER_RESERVE} tokens; with --precision int8 (weight-only): {q8:.1f} "
           f"tokens/s = {q8 / hf:.2f}x", flush=True)
     quants = ["int8"]
     if int4_kernel_error() is None:
