@@ -33,7 +33,7 @@ path, each attending over the filled part of its cache. Compiled (`compile()`), 
 runs the same forward with its attention as one opaque op (`rows_attention`): the projections and
 MLPs compile (one graph per row-count bucket), while each row attends over the keys its cache
 holds, eagerly, outside the graph, so no cache length is a graph input. (A graph that attended
-over the whole buffer behind a mask decoded 4x slower with a worker's 4096-token reserve.)
+over the whole buffer behind a mask decoded 4x slower with 4096 tokens reserved.)
 """
 from __future__ import annotations
 
