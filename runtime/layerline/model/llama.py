@@ -804,10 +804,7 @@ class Stage(nn.Module):
             kv = None
             if caches is not None:
                 kv = [[(c.layers[i].k, c.layers[i].v) for c in caches] for i in range(len(self.layers))]
-            views = _views(starts, t, self.windows, self.device)
-            if t == 1 and len(starts) == 1 and caches is not None and self.dtype != torch.float32:
-                views = self._padded(views, caches[0].max_len)
-            out = self._forward(h, pos, kv, views, last_only)
+            out = self._forward(h, pos, kv, self._key_views(starts, t, self.windows, caches), last_only)
         for c, s in zip(caches or (), starts):
             c.length = s + t
         return out
@@ -839,10 +836,7 @@ class Stage(nn.Module):
         n, i, w = len(caches), layer - self.start, mod.window
         view = _ROWS.views.get(w)
         if view is None:  # the step's first layer of this window: every layer sees the same keys
-            views = _views(pos[:n, 0].tolist(), 1, (w,), q.device)
-            if n == 1 and self.dtype != torch.float32:
-                views = self._padded(views, caches[0].max_len)
-            view = _ROWS.views[w] = views[w]
+            view = _ROWS.views[w] = self._key_views(pos[:n, 0].tolist(), 1, (w,), caches)[w]
         kv = [(c.layers[i].k, c.layers[i].v) for c in caches]
         if n == 1:  # one row (the usual decode step): its keys read in place, as the eager step does
             res = mod.self_attn._attend_one(q[:1], k[:1], v[:1], pos[0], kv[0], view[0])
@@ -853,6 +847,14 @@ class Stage(nn.Module):
         out = q.new_zeros(q.shape[0], q.shape[2], q.shape[1] * q.shape[3])
         out[:n] = res
         return out
+
+    def _key_views(self, starts: list[int], t: int, windows, caches: list[StageCache] | None) -> dict:
+        """The keys each row group attends (`_views`), eagerly or inside a compiled step; a
+        one-token step of one sequence at bf16/fp16 pads its range (`_padded`)."""
+        views = _views(starts, t, windows, self.device)
+        if t == 1 and len(starts) == 1 and caches is not None and self.dtype != torch.float32:
+            views = self._padded(views, caches[0].max_len)
+        return views
 
     def _padded(self, views: dict, max_len: int) -> dict:
         """A one-token step's key ranges rounded up to a multiple of ROWS_PAD (within the cache),
