@@ -57,6 +57,33 @@ def test_corrupt_config_json(home, tmp_path):
     _fails(home, says="config.json: not valid JSON", layerline_checkpoint=str(bad))
 
 
+def test_kept_files_cut_short_or_missing(home):
+    """route.json (drained hosts, the workers' slot) and plan.json, each read through one filter:
+    cut short, or missing where a play needs it, a play stops with the file and the fix before
+    touching a host."""
+    def refused(book: str, *more: str, says: tuple[str, ...]) -> None:
+        r = playbook(book, "-e", json.dumps(_vars(home)), *more, check=False)
+        out = " ".join(r.stdout.split())
+        assert r.returncode != 0 and all(x in out for x in says), out[-3000:]
+        assert "Traceback" not in r.stdout + r.stderr
+
+    route, plan = home / "route.json", home / "plan.json"
+    route.write_text('{"slot": 1, "drained": [')
+    try:
+        refused("drain.yml", "-e", "layerline_drain=w2", says=(f"layerline_route: {route}: not valid JSON (",
+                                                                "; remove it to start from slot 0 with no drained hosts"))
+    finally:
+        route.unlink()
+    for book in ("playbooks/serve.yml", "playbooks/drive.yml"):
+        refused(book, says=(f"layerline_saved_plan: {plan}: no plan was kept here; run deploy.yml first",))
+    plan.write_text("{")
+    try:
+        refused("playbooks/serve.yml", says=(f"{plan}: not valid JSON (", "; run deploy.yml again to plan anew"))
+    finally:
+        plan.unlink()
+    assert not list((home / "state").glob("*/ready.json")), "nothing started"
+
+
 def test_a_host_whose_python_lacks_torch(home, tmp_path):
     venv = tmp_path / "bare"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from layerline.errors import LayerlineError
-from layerline.routes import RouteState, host_order, next_route, promote_in_place
+from layerline.routes import ROUTE_FILE, RouteState, host_order, load_route, next_route, promote_in_place
 
 HOSTS = ["w1", "w2", "w3", "w4"]
 
@@ -47,6 +47,23 @@ def test_route_file_is_checked():
         RouteState.from_dict({"promoted": ["w4"]})
     s = RouteState.from_dict({"slot": 1, "drained": ["w3"], "promoted": {"w4": "w3"}})
     assert RouteState.from_dict(s.to_dict()) == s and s.to_dict()["promoted"] == {"w4": "w3"}
+
+
+def test_the_kept_route_is_read_in_one_place(tmp_path):
+    """load_route: no file or an empty one is slot 0 with nothing drained; a file cut short (a full
+    disk, an editor) names itself and the fix, it does not read as an empty route."""
+    assert load_route(tmp_path) == RouteState()
+    f = tmp_path / ROUTE_FILE
+    f.write_text("")
+    assert load_route(tmp_path) == RouteState()
+    f.write_text('{"slot": 1, "drained": ["w3"]}')
+    assert load_route(tmp_path) == RouteState(slot=1, drained=("w3",))
+    f.write_text('{"slot": 1, "drained": [')
+    with pytest.raises(LayerlineError, match=rf"{f}: not valid JSON \(.*\); remove it to start from slot 0"):
+        load_route(tmp_path)
+    f.write_text('{"slot": 5}')
+    with pytest.raises(LayerlineError, match="slot 5 must be 0 or 1"):
+        load_route(tmp_path)
 
 
 def test_a_drained_host_with_a_standby_is_replaced_in_place():

@@ -17,9 +17,9 @@ from ansible.errors import AnsibleFilterError
 
 try:
     from layerline import LayerlineError
-    from layerline.deploy import drive_argv, peers_of, plan_for_hosts
+    from layerline.deploy import drive_argv, load_plan, peers_of, plan_for_hosts
     from layerline.planner import plan_table
-    from layerline.routes import RouteState, host_order, next_route, promote_in_place
+    from layerline.routes import host_order, load_route, next_route, promote_in_place
     from layerline.spec import stage_checkpoint_argv, stage_dir, state_dir, worker_spec
     IMPORT_ERROR = None
 except ImportError as e:  # the controller's interpreter lacks the package
@@ -106,14 +106,24 @@ def layerline_state_dir(hvars, host, slot=None):
         raise AnsibleFilterError(f"layerline_state_dir: {e}") from None
 
 
-def layerline_route(saved, hosts, drain=None, rejoin=None, plan=None):
-    """The route after a drain or rejoin (layerline.routes): {slot, drained, promoted, changed, moves,
-    plan, order, before}. changed: the server must switch; moves: workers start in the other slot
+def layerline_saved_plan(home, required=True):
+    """The plan kept in layerline_home `home` (layerline.deploy.load_plan); {} when there is none
+    and required is false."""
+    _need_runtime()
+    try:
+        return load_plan(str(home), bool(required))
+    except LayerlineError as e:
+        raise AnsibleFilterError(f"layerline_saved_plan: {e}") from None
+
+
+def layerline_route(home, hosts, drain=None, rejoin=None, plan=None):
+    """The route after a drain or rejoin of the one kept in layerline_home `home` (layerline.routes):
+    {slot, drained, promoted, changed, moves, plan, order, before}. changed: the server must switch; moves: workers start in the other slot
     (else `plan` is the running plan with standbys promoted in place); order: the hosts in the
     order to plan them."""
     _need_runtime()
     try:
-        before = RouteState.from_dict(_plain(saved) if saved else None)
+        before = load_route(str(home))
         hosts = [str(h) for h in hosts]
         after, changed = next_route(before, hosts, _plain(drain), _plain(rejoin))
         inplace = promote_in_place(_plain(plan), before, after) if changed and plan else None
@@ -149,4 +159,5 @@ class FilterModule:
                 "layerline_plan_table": layerline_plan_table,
                 "layerline_drive_argv": layerline_drive_argv, "layerline_peers": layerline_peers,
                 "layerline_stage_argv": layerline_stage_argv, "layerline_stage_dir": layerline_stage_dir, "layerline_drive_report": layerline_drive_report,
-                "layerline_route": layerline_route, "layerline_state_dir": layerline_state_dir}
+                "layerline_route": layerline_route, "layerline_state_dir": layerline_state_dir,
+                "layerline_saved_plan": layerline_saved_plan}

@@ -494,14 +494,14 @@ class Cluster:
             "tasks": [
                 {"name": "Read plan.json",
                  "ansible.builtin.set_fact": {
-                     "layerline_cluster_saved": f"{{{{ lookup('ansible.builtin.file', {path}, errors='ignore') }}}}"},
+                     "layerline_cluster_saved": "{{ layerline_home | layerline_saved_plan(required=false) }}"},
                  "run_once": True},
                 {"name": "Stop when there is no saved plan",
                  "ansible.builtin.fail": {"msg": f"no saved plan at {{{{ {path} }}}}; call plan() (or run "
                                                  "deploy.yml) first"},
                  "when": "not layerline_cluster_saved", "run_once": True},
                 {"name": "Use the saved plan",
-                 "ansible.builtin.set_fact": {"layerline_plan": "{{ layerline_cluster_saved | from_json }}"},
+                 "ansible.builtin.set_fact": {"layerline_plan": "{{ layerline_cluster_saved }}"},
                  "run_once": True},
             ],
         }

@@ -7,6 +7,7 @@ name (never by position) keeps standbys and drained hosts from shifting anyone's
 """
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import replace
 
@@ -16,6 +17,30 @@ from .planner import Node, Plan, PlanError, make_plan, parse_layers
 from .spec import SLOT_PORT_STEP, host_addr, slot_of, truthy
 
 DEFAULT_PORT = 9100
+PLAN_FILE = "plan.json"   # in layerline_home: the plan the Plan play kept, which later plays run
+
+
+def load_plan(home: str | os.PathLike, required: bool = True) -> dict:
+    """The plan kept in layerline_home/plan.json, the one place it is read ({} when there is none
+    and required is false). Its contents are checked by whoever runs it (Plan.from_dict)."""
+    path = os.path.join(os.fspath(home), PLAN_FILE)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        if not required:
+            return {}
+        raise LayerlineError(f"{path}: no plan was kept here; run deploy.yml first, or set layerline_home "
+                             "to the deployment's") from None
+    except OSError as e:
+        raise LayerlineError(f"{path}: cannot be read ({e.strerror}); fix its permissions") from None
+    try:
+        plan = json.loads(raw)
+    except ValueError as e:
+        raise LayerlineError(f"{path}: not valid JSON ({e}); run deploy.yml again to plan anew") from None
+    if not isinstance(plan, dict):
+        raise LayerlineError(f"{path}: not a JSON object; run deploy.yml again to plan anew")
+    return plan
 
 
 def host_endpoint(hvars: dict, host: str) -> str:

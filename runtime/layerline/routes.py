@@ -15,6 +15,8 @@ drained host rejoins.
 """
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass, field
 
 from .errors import LayerlineError
@@ -62,6 +64,28 @@ class RouteState:
         if self.promoted:
             out["promoted"] = dict(self.promoted)
         return out
+
+
+def load_route(home: str | os.PathLike) -> RouteState:
+    """The route state kept in layerline_home/route.json: slot 0 with nothing drained when there is
+    none (or it is empty). The one place the file is read; the playbooks read it through the
+    layerline_route filter."""
+    path = os.path.join(os.fspath(home), ROUTE_FILE)
+    fix = "remove it to start from slot 0 with no drained hosts"
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        return RouteState()
+    except OSError as e:
+        raise LayerlineError(f"{path}: cannot be read ({e.strerror}); fix its permissions or {fix}") from None
+    if not raw.strip():
+        return RouteState()
+    try:
+        saved = json.loads(raw)
+    except ValueError as e:
+        raise LayerlineError(f"{path}: not valid JSON ({e}); {fix}") from None
+    return RouteState.from_dict(saved)
 
 
 def next_route(state: RouteState, hosts: list[str], drain=None, rejoin=None) -> tuple[RouteState, bool]:
