@@ -219,10 +219,8 @@ class Engine:
         self.paused: str | None = None   # why nothing is dispatched (a failover in progress)
         self.down: str | None = None     # why requests are refused (no route serves)
         self.failovers = 0
-        # the wire epoch, stamped on every forward: up at every fail_over (a waited-for stage too, so
-        # it is not the server's Route.epoch, which counts promotions and switches)
-        self.epoch = 0
-        pipe.epoch = self.epoch
+        # the wire epoch, stamped on every forward, is held by the pipeline alone (Engine.epoch reads it)
+        pipe.epoch = 0
         self.poller = zmq.Poller()
         self.poller.register(pipe.to_first, zmq.POLLIN)
         self.poller.register(pipe.results, zmq.POLLIN)
@@ -440,6 +438,12 @@ class Engine:
 
     # -- failover (the server's monitor calls these in the engine's thread)
 
+    @property
+    def epoch(self) -> int:
+        """The wire epoch: up at every fail_over (a waited-for stage too, so it is not the server's
+        Route.epoch, which counts promotions and switches)."""
+        return self.pipe.epoch
+
     def fail_over(self, reason: str) -> int:
         """A stage is gone or the route changes: a new epoch, everything in flight forgotten, nothing
         dispatched until resume(). Then every running sequence is resent from what every stage
@@ -447,8 +451,7 @@ class Engine:
         toward max_replays. Returns how many running sequences had something in the stages."""
         self.paused = reason
         self.failovers += 1
-        self.epoch += 1
-        self.pipe.epoch = self.epoch   # what is still on its way at a stage is dropped once this one passed
+        self.pipe.epoch += 1   # what is still on its way at a stage is dropped once this one passed
         self.pipe.forget(list(self.inflight))  # late answers to these are dropped as unknown
         self.inflight.clear()
         n = 0
@@ -495,7 +498,7 @@ class Engine:
                 except KeyError:
                     pass
         self.pipe = pipe
-        pipe.epoch = self.epoch
+        pipe.epoch = old.epoch
         self.poller.register(pipe.to_first, zmq.POLLIN)
         self.poller.register(pipe.results, zmq.POLLIN)
         if getattr(old, "_layerline_rows", None) is not None:
