@@ -286,7 +286,7 @@ def _serve(a, plan: dict | None, keys, admin_keys=None) -> int:
         new_states = states_of(_stages_from_plan(new_plan, ctl), _standbys_from_plan(new_plan))
         if [(s.host, s.endpoint, s.role) for s in new_states] == \
                 [(s.host, s.endpoint, s.role) for s in failover.stages]:
-            return {"epoch": failover.route.epoch, "replayed": 0, "unchanged": True,
+            return {"epoch": failover.route.epoch, "carried_over": 0, "unchanged": True,
                     "stages": [s.host for s in failover.route.actives]}
 
         def pipe():

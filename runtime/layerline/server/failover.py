@@ -403,7 +403,6 @@ class Failover:
         log.warning("route switch: epoch %d over %s; %d running sequences carried over, their prefix replayed only "
                     "on stages that lack it (%.3f s)", self.route.epoch, ", ".join(s.host for s in actives), n or 0,
                     took)
-        # "replayed": the running sequences carried over (the name is the admin API's)
-        return {"epoch": self.route.epoch, "replayed": n or 0, "seconds": round(took, 4),
+        return {"epoch": self.route.epoch, "carried_over": n or 0, "seconds": round(took, 4),
                 "stages": [s.host for s in actives],
                 "standbys": [s.host for s in stages if s.role != "active"]}
