@@ -723,3 +723,23 @@ def test_a_plan_measured_after_launch_equals_the_next_plan():
     assert [s["step_factor"] for s in got["stages"]] == [0.37, 1.9, 1.0]
     assert with_measured_factors(got, measured).to_dict() == got, "measured again: the same plan"
     assert with_measured_factors(first, {}).to_dict() == first
+
+
+def test_hosts_on_one_machine_share_the_smallest_step_factor():
+    """Three hosts on one machine: b's warm-up was measured while the others loaded (15x the
+    model), c never measured. All three plan with a's 1.2, so b is not left out of this plan and,
+    having no layers, never measured again, out of every later one. Another machine keeps its own."""
+    from layerline.planner import with_measured_factors
+    mc = _mc()
+    specs = [spec(h, BIG, machine_id="m1") for h in ("a", "b", "c")] + [spec("d", BIG)]
+    measured = {s["host"]: caps(s) for s in specs}
+    for h, f in (("a", 1.2), ("b", 15.0), ("d", 3.0)):
+        measured[h]["devices"][0]["step_factors"] = {"bf16/off": f}
+    nodes = [dataclasses.replace(n, caps=NodeCaps.from_dict(measured[n.host], n.host)) for n in nodes_of(specs)]
+    for policy in ("uniform", "auto"):
+        got = make_plan(nodes, mc, OPTS, policy).to_dict()
+        factors = {s["host"]: s["step_factor"] for s in actives(got)}
+        assert {h: factors.get(h) for h in "abc"} == {"a": 1.2, "b": 1.2, "c": 1.2}, (policy, factors)
+        assert factors.get("d") in (None, 3.0)
+    first = plan(specs, mc, OPTS, "uniform")
+    assert with_measured_factors(first, measured).to_dict() == make_plan(nodes, mc, OPTS, "uniform").to_dict()

@@ -231,10 +231,13 @@ def step_factor(measured_s, predicted_s, factor_used=1.0) -> float | None:
     return round(min(hi, max(lo, measured_s / (predicted_s / factor_used))), 3)
 
 
+def usable_factor(v) -> bool:
+    """A kept step factor the planner may use: a number within STEP_FACTOR_RANGE."""
+    lo, hi = STEP_FACTOR_RANGE
+    return not isinstance(v, bool) and isinstance(v, (int, float)) and lo <= v <= hi
+
+
 def factor_for(factors, precision: str, compile: str) -> float:
     """The factor a host's probe facts hold for this mode, 1.0 when none (or not a usable number)."""
     v = factors.get(step_mode(precision, compile)) if isinstance(factors, dict) else None
-    lo, hi = STEP_FACTOR_RANGE
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
-        return 1.0
-    return float(v)
+    return float(v) if usable_factor(v) else 1.0

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from .caps import CapsError, NodeCaps
 from .cost import (PRECISION_BYTES, CostOptions, KvProfile, ModelCost, edge_bytes, edge_flops, factor_for,
-                   kv_profile, weight_bytes)
+                   kv_profile, usable_factor, weight_bytes)
 from .errors import LayerlineError
 from .model import COMPILE_MODES  # how a worker runs its step: the model's to say
 
@@ -288,7 +288,29 @@ def _hosts(nodes: list[Node], opts: CostOptions) -> list[_Host]:
             budget = min(budget, n.max_ram_bytes)
         out.append(_Host(n, max(0, int(budget)), float(d.flops_per_s), float(d.mem_bw_bytes_per_s),
                          n.caps.disk_read_bytes_per_s, d.step_factors))
-    return out
+    return _machine_factors(out)
+
+
+def _machine_factors(hosts: list[_Host]) -> list[_Host]:
+    merged = machine_step_factors([(h.node.caps.machine, h.node.device, h.step_factors) for h in hosts])
+    return [dataclasses.replace(h, step_factors=f) for h, f in zip(hosts, merged)]
+
+
+def machine_step_factors(entries: list[tuple]) -> list:
+    """Per (machine, device, step factors) entry, the factors its plan uses: hosts on one machine
+    (NodeCaps.machine) and device share one factor per mode, the smallest any of them measured.
+    Stages that share a machine slow each other's warm-up (three workers loading or compiling at
+    once), and a host that got no layers never measures again, so one disturbed warm-up would
+    otherwise keep it out of every later plan. Entries without a machine keep their own."""
+    best: dict[tuple, dict] = {}
+    for machine, device, factors in entries:
+        if not machine or not isinstance(factors, dict):
+            continue
+        mine = best.setdefault((machine, device), {})
+        for mode, v in factors.items():
+            if usable_factor(v) and (mode not in mine or v < mine[mode]):
+                mine[mode] = v
+    return [best.get((machine, device), factors) if machine else factors for machine, device, factors in entries]
 
 
 def hop_cost(nodes: list[Node], opts: CostOptions) -> tuple[float, str]:
@@ -646,16 +668,26 @@ def with_measured_factors(plan: Plan | dict, caps_by_host: dict) -> Plan:
     cache): the predictions the next plan makes, so a deploy that changes nothing plans the same.
     Stages whose host has no caps, or the same factor, keep theirs."""
     plan = Plan.from_dict(plan)
+    # shared per machine as make_plan shares them, over every host given (a host without a stage
+    # too, each of its devices): a stage's host by the device it runs on
+    on = {st.host: st.device.split("+")[0] for st in plan.stages}
+    keys, entries = [], []
+    for host, c in caps_by_host.items():
+        try:
+            nc = NodeCaps.from_dict(c, host)
+        except CapsError:
+            continue
+        for dev in nc.devices:
+            if on.get(host, dev.name) == dev.name:
+                keys.append((host, dev.name))
+                entries.append((nc.machine, dev.name, dev.step_factors))
+    factors = dict(zip(keys, machine_step_factors(entries)))
     stages = []
     for st in plan.stages:
         f = st.step_factor
-        caps = caps_by_host.get(st.host)
-        if caps is not None:
-            try:
-                dev = NodeCaps.from_dict(caps, st.host).device(st.device.split("+")[0], st.host)
-                f = factor_for(dev.step_factors, st.precision, st.compile)
-            except CapsError:
-                pass
+        key = (st.host, st.device.split("+")[0])
+        if key in factors:
+            f = factor_for(factors[key], st.precision, st.compile)
         if f != st.step_factor:  # the disk's share is not the mode's: it stays as it was
             st = dataclasses.replace(st, step_factor=f,
                                      predicted_s=(st.predicted_s - st.disk_s) / st.step_factor * f + st.disk_s)
