@@ -180,54 +180,67 @@ def epoch(header: dict) -> int | None:
 
 def decode(frames: list, limits: Limits = Limits()) -> tuple[dict, dict[str, torch.Tensor]]:
     """Validated header and tensors (zero-copy over the frames' buffers)."""
+    # every hop of every token runs this: plain loops, no generators, error text built only on error
     if not frames:
         raise WireError("message: empty")
     h = decode_header(frames[0])
     specs = h.get("tensors", [])
     if not isinstance(specs, list) or len(specs) > MAX_TENSORS:
         raise WireError(f"header.tensors: must be a list of at most {MAX_TENSORS} tensor specs")
+    want = 0
     for i, s in enumerate(specs):
         if not isinstance(s, dict):
             raise WireError(f"header.tensors[{i}]: must be an object")
-        if type(s.get("frames")) is not int or not 1 <= s["frames"] <= 2**20:
+        nf = s.get("frames")
+        if type(nf) is not int or not 1 <= nf <= 2**20:
             raise WireError(f"header.tensors[{i}].frames: must be a positive integer")
-    want = sum(s["frames"] for s in specs)
+        want += nf
     if want != len(frames) - 1:
         raise WireError(f"header.tensors: describes {want} frames but the message has {len(frames) - 1}")
     out: dict[str, torch.Tensor] = {}
     pos, total = 1, 0
     for i, s in enumerate(specs):
-        where = f"header.tensors[{i}]"
-        if not isinstance(s, dict):
-            raise WireError(f"{where}: must be an object")
-        name, dtype, shape, nf = s.get("name"), s.get("dtype"), s.get("shape"), s.get("frames")
+        name, dtype, shape, nf = s.get("name"), s.get("dtype"), s.get("shape"), s["frames"]
         if not (isinstance(name, str) and NAME_RE.match(name)) or name in out:
-            raise WireError(f"{where}.name: must be a unique identifier of at most 64 characters")
+            raise WireError(f"header.tensors[{i}].name: must be a unique identifier of at most 64 characters")
         if not isinstance(dtype, str) or dtype not in DTYPES:
-            raise WireError(f"{where}.dtype: {str(dtype)[:20]!r} is not one of {sorted(DTYPES)}")
-        if (not isinstance(shape, list) or len(shape) > MAX_DIMS
-                or not all(type(d) is int and 0 <= d <= limits.max_elements_dim for d in shape)):
-            raise WireError(f"{where}.shape: must be at most {MAX_DIMS} non-negative integers")
+            raise WireError(f"header.tensors[{i}].dtype: {str(dtype)[:20]!r} is not one of {sorted(DTYPES)}")
+        numel = 1
+        if isinstance(shape, list) and len(shape) <= MAX_DIMS:
+            for d in shape:
+                if type(d) is not int or not 0 <= d <= limits.max_elements_dim:
+                    numel = -1
+                    break
+                numel *= d
+        else:
+            numel = -1
+        if numel < 0:
+            raise WireError(f"header.tensors[{i}].shape: must be at most {MAX_DIMS} non-negative integers")
         itemsize = ITEMSIZE[dtype]
-        nbytes = math.prod(shape) * itemsize
+        nbytes = numel * itemsize
         # an empty tensor's other dims still make its strides (torch refuses past int64): bound them too
         if nbytes == 0 and math.prod(max(d, 1) for d in shape) * itemsize > limits.max_bytes:
-            raise WireError(f"{where}.shape: {shape} spans more than the {limits.max_bytes}-byte limit")
+            raise WireError(f"header.tensors[{i}].shape: {shape} spans more than the {limits.max_bytes}-byte limit")
         total += nbytes
         if total > limits.max_bytes:
-            raise WireError(f"{where}: message tensors exceed the {limits.max_bytes}-byte limit")
-        if type(nf) is not int or nf != max(1, math.ceil(nbytes / CHUNK_BYTES)):
-            raise WireError(f"{where}.frames: {nf!r} does not match {nbytes} bytes in {CHUNK_BYTES}-byte chunks")
-        bufs = [_buf(f) for f in frames[pos:pos + nf]]
+            raise WireError(f"header.tensors[{i}]: message tensors exceed the {limits.max_bytes}-byte limit")
+        if nf != max(1, math.ceil(nbytes / CHUNK_BYTES)):
+            raise WireError(f"header.tensors[{i}].frames: {nf!r} does not match {nbytes} bytes in "
+                            f"{CHUNK_BYTES}-byte chunks")
+        if nf == 1:
+            buf = _buf(frames[pos])
+            got = len(buf)
+        else:
+            bufs = [_buf(f) for f in frames[pos:pos + nf]]
+            got = sum(len(b) for b in bufs)
         pos += nf
-        got = sum(len(b) for b in bufs)
         if got != nbytes:
-            raise WireError(f"{where}: shape {shape} x {itemsize} bytes = {nbytes}, but its frames hold {got}")
+            raise WireError(f"header.tensors[{i}]: shape {shape} x {itemsize} bytes = {nbytes}, but its frames "
+                            f"hold {got}")
         if nbytes == 0:
             out[name] = torch.empty(shape, dtype=DTYPES[dtype])
-            continue
-        if nf == 1:
-            out[name] = torch.frombuffer(bufs[0], dtype=DTYPES[dtype]).view(shape)
+        elif nf == 1:
+            out[name] = torch.frombuffer(buf, dtype=DTYPES[dtype]).view(shape)
         else:  # split tensors are joined once; the price of not sending one huge frame
             flat = torch.cat([torch.frombuffer(b, dtype=torch.uint8) for b in bufs])
             out[name] = flat.view(DTYPES[dtype]).view(shape)
