@@ -118,9 +118,9 @@ def layerline_saved_plan(home, required=True):
 
 def layerline_route(home, hosts, drain=None, rejoin=None, plan=None):
     """The route after a drain or rejoin of the one kept in layerline_home `home` (layerline.routes):
-    {slot, drained, promoted, changed, moves, plan, order, before}. changed: the server must switch; moves: workers start in the other slot
-    (else `plan` is the running plan with standbys promoted in place); order: the hosts in the
-    order to plan them."""
+    {slot, drained, promoted, changed, moves, plan, order, before}. changed: the server must
+    switch; moves: workers start in the other slot (else `plan` is the running plan with standbys
+    promoted in place); order: the hosts in the order to plan them."""
     _need_runtime()
     try:
         before = load_route(str(home))
