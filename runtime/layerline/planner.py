@@ -267,6 +267,7 @@ def _hosts(nodes: list[Node], opts: CostOptions) -> list[_Host]:
     for n in nodes:
         if n.role != "draining" and n.device == "cpu":
             share[n.caps.machine] = share.get(n.caps.machine, 0) + 1
+    shared = machine_step_factors(n.caps for n in nodes)
     out = []
     for n in nodes:
         try:
@@ -287,30 +288,26 @@ def _hosts(nodes: list[Node], opts: CostOptions) -> list[_Host]:
         if n.max_ram_bytes is not None:
             budget = min(budget, n.max_ram_bytes)
         out.append(_Host(n, max(0, int(budget)), float(d.flops_per_s), float(d.mem_bw_bytes_per_s),
-                         n.caps.disk_read_bytes_per_s, d.step_factors))
-    return _machine_factors(out)
+                         n.caps.disk_read_bytes_per_s, shared.get((n.caps.machine, d.name), d.step_factors)))
+    return out
 
 
-def _machine_factors(hosts: list[_Host]) -> list[_Host]:
-    merged = machine_step_factors([(h.node.caps.machine, h.node.device, h.step_factors) for h in hosts])
-    return [dataclasses.replace(h, step_factors=f) for h, f in zip(hosts, merged)]
-
-
-def machine_step_factors(entries: list[tuple]) -> list:
-    """Per (machine, device, step factors) entry, the factors its plan uses: hosts on one machine
-    (NodeCaps.machine) and device share one factor per mode, the smallest any of them measured.
-    Stages that share a machine slow each other's warm-up (three workers loading or compiling at
-    once), and a host that got no layers never measures again, so one disturbed warm-up would
-    otherwise keep it out of every later plan. Entries without a machine keep their own."""
+def machine_step_factors(caps) -> dict[tuple, dict]:
+    """(machine, device name) -> the step factors every host on that machine plans that device
+    with: per mode, the smallest any of them measured (NodeCaps.machine; hosts without one keep
+    their own). Stages that share a machine slow each other's warm-up (three workers loading or
+    compiling at once), and a host that got no layers never measures again, so one disturbed
+    warm-up would otherwise keep it out of every later plan."""
     best: dict[tuple, dict] = {}
-    for machine, device, factors in entries:
-        if not machine or not isinstance(factors, dict):
+    for nc in caps:
+        if not nc.machine:
             continue
-        mine = best.setdefault((machine, device), {})
-        for mode, v in factors.items():
-            if usable_factor(v) and (mode not in mine or v < mine[mode]):
-                mine[mode] = v
-    return [best.get((machine, device), factors) if machine else factors for machine, device, factors in entries]
+        for d in nc.devices:
+            mine = best.setdefault((nc.machine, d.name), {})
+            for mode, v in (d.step_factors if isinstance(d.step_factors, dict) else {}).items():
+                if usable_factor(v) and (mode not in mine or v < mine[mode]):
+                    mine[mode] = v
+    return best
 
 
 def hop_cost(nodes: list[Node], opts: CostOptions) -> tuple[float, str]:
@@ -668,26 +665,23 @@ def with_measured_factors(plan: Plan | dict, caps_by_host: dict) -> Plan:
     cache): the predictions the next plan makes, so a deploy that changes nothing plans the same.
     Stages whose host has no caps, or the same factor, keep theirs."""
     plan = Plan.from_dict(plan)
-    # shared per machine as make_plan shares them, over every host given (a host without a stage
-    # too, each of its devices): a stage's host by the device it runs on
-    on = {st.host: st.device.split("+")[0] for st in plan.stages}
-    keys, entries = [], []
+    caps = {}
     for host, c in caps_by_host.items():
         try:
-            nc = NodeCaps.from_dict(c, host)
+            caps[host] = NodeCaps.from_dict(c, host)
         except CapsError:
-            continue
-        for dev in nc.devices:
-            if on.get(host, dev.name) == dev.name:
-                keys.append((host, dev.name))
-                entries.append((nc.machine, dev.name, dev.step_factors))
-    factors = dict(zip(keys, machine_step_factors(entries)))
+            pass
+    shared = machine_step_factors(caps.values())   # as make_plan shares them, over the same hosts
     stages = []
     for st in plan.stages:
         f = st.step_factor
-        key = (st.host, st.device.split("+")[0])
-        if key in factors:
-            f = factor_for(factors[key], st.precision, st.compile)
+        if st.host in caps:
+            nc, dev = caps[st.host], st.device.split("+")[0]
+            try:
+                f = factor_for(shared.get((nc.machine, dev), nc.device(dev, st.host).step_factors),
+                               st.precision, st.compile)
+            except CapsError:
+                pass
         if f != st.step_factor:  # the disk's share is not the mode's: it stays as it was
             st = dataclasses.replace(st, step_factor=f,
                                      predicted_s=(st.predicted_s - st.disk_s) / st.step_factor * f + st.disk_s)
