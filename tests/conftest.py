@@ -98,6 +98,27 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda it: rank.get(it.path.stem, len(rank)))   # stable: file order within a rank
 
 
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadfile, but a worker takes its next file only when it holds the last test of its
+    current one (a worker runs a test once it knows the next). xdist's own mark is two tests: the
+    drain file (two tests, one of six minutes) took a second file at once and held it while the
+    other worker ran out of work."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class FileWhenDone(LoadFileScheduling):
+        def _reschedule(self, node) -> None:
+            if node.shutting_down:
+                return
+            if not self.workqueue:
+                node.shutdown()
+            elif self._pending_of(self.assigned_work[node]) <= 1:
+                self._assign_work_unit(node)
+
+    return FileWhenDone(config, log)
+
+
 # A small Llama-family demo model: fast to write, load and run on a busy CPU.
 SMALL_CKPT = dict(layers=4, hidden=128, vocab=500, dtype="float32", seed=0)
 
