@@ -474,3 +474,36 @@ def test_dead_last_stage_makes_forward_raise_within_its_timeout(stages, spare, r
     with Pipeline(stages.first, timeout_s=30) as p:
         assert [t["stage"] for t in p.forward(ids_(1, 2)).timings] == ["stage0", "stage1"]
     assert p.ctx is None, "a pipeline terminates the context it made"
+
+
+# what the worker process's environment says when `import torch` first runs (libgomp reads
+# GOMP_SPINCOUNT then, once), for `python -m layerline.worker ARGV` with --help (it stops in parse_args)
+_SPIN_AT_TORCH_IMPORT = """
+import os, runpy, sys
+seen = []
+class Spy:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" and not seen:
+            seen.append(os.environ.get("GOMP_SPINCOUNT"))
+sys.meta_path.insert(0, Spy())
+sys.argv = ["layerline.worker", *sys.argv[1:], "--help"]
+try:
+    runpy.run_module("layerline.worker", run_name="__main__", alter_sys=True)
+except SystemExit:
+    pass
+print(seen[0] if seen else "torch never imported")
+"""
+
+
+@pytest.mark.parametrize("argv,inherited,want", [(["--spin", "7"], None, "7"), (["--spin=0"], "300000", "0"),
+                                                 ([], None, "10000"), ([], "5", "5"),
+                                                 (["--spin", "-3"], None, "10000")])
+def test_the_plans_spin_is_set_before_torch_loads_openmp(argv, inherited, want):
+    """The plan's --spin reaches libgomp only if it is in the environment before torch is imported:
+    stages that share a machine sleep at once when idle instead of spinning on the busy one's cores."""
+    env = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"}
+    if inherited is not None:
+        env["GOMP_SPINCOUNT"] = inherited
+    r = subprocess.run([sys.executable, "-c", _SPIN_AT_TORCH_IMPORT, *argv], env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.stdout.strip().splitlines()[-1] == want, r.stdout + r.stderr

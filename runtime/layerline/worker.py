@@ -56,9 +56,31 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from .errors import LayerlineError
-from .model import COMPILE_MODES
-from .wire import MAX_BATCH, MAX_REPLY_PEERS, MAX_SEQS
+
+def openmp_env(argv: list[str], environ=os.environ) -> None:
+    """Put the plan's OpenMP spin (--spin N, GOMP_SPINCOUNT) in the environment, else a short
+    one: idle stages that share a machine's cores must sleep, not spin on cores a busy one needs.
+    libgomp reads the variable once, when `import torch` loads it, so `python -m layerline.worker`
+    calls this before its first torch import (below); set later, it has no effect. Only a
+    well-formed value is taken here; parse_args rejects the others."""
+    spin = None
+    for i, a in enumerate(argv):
+        if a == "--spin" and i + 1 < len(argv):
+            spin = argv[i + 1]
+        elif a.startswith("--spin="):
+            spin = a.split("=", 1)[1]
+    if spin is not None and spin.isdigit():
+        environ["GOMP_SPINCOUNT"] = spin
+    else:
+        environ.setdefault("GOMP_SPINCOUNT", "10000")
+
+
+if __name__ == "__main__":
+    openmp_env(sys.argv[1:])
+
+from .errors import LayerlineError  # noqa: E402 - after openmp_env: .wire imports torch
+from .model import COMPILE_MODES  # noqa: E402
+from .wire import MAX_BATCH, MAX_REPLY_PEERS, MAX_SEQS  # noqa: E402
 
 
 class SeqUnknown(LayerlineError):
@@ -692,14 +714,7 @@ class Worker:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    # Idle workers must sleep, not spin, when several stages share one machine's cores: OpenMP's
-    # default spin-wait burns the cores the busy stage needs. The plan says (--spin); read
-    # before torch loads.
-    if args.spin is not None:
-        os.environ["GOMP_SPINCOUNT"] = str(args.spin)
-    else:
-        os.environ.setdefault("GOMP_SPINCOUNT", "10000")
+    args = parse_args(argv)   # --spin took effect before torch loaded (openmp_env)
     if getattr(args, "compile_cache", None):
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = args.compile_cache
     try:
