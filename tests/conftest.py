@@ -100,9 +100,9 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_xdist_make_scheduler(config, log):
     """--dist loadfile, but a worker takes its next file only when it holds the last test of its
-    current one (a worker runs a test once it knows the next). xdist's own mark is two tests: the
-    drain file (two tests, one of six minutes) took a second file at once and held it while the
-    other worker ran out of work."""
+    current one (a worker runs a test once it knows the next). xdist's own mark is two pending
+    tests, so a worker starting the drain file (two tests, one of six minutes) took a second file
+    at once and kept it unstarted, however soon the other worker ran out of work."""
     if config.getoption("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
