@@ -102,32 +102,42 @@ def transformers_generate(ckpt: str, prompt: torch.Tensor, new: int, dtype: torc
 def pipelines(ckpt: str, prompt: list[int], new: int, precision: str, compile: str = "off",
               rounds: int = 3) -> tuple[float, float, float]:
     """Decode tokens/s of one sequence on one local worker, one sequence on three, and four
-    sequences together on three (aggregate). Both pipelines stay up and the runs take turns,
-    so a noisy spell on the machine hits every figure alike; each is the best of its rounds.
-    Idle workers sleep (GOMP_SPINCOUNT), so the waiting pipeline does not slow the running one."""
+    sequences together on three (aggregate), taking turns (decode_in_turns)."""
+    kw = dict(compile=compile, compile_cache=str(ROOT / ".cache" / "inductor"))
+    best = decode_in_turns(ckpt, precision, {"one": (1, kw), "three": (3, kw)},
+                           [("one", 1), ("three", 1), ("three", 4)], prompt, new, rounds)
+    return best["one", 1], best["three", 1], best["three", 4]
+
+
+def decode_in_turns(ckpt: str, precision: str, setups: dict, runs: list[tuple[str, int]], prompt: list[int],
+                    new: int, rounds: int) -> dict[tuple[str, int], float]:
+    """Best decode tokens/s of each run (setup name, sequences). setups: name -> (stages,
+    layerline.cli.local_stages keywords). Every pipeline stays up and the runs take turns, round by
+    round, so a noisy spell on the machine hits every figure alike. Idle workers sleep
+    (GOMP_SPINCOUNT), so the waiting pipelines do not slow the running one."""
     from layerline.cli import local_stages, stop_local
     from layerline.driver import Pipeline
     from layerline.generate import generate
     procs: list = []
+    pipes: dict = {}
     try:
-        started = []
-        for n in (1, 3):
-            ls = local_stages(ckpt, n, precision, compile=compile, compile_cache=str(ROOT / ".cache" / "inductor"))
+        for name, (n, kw) in setups.items():
+            ls = local_stages(ckpt, n, precision, **kw)
             procs += ls.procs
-            started.append(ls)
-        # each pipeline keeps as many micro-batches in flight as its plan says (its depth)
-        with Pipeline(started[0].first, depth=started[0].depth) as one, \
-                Pipeline(started[1].first, depth=started[1].depth) as three:
-            runs = [(one, 1), (three, 1), (three, 4)]
-            for pipe, seqs in runs:  # warm: connections, allocations
-                generate(pipe, [prompt[:8]] * seqs, 4)
-            best = [0.0] * len(runs)
-            for _ in range(rounds):
-                for j, (pipe, seqs) in enumerate(runs):
-                    prompts = [[(t + 7 * i) % 1000 for t in prompt] for i in range(seqs)]
-                    best[j] = max(best[j], generate(pipe, prompts, new).decode_tokens_per_s() or 0.0)
-            return best[0], best[1], best[2]
+            # each pipeline keeps as many micro-batches in flight as its plan says (its depth)
+            pipes[name] = Pipeline(ls.first, depth=ls.depth)
+        for name, seqs in runs:  # warm: connections, allocations
+            generate(pipes[name], [prompt[:8]] * seqs, 4)
+        best = dict.fromkeys(runs, 0.0)
+        for _ in range(rounds):
+            for name, seqs in runs:
+                prompts = [[(t + 7 * i) % 1000 for t in prompt] for i in range(seqs)]
+                rate = generate(pipes[name], prompts, new).decode_tokens_per_s() or 0.0
+                best[name, seqs] = max(best[name, seqs], rate)
+        return best
     finally:
+        for pipe in pipes.values():
+            pipe.close()
         stop_local(procs)
 
 

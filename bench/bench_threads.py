@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
 
@@ -31,34 +32,11 @@ def default_checkpoints() -> list[str]:
     return found
 
 
-def measure(ckpt: str, precision: str, new: int, rounds: int) -> dict:
-    from layerline.cli import local_stages, stop_local
-    from layerline.driver import Pipeline
-    from layerline.generate import generate
-    procs: list = []
-    try:
-        started = {}
-        for label, threads in (("all cores", None), ("1 thread", 1)):
-            ls = local_stages(ckpt, 3, precision, threads=threads)
-            procs += ls.procs
-            started[label] = ls
-        pipes = {label: Pipeline(ls.first, depth=ls.depth) for label, ls in started.items()}
-        try:
-            prompt = [(11 * j + 5) % 400 + 3 for j in range(32)]
-            for pipe in pipes.values():  # warm: connections, allocations
-                generate(pipe, [prompt[:8]] * 4, 4)
-            best = {(label, seqs): 0.0 for label in pipes for seqs in (1, 4)}
-            for _ in range(rounds):
-                for (label, seqs) in best:
-                    prompts = [[(t + 7 * i) % 400 + 3 for t in prompt] for i in range(seqs)]
-                    rate = generate(pipes[label], prompts, new).decode_tokens_per_s() or 0.0
-                    best[label, seqs] = max(best[label, seqs], rate)
-            return {"depth": {label: ls.depth for label, ls in started.items()}, "tok_s": best}
-        finally:
-            for pipe in pipes.values():
-                pipe.close()
-    finally:
-        stop_local(procs)
+def measure(ckpt: str, precision: str, new: int, rounds: int) -> dict[tuple[str, int], float]:
+    from bench_decode import decode_in_turns
+    prompt = [(11 * j + 5) % 400 + 3 for j in range(32)]
+    setups = {"all cores": (3, {}), "1 thread": (3, {"threads": 1})}
+    return decode_in_turns(ckpt, precision, setups, [(s, q) for s in setups for q in (1, 4)], prompt, new, rounds)
 
 
 def main(argv=None) -> dict:
@@ -73,14 +51,13 @@ def main(argv=None) -> dict:
           f"best of {a.rounds} rounds", flush=True)
     out = {}
     for ckpt in a.checkpoint or default_checkpoints():
-        r = measure(ckpt, a.precision, a.new, a.rounds)
-        t = r["tok_s"]
-        print(f"{Path(ckpt).name}: three local stages, depth {r['depth']}", flush=True)
+        t = measure(ckpt, a.precision, a.new, a.rounds)
+        print(f"{Path(ckpt).name}: three local stages", flush=True)
         for seqs in (1, 4):
             one, every = t["1 thread", seqs], t["all cores", seqs]
             print(f"  {seqs} sequence(s): 1 thread {one:.1f} vs all cores {every:.1f} tokens/s = "
                   f"{one / every:.2f}x", flush=True)
-        out[ckpt] = r
+        out[ckpt] = t
     return out
 
 

@@ -57,7 +57,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 
-def openmp_env(argv: list[str], environ=os.environ) -> None:
+def openmp_env(argv: list[str]) -> None:
     """Put the plan's OpenMP spin (--spin N, GOMP_SPINCOUNT) in the environment, else a short
     one: idle stages that share a machine's cores must sleep, not spin on cores a busy one needs.
     libgomp reads the variable once, when `import torch` loads it, so `python -m layerline.worker`
@@ -70,9 +70,9 @@ def openmp_env(argv: list[str], environ=os.environ) -> None:
         elif a.startswith("--spin="):
             spin = a.split("=", 1)[1]
     if spin is not None and spin.isdigit():
-        environ["GOMP_SPINCOUNT"] = spin
+        os.environ["GOMP_SPINCOUNT"] = spin
     else:
-        environ.setdefault("GOMP_SPINCOUNT", "10000")
+        os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
 
 if __name__ == "__main__":
