@@ -5,8 +5,9 @@
 
 Three local worker stages and `python -m layerline.server` over them (real uvicorn, HTTP,
 SSE). Clients stream `--new` tokens after `--prompt`-token prompts (greedy, eos ignored):
-(a) aggregate tokens/s and p50/p99 time-to-first-token and inter-token latency at 1, 4 and
-    16 concurrent clients (each client sends requests one after another);
+(a) aggregate tokens/s, p50/p99 time-to-first-token and inter-token latency, and the server
+    process's own CPU per token, at 1, 4 and 16 concurrent clients (each client sends requests
+    one after another);
 (b) one client through the server vs `generate()` straight over the same stages;
 (c) transformers generate at batch 16 in one process, the same checkpoint, as a reference.
 Goals: 16 clients >= 4x the aggregate of 1; p99 ITL at 16 <= 3x at 1; one client via the
@@ -37,6 +38,13 @@ def pct(xs: list[float], p: float) -> float:
         return float("nan")
     xs = sorted(xs)
     return xs[min(len(xs) - 1, max(0, round(p / 100 * (len(xs) - 1))))]
+
+
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) a process has used so far, all its threads (/proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def free_port() -> int:
@@ -137,7 +145,9 @@ def main(argv: list[str] | None = None) -> int:
                                    "--keys", os.path.join(tmp, "keys", "controller"), "--checkpoint", ckpt,
                                    "--model-name", "bench", "--port", str(port), "--chunk", str(a.chunk),
                                    "--microbatches", str(depth), "--log-file",
-                                   os.path.join(tmp, "server.log")], stderr=open(os.path.join(tmp, "server.err"), "w"))
+                                   os.path.join(tmp, "server.log")], stderr=open(os.path.join(tmp, "server.err"), "w"),
+                                  # as deployed: the role gives the server no OpenMP setting of its own
+                                  env={k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"})
         import httpx
         deadline = time.time() + 120
         while True:
@@ -165,16 +175,21 @@ def main(argv: list[str] | None = None) -> int:
         # (a) each level in two halves, run in the order 1 4 16 16 4 1, so a noisy spell on a shared
         # machine weighs on every level alike
         halves: dict[int, list] = {c: [] for c in levels}
+        server_cpu = dict.fromkeys(levels, 0.0)  # the server process's own CPU (HTTP, engine, sampling)
         for c in levels + levels[::-1]:
+            c0 = cpu_s(server.pid)
             halves[c] += asyncio.run(level(url, c, max(1, a.requests // c // 2), prompts, a.new))["_runs"]
+            server_cpu[c] += cpu_s(server.pid) - c0
         for c in levels:
             r = summary(c, halves[c])
             del r["_runs"]
+            r["server_cpu_ms_per_token"] = server_cpu[c] / r["tokens"] * 1e3
             report["levels"].append(r)
             print(f"{c:>3} clients: {r['tokens_per_s']:8.1f} tok/s aggregate; TTFT p50 {r['ttft_p50'] * 1e3:7.1f} "
                   f"p99 {r['ttft_p99'] * 1e3:7.1f} ms; ITL p50 {r['itl_p50'] * 1e3:6.1f} "
                   f"p99 {r['itl_p99'] * 1e3:6.1f} ms"
-                  f" ({r['requests']} requests)", file=sys.stderr, flush=True)
+                  f"; server CPU {r['server_cpu_ms_per_token']:.2f} ms/token ({r['requests']} requests)",
+                  file=sys.stderr, flush=True)
     finally:
         if server is not None and server.poll() is None:
             server.terminate()

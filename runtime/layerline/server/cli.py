@@ -237,6 +237,7 @@ def _check_plan(plan, what: str) -> dict:
 
 
 def _serve(a, plan: dict | None, keys, admin_keys=None) -> int:
+    import torch
     import uvicorn
 
     from ..pipeline import Pipeline, control, pipeline_for_plan
@@ -246,6 +247,9 @@ def _serve(a, plan: dict | None, keys, admin_keys=None) -> int:
     from .metrics import Metrics
     from .scheduler import Scheduler
 
+    # The server's only tensor work is sampling a few logits rows, too small to share out; with
+    # OpenMP's threads it left one spinning after every step on the cores the stages decode on.
+    torch.set_num_threads(1)
     text = TextSide.load(a.checkpoint)
 
     def ctl(endpoint: str, peer: str | None, timeout_s: float = 3.0) -> dict:
