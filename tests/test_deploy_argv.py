@@ -277,6 +277,20 @@ def test_threads_spin_and_compile_follow_where_the_plan_puts_stages():
     assert st["w2"]["compile"] == "max-autotune" and st["w1"]["compile"] == "off"
 
 
+def test_nice_reaches_the_worker_argv_only_when_set():
+    inv = {"w1": hv("w1", 9100, layerline_nice=10), "w2": hv("w2", 9102, layerline_nice=0)}
+    plan = plan_for_hosts(inv, COST, OBJ)
+    f = {h: parse(worker_argv(plan, h, inv[h])) for h in inv}
+    assert f["w1"]["--nice"] == "10" and "--nice" not in f["w2"]
+
+
+@pytest.mark.parametrize("value", [-1, 20, "low", 2.5])
+def test_bad_nice_names_the_variable(value):
+    inv = {"w1": hv("w1", 9100, layerline_nice=value), "w2": hv("w2", 9102)}
+    with pytest.raises(LayerlineError, match=r"w1: layerline_nice .* must be an integer 0-19"):
+        worker_argv(plan_for_hosts(inv, COST, OBJ), "w1", inv["w1"])
+
+
 @pytest.mark.parametrize("key,value", [("layerline_compile", "fast"), ("layerline_threads", 0),
                                        ("layerline_threads", "many")])
 def test_bad_thread_or_compile_vars_name_the_variable(key, value):

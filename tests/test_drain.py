@@ -49,7 +49,9 @@ def deployed(tmp_path_factory):
     ev = {"layerline_home": str(home), "layerline_checkpoint": str(ckpt), "layerline_demo_checkpoint": False,
           "layerline_policy": "uniform", "layerline_precision": "fp32", "layerline_port_base": PORT_BASE,
           "layerline_prompt": "", "layerline_seq": 8, "layerline_generate": 4,
-          "layerline_serve_restart_wait": 10, "layerline_serve_on_stage_lost": drain}
+          "layerline_serve_restart_wait": 10, "layerline_serve_on_stage_lost": drain,
+          # the workers yield the CPU to the plays beside them; the load takes what is left
+          "layerline_nice": 10}
     (home / "vars.json").write_text(json.dumps(ev))
     extra = ["-i", str(inv), "-e", json.dumps(ev)]
     try:
@@ -138,6 +140,7 @@ def test_drain_and_rejoin_under_load_lose_nothing(deployed):
     before = actives(home)
     assert [h for h, _, _ in before] == ["w1", "w2", "w3"]
     assert ready(home, "w4"), "the standby runs"
+    assert {os.getpriority(os.PRIO_PROCESS, ready(home, h)["pid"]) for h in ("w1", "w2", "w3", "w4")} == {10}
 
     # a drain whose new route cannot come up (w1's new port is taken) changes nothing
     with socket.socket() as taken:

@@ -61,7 +61,9 @@ def cluster():
                             "layerline_demo_checkpoint": False, "layerline_policy": "uniform", "layerline_serve_port": 29880,
                             "layerline_seq": 12, "layerline_generate": 4,
                             # fp32: a replayed prefix gives the very logits its steps gave (the drain below)
-                            "layerline_precision": "fp32"})
+                            "layerline_precision": "fp32",
+                            # the workers yield the CPU to the plays (and the other tests) beside them
+                            "layerline_nice": 10})
         yield {"info": info, "inventory": info["inventory"], "home": home, "extra": ["-e", extra]}
     finally:
         if extra is not None:
@@ -188,6 +190,7 @@ def test_deploy_across_hosts_idempotent_teardown(cluster):
         assert ready["bind"].startswith(f"tcp://{addrs[h]}:"), ready
         assert ready["pid"] in netns_pids(f"{PREFIX}-{h}"), f"{h}'s worker is not in namespace {PREFIX}-{h}"
         assert ready["layers"] == s["layers"] and ready["precision"] == s["precision"] == "fp32"
+        assert os.getpriority(os.PRIO_PROCESS, ready["pid"]) == 10, f"{h}: layerline_nice did not reach the worker"
         pids[h] = ready["pid"]
     assert not Path("/tmp/layerline/state/ready.json").exists() or \
         json.loads(Path("/tmp/layerline/state/ready.json").read_text())["pid"] not in pids.values()

@@ -507,3 +507,34 @@ def test_the_plans_spin_is_set_before_torch_loads_openmp(argv, inherited, want):
     r = subprocess.run([sys.executable, "-c", _SPIN_AT_TORCH_IMPORT, *argv], env=env, capture_output=True,
                        text=True, timeout=120)
     assert r.stdout.strip().splitlines()[-1] == want, r.stdout + r.stderr
+
+
+_NICE = """
+import os, threading
+from layerline.worker import lower_priority   # imports torch, which starts a thread of its own
+lower_priority(int(os.environ["NICE"]))
+t = threading.Thread(target=lambda: None)     # and one started after
+t.start()
+t.join()
+print(sorted({os.getpriority(os.PRIO_PROCESS, int(tid)) for tid in os.listdir("/proc/self/task")}))
+print(open("/proc/self/autogroup").read().strip() if os.path.exists("/proc/self/autogroup") else "no autogroup")
+"""
+
+
+def test_nice_lowers_every_thread_and_the_sessions_group():
+    """--nice (layerline_nice): under autogroup a process's nice value counts only within its
+    session, so the worker sets its session's group too (the supervisor gives it a session of its
+    own; here start_new_session does, so this test's session keeps its priority)."""
+    r = subprocess.run([sys.executable, "-c", _NICE], env={**os.environ, "NICE": "7"}, capture_output=True,
+                       text=True, timeout=120, start_new_session=True)
+    assert r.returncode == 0, r.stderr
+    threads, group = r.stdout.strip().splitlines()[-2:]
+    assert threads == "[7]", r.stdout
+    assert group == "no autogroup" or group.endswith(" nice 7"), group
+
+
+@pytest.mark.parametrize("value", ["-1", "20"])
+def test_nice_out_of_range_is_refused_before_anything_starts(value):
+    r = subprocess.run([sys.executable, "-m", "layerline.worker", "--checkpoint", "x", "--layers", "0:1", "--last",
+                        "--bind", "tcp://127.0.0.1:1", "--nice", value], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--nice must be 0-19" in r.stderr, r.stderr

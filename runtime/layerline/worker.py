@@ -124,6 +124,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--spin", type=int, default=None,
                    help="OpenMP spin count before an idle thread sleeps (GOMP_SPINCOUNT); low when stages "
                         "share a machine's cores")
+    p.add_argument("--nice", type=int, default=None,
+                   help="yield the CPU to the machine's other work: nice value 1-19 for this worker and its "
+                        "session's scheduling group (layerline_nice)")
     p.add_argument("--compile", default="off", choices=COMPILE_MODES,
                    help="torch.compile the decode step (warm-up before ready: about half a minute for "
                         "default, minutes for max-autotune; cached under --compile-cache)")
@@ -152,6 +155,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--threads must be at least 1")
     if a.spin is not None and a.spin < 0:
         p.error("--spin must not be negative")
+    if a.nice is not None and not 0 <= a.nice <= 19:
+        p.error("--nice must be 0-19 (a worker may only lower its priority)")
     for flag in ("kv_bytes", "expert_cache_bytes"):
         if getattr(a, flag) is not None and getattr(a, flag) < 0:
             p.error(f"--{flag.replace('_', '-')} must not be negative")
@@ -713,8 +718,25 @@ class Worker:
                 pass
 
 
+def lower_priority(nice: int) -> None:
+    """--nice: this process's nice value and, where the kernel groups processes by session
+    (autogroup, on by default in most distributions), its session's: there a nice value ranks a
+    process only within its session, and each session (the supervisor gives the worker its own)
+    gets an equal share against every other. Linux keeps a nice value per thread (new threads
+    inherit it), so every thread torch's import started gets it too."""
+    for tid in os.listdir("/proc/self/task"):
+        os.setpriority(os.PRIO_PROCESS, int(tid), nice)
+    try:
+        with open("/proc/self/autogroup", "w") as f:
+            f.write(str(nice))
+    except FileNotFoundError:  # a kernel without autogroup: the process's nice value is enough
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)   # --spin took effect before torch loaded (openmp_env)
+    if args.nice:
+        lower_priority(args.nice)
     if getattr(args, "compile_cache", None):
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = args.compile_cache
     try:
