@@ -723,14 +723,21 @@ def lower_priority(nice: int) -> None:
     (autogroup, on by default in most distributions), its session's: there a nice value ranks a
     process only within its session, and each session (the supervisor gives the worker its own)
     gets an equal share against every other. Linux keeps a nice value per thread (new threads
-    inherit it), so every thread torch's import started gets it too."""
-    for tid in os.listdir("/proc/self/task"):
-        os.setpriority(os.PRIO_PROCESS, int(tid), nice)
+    inherit it), so every thread torch's import started gets it too. A priority that cannot be
+    set is a warning in the worker's log, not a reason to stop serving."""
     try:
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                os.setpriority(os.PRIO_PROCESS, int(tid), nice)
+            except ProcessLookupError:  # a thread that ended meanwhile
+                pass
         with open("/proc/self/autogroup", "w") as f:
             f.write(str(nice))
-    except FileNotFoundError:  # a kernel without autogroup: the process's nice value is enough
+    except FileNotFoundError:  # a kernel without autogroup: the nice value is all there is
         pass
+    except OSError as e:  # e.g. a higher nice value inherited (lowering it needs privilege), a read-only /proc
+        print(f"layerline worker: --nice {nice} not fully applied ({e}); the worker runs at nice "
+              f"{os.getpriority(os.PRIO_PROCESS, 0)}", file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
