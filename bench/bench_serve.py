@@ -30,6 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
+import psutil  # noqa: E402
 import torch  # noqa: E402
 
 
@@ -38,13 +39,6 @@ def pct(xs: list[float], p: float) -> float:
         return float("nan")
     xs = sorted(xs)
     return xs[min(len(xs) - 1, max(0, round(p / 100 * (len(xs) - 1))))]
-
-
-def cpu_s(pid: int) -> float:
-    """CPU seconds (user + system) a process has used so far, all its threads (/proc)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def free_port() -> int:
@@ -176,10 +170,11 @@ def main(argv: list[str] | None = None) -> int:
         # machine weighs on every level alike
         halves: dict[int, list] = {c: [] for c in levels}
         server_cpu = dict.fromkeys(levels, 0.0)  # the server process's own CPU (HTTP, engine, sampling)
+        proc = psutil.Process(server.pid)
         for c in levels + levels[::-1]:
-            c0 = cpu_s(server.pid)
+            c0 = sum(proc.cpu_times()[:2])  # user + system
             halves[c] += asyncio.run(level(url, c, max(1, a.requests // c // 2), prompts, a.new))["_runs"]
-            server_cpu[c] += cpu_s(server.pid) - c0
+            server_cpu[c] += sum(proc.cpu_times()[:2]) - c0
         for c in levels:
             r = summary(c, halves[c])
             del r["_runs"]

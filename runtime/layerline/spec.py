@@ -152,15 +152,12 @@ def worker_spec(plan: Plan | dict, host: str, hvars: dict, python: str = "python
         argv += ["--threads", str(int(s.threads))]
     if s.spin is not None:
         argv += ["--spin", str(int(s.spin))]
-    nice = hvars.get("layerline_nice")
-    if nice not in (None, "", 0, "0"):
-        try:
-            nice = int(str(nice))  # 2.5 and True are not nice values
-            assert 1 <= nice <= 19
-        except (TypeError, ValueError, AssertionError):
-            raise LayerlineError(f"{host}: layerline_nice {hvars.get('layerline_nice')!r} must be an integer "
-                                 "0-19 (19 yields the most; a worker may only lower its priority)") from None
-        argv += ["--nice", str(nice)]
+    nice = str(hvars.get("layerline_nice") or 0)  # str: 2.5 and True are not nice values
+    if not (nice.isdigit() and int(nice) <= 19):
+        raise LayerlineError(f"{host}: layerline_nice {hvars.get('layerline_nice')!r} must be an integer "
+                             "0-19 (19 yields the most; a worker may only lower its priority)")
+    if int(nice):
+        argv += ["--nice", str(int(nice))]
     if s.compile != "off":
         cache = str(hvars.get("layerline_compile_cache") or os.path.join(home, "inductor"))
         argv += ["--compile", s.compile, "--compile-cache", cache]
