@@ -143,9 +143,9 @@ class Server:
         self.err.close()
 
 
-def stream(url: str, prompt: list[int], on_token=None) -> dict:
+def stream(url: str, prompt: list[int], on_token=None, max_tokens: int = N_TOKENS) -> dict:
     """One streamed greedy completion: status, token ids, the time each came, an error if any."""
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": N_TOKENS, "temperature": 0, "stream": True,
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "ignore_eos": True}
     out = {"status": None, "tokens": [], "times": [], "error": None, "finish": None}
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=httpx.Timeout(120, connect=5)) as r:
@@ -167,7 +167,7 @@ def stream(url: str, prompt: list[int], on_token=None) -> dict:
     return out
 
 
-def run_clients(url: str, trigger=None, after: int = 3) -> list[dict]:
+def run_clients(url: str, trigger=None, after: int = 3, max_tokens: int = N_TOKENS) -> list[dict]:
     """The four prompts streamed at once; trigger() runs (once, in a client's thread) when every
     client has `after` tokens."""
     counts = [0] * len(PROMPTS)
@@ -182,7 +182,7 @@ def run_clients(url: str, trigger=None, after: int = 3) -> list[dict]:
                 state["done"] = True
                 trigger()
         try:
-            results[i] = stream(url, PROMPTS[i], tick)
+            results[i] = stream(url, PROMPTS[i], tick, max_tokens)
         except Exception as e:  # noqa: BLE001 - reported by the assertions
             results[i] = {"status": None, "tokens": [], "times": [], "error": repr(e), "finish": None}
     threads = [threading.Thread(target=client, args=(i,)) for i in range(len(PROMPTS))]
@@ -349,7 +349,10 @@ def test_no_standby_and_no_restart_in_time_is_503_then_recovers(plain, ckpt, tmp
             os.kill(pid, signal.SIGSTOP)
             threading.Timer(8.0, lambda: (os.kill(pid, signal.SIGCONT), cont.set())).start()
         t0 = time.perf_counter()
-        got = run_clients(server.url, stop)
+        # far more tokens than a stream gets before the slowest has 3 (a client that started first
+        # finished all N_TOKENS before the stop on a fast machine), while the four still fit the
+        # plan's KV context of 1024 at once (4 x 205 tokens), so none waits in the queue
+        got = run_clients(server.url, stop, max_tokens=200)
         assert time.perf_counter() - t0 < 8.0, "the requests waited for the stage beyond --restart-wait"
         for r in got:
             assert r["status"] == 200 and r["error"] is not None and r["error"]["code"] == "stage_down", r
