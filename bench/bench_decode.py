@@ -269,7 +269,7 @@ PROFILE_BUCKETS = ("weight GEMVs", "attention", "norms/RoPE/sampling")
 _PROFILE_RULES = (
     ("weight GEMVs", ("gemm_", "linear", "aten::mm", "aten::addmm", "int8pack", "int4pack", "mkldnn")),
     ("norms/RoPE/sampling", ("rsqrt", "_cos_", "_sin_", "argmax", "embedding")),
-    ("attention", ("bmm", "softmax", "index_copy", "masked_fill")),
+    ("attention", ("scaled_dot_product", "flash_attention", "bmm", "softmax", "index_copy", "masked_fill")),
     ("norms/RoPE/sampling", ("cpp_fused", "aten::")),
 )
 FRAMEWORK = "Python and framework"

@@ -17,7 +17,7 @@ GEMV, ATTN, ELEM = PROFILE_BUCKETS
     ("graph_0_gemm_m1n256k1024_kernel", GEMV), ("mkldnn::_linear_pointwise", GEMV), ("graph_1_kernel", GEMV),
     # eager: the ATen calls themselves
     ("aten::mm", GEMV), ("aten::_weight_int8pack_mm", GEMV), ("aten::_weight_int4pack_mm_for_cpu", GEMV),
-    ("aten::bmm", ATTN), ("aten::index_copy_", ATTN),
+    ("aten::bmm", ATTN), ("aten::index_copy_", ATTN), ("aten::_scaled_dot_product_flash_attention_for_cpu", ATTN),
     ("graph_0_cpp_fused__softmax__to_copy_arange_le_logical_not_masked_fill_mul_unbind", ATTN),
     # RoPE fused with the KV write counts as RoPE; norms, sampling
     ("graph_0_cpp_fused__to_copy_add_cat_cos_index_copy_mul_neg_sin_split_transpose", ELEM),

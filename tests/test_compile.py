@@ -156,7 +156,7 @@ def test_compiled_step_keeps_the_eager_numbers(small_ckpt, precision, one_thread
     fast = load_stage(str(small_ckpt), 0, n, True, True, precision)
     fast.compile("default")
     prompt = torch.tensor([[5, 17, 99, 3, 250, 7]])
-    # a reserve past the keys: the bf16 step pads its keys to a multiple of ROWS_PAD behind a mask
+    # a reserve past the keys: the step attends over the filled ones only
     a, b = _prefilled(eager, prompt, 64), _prefilled(fast, prompt, 64)
     tok = torch.tensor([[11]])
     for pos in range(6, 10):

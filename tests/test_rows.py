@@ -87,24 +87,37 @@ def test_forward_rows_checks_everything_before_writing(small_ckpt, one_thread):
         assert torch.equal(c.layers[0].k, k)
 
 
-def test_a_padded_bf16_step_equals_the_exact_key_range(small_ckpt, one_thread):
-    """bf16 one-token steps attend over a key range rounded up to ROWS_PAD behind a mask (a shape
-    oneDNN can reuse); the numbers are those of the exact range, to bf16 rounding."""
-    from layerline.model.llama import ROWS_PAD, _views
-    stage = load_stage(str(small_ckpt), 0, 4, True, True, "bf16")
-    a, b = stage.new_cache(1, 64), stage.new_cache(1, 64)
-    prompt = torch.tensor([[3, 1, 4, 1, 5, 9, 2]])
-    stage(prompt, 0, a)
-    stage(prompt, 0, b)
-    tok = torch.tensor([[6]])
-    for pos in range(7, 7 + ROWS_PAD + 2):  # across a multiple of ROWS_PAD
-        got = stage(tok, pos, a)
-        with torch.inference_mode():
-            kv = [[(c.k, c.v)] for c in b.layers]
-            want = stage._forward(tok, torch.tensor([[pos]]), kv, _views([pos], 1, stage.windows, "cpu"))
-        b.length = pos + 1
-        torch.testing.assert_close(got, want, rtol=0.02, atol=0.02 * want.abs().max().item())
-        tok = want[:, -1:].argmax(-1)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_equals_the_textbook_formula(dtype):
+    """The attention every path shares (`Attention._attend`, torch's SDPA) against softmax(q k^T /
+    sqrt(d)) v in float64, query head h reading kv head h // g (HF's repeat_kv): one token over
+    every key, a causal prefill, and rows of different lengths behind a padding mask."""
+    from layerline.model.llama import Attention, ModelArgs
+    torch.manual_seed(3)
+    nh, nkv, hd = 8, 2, 16
+    attn = Attention(ModelArgs(vocab_size=10, hidden_size=nh * hd, intermediate_size=8, num_layers=1,
+                               num_heads=nh, num_kv_heads=nkv, head_dim=hd, rms_norm_eps=1e-5,
+                               rope_theta=1e4, rope_scaling=None, max_position_embeddings=64,
+                               attention_bias=False, tie_word_embeddings=False), dtype)
+
+    def textbook(q, k, v, mask):
+        q, k, v = q.double(), k.double().repeat_interleave(nh // nkv, 1), v.double().repeat_interleave(nh // nkv, 1)
+        s = q @ k.transpose(2, 3) / hd ** 0.5
+        if mask is not None:
+            s = s.masked_fill(~mask, float("-inf"))
+        out = s.softmax(-1) @ v  # [b, nh, t, hd]
+        return out.transpose(1, 2).reshape(q.shape[0], q.shape[2], nh * hd)
+
+    lens = torch.tensor([5, 11, 2])
+    cases = [(1, 1, 9, None),  # b, t, s, mask
+             (1, 6, 6, torch.arange(6)[None, :] <= torch.arange(6)[:, None]),
+             (3, 1, 11, (torch.arange(11)[None, :] < lens[:, None])[:, None, None, :])]
+    for b, t, s, mask in cases:
+        q, k, v = torch.randn(b, nh, t, hd, dtype=dtype), *torch.randn(2, b, nkv, s, hd, dtype=dtype)
+        want = textbook(q, k, v, mask)
+        got = attn._attend(q, k, v, mask)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
 
 
 # --- real workers -------------------------------------------------------------------------------
