@@ -87,18 +87,22 @@ def test_forward_rows_checks_everything_before_writing(small_ckpt, one_thread):
         assert torch.equal(c.layers[0].k, k)
 
 
+def _attention(dtype, nh=8, nkv=2, hd=16):
+    from layerline.model.llama import Attention, ModelArgs
+    return Attention(ModelArgs(vocab_size=10, hidden_size=nh * hd, intermediate_size=8, num_layers=1,
+                               num_heads=nh, num_kv_heads=nkv, head_dim=hd, rms_norm_eps=1e-5,
+                               rope_theta=1e4, rope_scaling=None, max_position_embeddings=64,
+                               attention_bias=False, tie_word_embeddings=False), dtype)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_attention_equals_the_textbook_formula(dtype):
     """The attention every path shares (`Attention._attend`, torch's SDPA) against softmax(q k^T /
     sqrt(d)) v in float64, query head h reading kv head h // g (HF's repeat_kv): one token over
-    every key, a causal prefill, and rows of different lengths behind a padding mask."""
-    from layerline.model.llama import Attention, ModelArgs
+    every key, and a causal prefill."""
     torch.manual_seed(3)
     nh, nkv, hd = 8, 2, 16
-    attn = Attention(ModelArgs(vocab_size=10, hidden_size=nh * hd, intermediate_size=8, num_layers=1,
-                               num_heads=nh, num_kv_heads=nkv, head_dim=hd, rms_norm_eps=1e-5,
-                               rope_theta=1e4, rope_scaling=None, max_position_embeddings=64,
-                               attention_bias=False, tie_word_embeddings=False), dtype)
+    attn = _attention(dtype, nh, nkv, hd)
 
     def textbook(q, k, v, mask):
         q, k, v = q.double(), k.double().repeat_interleave(nh // nkv, 1), v.double().repeat_interleave(nh // nkv, 1)
@@ -108,16 +112,30 @@ def test_attention_equals_the_textbook_formula(dtype):
         out = s.softmax(-1) @ v  # [b, nh, t, hd]
         return out.transpose(1, 2).reshape(q.shape[0], q.shape[2], nh * hd)
 
-    lens = torch.tensor([5, 11, 2])
-    cases = [(1, 1, 9, None),  # b, t, s, mask
-             (1, 6, 6, torch.arange(6)[None, :] <= torch.arange(6)[:, None]),
-             (3, 1, 11, (torch.arange(11)[None, :] < lens[:, None])[:, None, None, :])]
-    for b, t, s, mask in cases:
-        q, k, v = torch.randn(b, nh, t, hd, dtype=dtype), *torch.randn(2, b, nkv, s, hd, dtype=dtype)
-        want = textbook(q, k, v, mask)
-        got = attn._attend(q, k, v, mask)
+    for t, s, mask in ((1, 9, None), (6, 6, torch.arange(6)[None, :] <= torch.arange(6)[:, None])):
+        q, k, v = torch.randn(1, nh, t, hd, dtype=dtype), *torch.randn(2, 1, nkv, s, hd, dtype=dtype)
         tol = 1e-5 if dtype == torch.float32 else 2e-2
-        torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
+        torch.testing.assert_close(attn._attend(q, k, v, mask).double(), textbook(q, k, v, mask), rtol=tol, atol=tol)
+
+
+def test_a_row_attends_exactly_as_its_sequence_alone_at_bf16():
+    """Rows of sequences of different lengths, stepped together: each row's attention output and
+    cache write are bit for bit those of its sequence stepped alone, so at bf16 a greedy stream's
+    tokens do not depend on what else the server batched with it."""
+    from layerline.model.llama import _views
+    torch.manual_seed(4)
+    attn, nh, nkv, hd = _attention(torch.bfloat16), 8, 2, 16
+    lens = [5, 130, 37]
+    caches = [tuple(torch.randn(2, 1, nkv, 160, hd, dtype=torch.bfloat16)) for _ in lens]
+    alone = [(kb.clone(), vb.clone()) for kb, vb in caches]
+    q, k, v = torch.randn(3, nh, 1, hd, dtype=torch.bfloat16), *torch.randn(2, 3, nkv, 1, hd, dtype=torch.bfloat16)
+    pos = [torch.tensor([n]) for n in lens]
+    views = _views(lens, 1, (None,), "cpu")[None]
+    got = attn._attend_rows(q, k, v, pos, caches, views)
+    for i in range(3):
+        want = attn._attend_one(q[i:i + 1], k[i:i + 1], v[i:i + 1], pos[i], alone[i], views[i])
+        assert torch.equal(got[i:i + 1], want), i
+        assert torch.equal(caches[i][0], alone[i][0]) and torch.equal(caches[i][1], alone[i][1])
 
 
 # --- real workers -------------------------------------------------------------------------------

@@ -466,8 +466,8 @@ class Attention(nn.Module):
         i at pos[i] with its own cache. kv: per group, the layer's (k, v) buffers, or None without
         a cache. view: per group, (lo, hi, mask): the key positions lo..hi-1 it attends and a
         [T, keys] mask (True: may attend), or None when every key is visible; or ROWS_OP.
-        The projections run over all B rows at once, and so does the attention of B groups: each
-        row's keys are gathered, left-aligned, into one padded batch behind a length mask.
+        The projections run over all B rows at once; each of B groups attends over its own keys
+        (`_attend_rows`).
         """
         b, t, _ = x.shape
         nh, nkv, hd = self.n_heads, self.n_kv_heads, self.head_dim
@@ -495,29 +495,16 @@ class Attention(nn.Module):
 
     def _attend_rows(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: list, kv: list,
                      view: list) -> torch.Tensor:
-        """B sequences, one new token each (q [B, nh, 1, hd], k/v [B, nkv, 1, hd]): write row i's
-        k/v into its own cache at pos[i], gather its keys lo..hi-1 into row i of a padded batch
-        [B, nkv, longest, hd], and attend all rows at once with the padding masked out."""
-        b, hd, nkv = q.shape[0], self.head_dim, self.n_kv_heads
-        spans = [(lo, hi) for lo, hi, _ in view]
-        lens = [hi - lo for lo, hi in spans]
-        longest = max(lens)
-        # zeros: SDPA adds the mask to the scores, so a padded key must score finite (uninitialized
-        # memory may hold a NaN), and a padded value times probability 0 must be 0
-        keys = q.new_zeros(b, nkv, longest, hd)
-        vals = q.new_zeros(b, nkv, longest, hd)
-        for i, (lo, hi) in enumerate(spans):
-            kb, vb = kv_update(kv[i][0], kv[i][1], pos[i], k[i:i + 1], v[i:i + 1])
-            keys[i, :, :hi - lo] = kb[0, :, lo:hi]
-            vals[i, :, :hi - lo] = vb[0, :, lo:hi]
-        # [B, 1, 1, longest]: row i sees its first lens[i] keys
-        mask = (torch.arange(longest, device=q.device)[None, :]
-                < torch.tensor(lens, device=q.device)[:, None])[:, None, None, :]
-        return self._attend(q, keys, vals, mask)
+        """B sequences, one new token each (q [B, nh, 1, hd], k/v [B, nkv, 1, hd]): row i writes its
+        k/v into its own cache at pos[i] and attends over its own keys in place, one call per row.
+        A row's numbers are then those of its sequence stepped alone: at bf16 a padded batch behind
+        a mask gave other last bits, and greedy tokens that changed with what else was batched."""
+        return torch.cat([self._attend_one(q[i:i + 1], k[i:i + 1], v[i:i + 1], pos[i], kv[i], view[i])
+                          for i in range(q.shape[0])])
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        """q [b, nh, t, hd] over k, v [b, nkv, s, hd] -> [b, t, nh * hd]; mask (True: may attend)
-        [t, s], or [b, 1, t, s] for rows of several sequences; None: every key.
+        """q [b, nh, t, hd] over k, v [b, nkv, s, hd] -> [b, t, nh * hd]; mask [t, s] (True: may
+        attend), or None: every key.
 
         Query head j*g + r uses kv head j (HF's repeat_kv order; SDPA's enable_gqa), without
         copying K/V."""
