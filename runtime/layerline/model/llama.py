@@ -6,11 +6,11 @@ token embedding when it is the first stage and the final norm + LM head when it 
 
 Numerics follow Hugging Face transformers: RMSNorm in float32 and cast back, RoPE cos/sin
 computed in float32 from `inv_freq` in the rotate_half layout (the order HF checkpoints' q/k
-weights are in). Attention is torch's scaled_dot_product_attention (its CPU flash kernel, softmax
-in float32, grouped-query heads without copying K/V) over the keys in view behind a boolean mask:
-at bf16 a layer's one-token attention took 4-15x less time than the matmul + softmax it replaced
-(which built a oneDNN plan per shape), a prefill's 5-70x less, at fp32 as much or less (README,
-"Decode speed").
+weights are in). Attention is torch's scaled_dot_product_attention (on the CPU its flash kernel:
+softmax in float32, grouped-query heads without copying K/V) over the keys in view behind a
+boolean mask: at bf16 a layer's one-token attention took 4-15x less time than the matmul +
+softmax it replaced (which built a oneDNN plan per shape), a 512-token prefill's 8-70x less, at
+fp32 as much or less (README, "Decode speed").
 
 Submodule names mirror HF's, so a stage's state_dict key is the HF tensor name without the
 leading "model." (layers are keyed by their global index): see `hf_name`.
