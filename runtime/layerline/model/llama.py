@@ -819,10 +819,7 @@ class Stage(nn.Module):
         if view is None:  # the step's first layer of this window: every layer sees the same keys
             view = _ROWS.views[w] = _views(pos[:n, 0].tolist(), 1, (w,), self.device)[w]
         kv = [(c.layers[i].k, c.layers[i].v) for c in caches]
-        if n == 1:  # one row (the usual decode step): its keys read in place, as the eager step does
-            res = mod.self_attn._attend_one(q[:1], k[:1], v[:1], pos[0], kv[0], view[0])
-        else:
-            res = mod.self_attn._attend_rows(q[:n], k[:n], v[:n], list(pos[:n].unbind(0)), kv, view)
+        res = mod.self_attn._attend_rows(q[:n], k[:n], v[:n], pos[:n].unbind(0), kv, view)
         if n == q.shape[0]:
             return res
         out = q.new_zeros(q.shape[0], q.shape[2], q.shape[1] * q.shape[3])
