@@ -79,7 +79,7 @@ if __name__ == "__main__":
     openmp_env(sys.argv[1:])
 
 from .errors import LayerlineError  # noqa: E402 - after openmp_env: .wire imports torch
-from .model import COMPILE_MODES  # noqa: E402
+from .model import COMPILE_MODES, cpu_kernels  # noqa: E402
 from .wire import MAX_BATCH, MAX_REPLY_PEERS, MAX_SEQS  # noqa: E402
 
 
@@ -399,7 +399,8 @@ class Worker:
                 "layers": [self.args.start, self.args.end], "precision": self.args.precision,
                 "device": self.args.device, "curve": self.curve_bind, "compile": self.args.compile,
                 "compiled": self.stage.compiled, "compile_s": self.compile_s,
-                "compile_error": self.stage.compile_error, "step_s": self.step_s, "time": time.time()}
+                "compile_error": self.stage.compile_error, "kernels": cpu_kernels.status(),
+                "step_s": self.step_s, "time": time.time()}
         tmp = self.args.ready_file + ".tmp"
         os.makedirs(os.path.dirname(os.path.abspath(tmp)), exist_ok=True)
         with open(tmp, "w") as f:
@@ -662,7 +663,7 @@ class Worker:
                          "sequences": len(self.caches),
                          "compile": self.args.compile, "compile_s": self.compile_s,
                          "compiled": self.stage.compiled, "compile_error": self.stage.compile_error,
-                         "step_s": self.step_s}
+                         "kernels": cpu_kernels.status(), "step_s": self.step_s}
                 if self.args.compile != "off":  # graphs compiled so far: serving should add none
                     from torch._dynamo.utils import counters
                     reply["compiled_graphs"] = int(counters["stats"]["unique_graphs"])
@@ -757,7 +758,8 @@ def main(argv: list[str] | None = None) -> int:
             w.running = False
         signal.signal(signal.SIGTERM, stop)
         print(f"layerline worker {w.name}: layers {args.start}:{args.end} {args.precision} on {args.device}, "
-              f"serving {args.bind}{' (CURVE)' if w.curve_bind else ''}", flush=True)
+              f"decode kernels {cpu_kernels.status()}, serving {args.bind}{' (CURVE)' if w.curve_bind else ''}",
+              flush=True)
         w.serve()
         return 0
     except LayerlineError as e:

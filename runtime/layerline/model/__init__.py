@@ -1,4 +1,5 @@
-"""The model: layer implementations (llama, moe), weight-only int8 (quant), loading (loader), sampling.
+"""The model: layer implementations (llama, moe), weight-only int8 (quant), decode kernels (cpu_kernels),
+loading (loader), sampling.
 
 Torch-free at the package level, so a planner or CLI may read `COMPILE_MODES` without loading torch.
 """

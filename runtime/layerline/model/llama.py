@@ -50,9 +50,9 @@ from torch import nn
 from ..checkpoint import SUPPORTED_MODEL_TYPES, CheckpointError
 from ..errors import LayerlineError
 from ..precision import of_dtype, precision, torch_dtype
-from . import COMPILE_MODES
+from . import COMPILE_MODES, cpu_kernels
 from .moe import ExpertStore, SparseMoE
-from .quant import Int8Embedding, Int8Linear, int8_linear, make_linear, quant_name, require_int4
+from .quant import Int8Embedding, Int8Linear, Linear, int8_linear, make_linear, quant_name, require_int4
 
 _ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -401,7 +401,7 @@ class FusedLinears(nn.Module):
 
     The parts keep their modules and state_dict names (the checkpoint's); once `fuse()` has
     run, their weights are views into one concatenated tensor, so the fused matrix costs no
-    extra memory and an in-place load updates both. bf16/fp32 nn.Linear and int8 parts fuse;
+    extra memory and an in-place load updates both. bf16/fp32 Linear and int8 parts fuse;
     others (int4's packed layout) run one by one.
     """
 
@@ -416,7 +416,7 @@ class FusedLinears(nn.Module):
     def fuse(self) -> None:
         parts = list(self.parts)
         kinds = {type(m) for m in parts}
-        if kinds not in ({nn.Linear}, {Int8Linear}) or any(m.weight.is_meta for m in parts):
+        if kinds not in ({Linear}, {nn.Linear}, {Int8Linear}) or any(m.weight.is_meta for m in parts):
             self.weight = self.scale = self.bias = None
             return
         with torch.no_grad():
@@ -442,7 +442,7 @@ class FusedLinears(nn.Module):
         if self.scale is not None:
             y = int8_linear(x, self.weight, self.scale, self.bias)
         else:
-            y = F.linear(x, self.weight, self.bias)
+            y = cpu_kernels.linear(x, self.weight, self.bias)
         return y.split(self.sizes, dim=-1)
 
 

@@ -25,6 +25,7 @@ from ..errors import LayerlineError
 from ..gguf_checkpoint import GGUFTensors, is_gguf, read_int4_codes, read_row_blocks
 from ..precision import precision as precision_row
 from ..precision import INT4_GROUP, torch_dtype
+from . import cpu_kernels
 from .llama import ModelArgs, Stage, hf_name
 from .moe import LRUExpertStore
 from .quant import Int4Linear, pack_int4_codes, quantize_row_blocks, quantize_rows, require_int4
@@ -123,6 +124,8 @@ def load_stage(ckpt_dir: str, start: int, end: int, first: bool, last: bool,
                              "use one of them or cpu")
     if quant == "int4":
         require_int4(dev)
+    if dev.type == "cpu" and (quant or dtype == torch.bfloat16):
+        cpu_kernels.load()  # decode's few-row bf16 / int8 matmuls (torch's when it cannot build them)
 
     index = read_index(ckpt_dir, check=False)  # this stage's tensors are checked below, one by one
     args = ModelArgs.from_config(index.config)

@@ -28,6 +28,7 @@ from torch import nn
 
 from ..errors import LayerlineError
 from ..precision import INT4_GROUP
+from . import cpu_kernels
 
 QMAX = 127
 INT4_GROUPS = (32, 64, 128, 256)  # the group sizes torch's CPU int4 kernel takes
@@ -66,6 +67,9 @@ def _kernel_ok(x: torch.Tensor) -> bool:
 def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ (q * scale[:, None]).T (+ bias), result in x's dtype."""
+    y = cpu_kernels.linear_int8(x, q, scale, bias)  # a decode step's few rows
+    if y is not None:
+        return y
     shape = x.shape
     if _kernel_ok(x):
         x2 = x.reshape(-1, shape[-1])
@@ -80,6 +84,13 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
     if bias is not None:
         y = y + bias
     return y
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose decode steps (a few bf16 rows on a CPU) go through `cpu_kernels.linear`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_kernels.linear(x, self.weight, self.bias)
 
 
 class Int8Linear(nn.Module):
@@ -248,14 +259,14 @@ def quant_name(quant) -> str | None:
 
 
 def make_linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype, quant=None) -> nn.Module:
-    """nn.Linear, Int8Linear or Int4Linear by `quant` (None/False, True/"int8", "int4"); an int4 matrix
+    """Linear, Int8Linear or Int4Linear by `quant` (None/False, True/"int8", "int4"); an int4 matrix
     the kernel cannot take is int8."""
     quant = quant_name(quant)
     if quant == "int4" and int4_fits(in_features, out_features):
         return Int4Linear(in_features, out_features, bias, dtype)
     if quant:
         return Int8Linear(in_features, out_features, bias, dtype)
-    return nn.Linear(in_features, out_features, bias=bias, dtype=dtype)
+    return Linear(in_features, out_features, bias=bias, dtype=dtype)
 
 
 def is_quantized_weight(module: nn.Module, attr: str) -> bool:

@@ -1,0 +1,460 @@
+"""CPU kernels for decode steps: a linear layer over a few rows (one token per sequence) that streams
+its weight once, at close to the memory's speed.
+
+A decode step on a CPU is bound by reading every weight once per token, and torch's own kernels
+(oneDNN's bf16 GEMM, `_weight_int8pack_mm`) read a one-row product's weight at about half the
+rate a plain dot-product loop reaches (2 cores, AVX-512, a 32000x1024 bf16 matrix: 2.6 ms against
+1.4 ms). Two ops, built from the C++ below at first use:
+
+  layerline_cpu::linear_bf16(x, w, bias?)        x bf16 [..., K] @ w bf16 [N, K].T
+  layerline_cpu::linear_int8(x, q, scale, bias?) x [..., K] @ (q int8 [N, K] * scale f32 [N]).T
+
+Each output is one row's dot product over k in one fixed order (fp32 lanes, then their sum), the
+same for any number of rows in the call: a row's bits do not depend on what it is batched with.
+They run for up to `MAX_ROWS` rows (decode steps and the server's micro-batches; prefills stay with
+torch's GEMMs, which are faster for many rows) and K a multiple of 32. AVX-512 with BF16 (vdpbf16ps)
+or AVX2 + FMA, chosen at run time by the CPU; rows are split across torch's threads.
+
+Built with the host's C++ compiler (`CXX`, else g++) against torch's headers into a cache
+(`LAYERLINE_KERNEL_CACHE`, else ~/.cache/layerline/kernels), once per source and torch version: about
+10 s. A host without a compiler, a CPU with neither ISA, or `LAYERLINE_CPU_KERNELS=off` decodes with
+torch's kernels; `status()` says which and why. `LAYERLINE_CPU_KERNELS=avx2` caps the ISA (tests run
+both where the CPU has both).
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+MAX_ROWS = 8     # rows per call the kernels take; more (a prefill) go to torch's GEMMs
+K_MULTIPLE = 32  # the kernels' step along K
+ISAS = {"avx2": 1, "avx512-bf16": 2}  # the C++ side's numbers
+BUILD_TIMEOUT_S = 300
+
+SOURCE = r"""
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <immintrin.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+namespace {
+
+int64_t g_isa = 0;
+constexpr int64_t PF = 4096;  // bytes ahead of each row that a core asks for early  // 0: none, 1: AVX2 + FMA, 2: AVX-512 with BF16
+
+int64_t cpu_isa() {
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vnni"))
+    return 2;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return 1;
+  return 0;
+}
+
+// Every kernel: rows [n0, n1) of W, each dotted with the M rows of x, into y [M, N] (fp32).
+// A row's sum runs over k in the same lanes and order whether it is in a block of four or alone,
+// so its bits do not depend on M or on how the rows are split across threads.
+
+__attribute__((target("avx512f,avx512bw,avx512bf16")))
+inline __m512 dot32bf(__m512 acc, const uint16_t* w, const uint16_t* x) {
+  return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(w), (__m512bh)_mm512_loadu_si512(x));
+}
+
+// R rows of W against one row of x; each row's sum in the same order for any R
+template <int R>
+__attribute__((target("avx512f,avx512bw,avx512bf16")))
+inline void bf16_512_rows(const uint16_t* w, const uint16_t* xm, int64_t K, float* out) {
+  __m512 a[R];
+  for (int r = 0; r < R; ++r) a[r] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 64 <= K; k += 64)
+    for (int r = 0; r < R; ++r) {
+      const uint16_t* row = w + r * K + k;
+      a[r] = dot32bf(a[r], row, xm + k);
+      a[r] = dot32bf(a[r], row + 32, xm + k + 32);
+    }
+  for (; k < K; k += 32)
+    for (int r = 0; r < R; ++r) a[r] = dot32bf(a[r], w + r * K + k, xm + k);
+  for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(a[r]);
+}
+
+__attribute__((target("avx512f,avx512bw,avx512bf16")))
+void bf16_512(const uint16_t* w, const uint16_t* x, int64_t K, int64_t M, int64_t N,
+              int64_t n0, int64_t n1, float* y) {
+  int64_t n = n0;
+  for (; n + 4 <= n1; n += 4)
+    for (int64_t m = 0; m < M; ++m) bf16_512_rows<4>(w + n * K, x + m * K, K, y + m * N + n);
+  for (; n < n1; ++n)
+    for (int64_t m = 0; m < M; ++m) bf16_512_rows<1>(w + n * K, x + m * K, K, y + m * N + n);
+}
+
+__attribute__((target("avx2,fma"))) inline float hsum256(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+__attribute__((target("avx2,fma"))) inline __m256 bf16x8(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+
+// x as fp32 [M, K] (converted once per call)
+__attribute__((target("avx2,fma")))
+void bf16_avx2(const uint16_t* w, const float* x, int64_t K, int64_t M, int64_t N,
+               int64_t n0, int64_t n1, float* y) {
+  int64_t n = n0;
+  for (; n + 4 <= n1; n += 4) {
+    const uint16_t *r0 = w + n * K, *r1 = r0 + K, *r2 = r1 + K, *r3 = r2 + K;
+    for (int64_t m = 0; m < M; ++m) {
+      const float* xm = x + m * K;
+      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      for (int64_t k = 0; k < K; k += 8) {
+        __m256 xv = _mm256_loadu_ps(xm + k);
+        a0 = _mm256_fmadd_ps(bf16x8(r0 + k), xv, a0);
+        a1 = _mm256_fmadd_ps(bf16x8(r1 + k), xv, a1);
+        a2 = _mm256_fmadd_ps(bf16x8(r2 + k), xv, a2);
+        a3 = _mm256_fmadd_ps(bf16x8(r3 + k), xv, a3);
+      }
+      float* ym = y + m * N + n;
+      ym[0] = hsum256(a0); ym[1] = hsum256(a1); ym[2] = hsum256(a2); ym[3] = hsum256(a3);
+    }
+  }
+  for (; n < n1; ++n) {
+    const uint16_t* r0 = w + n * K;
+    for (int64_t m = 0; m < M; ++m) {
+      const float* xm = x + m * K;
+      __m256 a0 = _mm256_setzero_ps();
+      for (int64_t k = 0; k < K; k += 8) a0 = _mm256_fmadd_ps(bf16x8(r0 + k), _mm256_loadu_ps(xm + k), a0);
+      y[m * N + n] = hsum256(a0);
+    }
+  }
+}
+
+// int8 weights against x quantized to int16 (`quantize_rows` below): exact int32 sums, so any order
+// gives the same bits
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) inline __m512i i8x32(const int8_t* p) {
+  return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)p));
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vnni")))
+inline __m512i dot32(__m512i acc, const int8_t* w, const int16_t* x) {
+  return _mm512_dpwssd_epi32(acc, i8x32(w), _mm512_loadu_si512(x));
+}
+
+// rows in blocks of R, K in steps of 128 (a step of 32 at the end): more bytes of each row in flight
+// than one vector a turn, which one core's loads need to approach its share of the bandwidth
+template <int R>
+__attribute__((target("avx512f,avx512bw,avx512vnni")))
+inline void int8_512_rows(const int8_t* w, const int16_t* xm, int64_t K, int32_t* out) {
+  __m512i a[R];
+  for (int r = 0; r < R; ++r) a[r] = _mm512_setzero_si512();
+  int64_t k = 0;
+  for (; k + 128 <= K; k += 128)
+    for (int r = 0; r < R; ++r) {
+      const int8_t* row = w + r * K + k;
+      _mm_prefetch((const char*)row + PF, _MM_HINT_T0);
+      _mm_prefetch((const char*)row + PF + 64, _MM_HINT_T0);
+      a[r] = dot32(a[r], row, xm + k);
+      a[r] = dot32(a[r], row + 32, xm + k + 32);
+      a[r] = dot32(a[r], row + 64, xm + k + 64);
+      a[r] = dot32(a[r], row + 96, xm + k + 96);
+    }
+  for (; k < K; k += 32)
+    for (int r = 0; r < R; ++r) a[r] = dot32(a[r], w + r * K + k, xm + k);
+  for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_epi32(a[r]);
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vnni")))
+void int8_512(const int8_t* w, const int16_t* x, int64_t K, int64_t M, int64_t N,
+              int64_t n0, int64_t n1, int32_t* y) {
+  int64_t n = n0;
+  for (; n + 4 <= n1; n += 4)
+    for (int64_t m = 0; m < M; ++m) int8_512_rows<4>(w + n * K, x + m * K, K, y + m * N + n);
+  for (; n < n1; ++n)
+    for (int64_t m = 0; m < M; ++m) int8_512_rows<1>(w + n * K, x + m * K, K, y + m * N + n);
+}
+
+__attribute__((target("avx2,fma"))) inline int32_t hsum256i(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+  return _mm_cvtsi128_si32(s);
+}
+
+__attribute__((target("avx2,fma"))) inline __m256i dot16(__m256i acc, const int8_t* w, const int16_t* x) {
+  __m256i wv = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)w));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(wv, _mm256_loadu_si256((const __m256i*)x)));
+}
+
+__attribute__((target("avx2,fma")))
+void int8_avx2(const int8_t* w, const int16_t* x, int64_t K, int64_t M, int64_t N,
+               int64_t n0, int64_t n1, int32_t* y) {
+  int64_t n = n0;
+  for (; n + 4 <= n1; n += 4) {
+    const int8_t *r0 = w + n * K, *r1 = r0 + K, *r2 = r1 + K, *r3 = r2 + K;
+    for (int64_t m = 0; m < M; ++m) {
+      const int16_t* xm = x + m * K;
+      __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
+      for (int64_t k = 0; k < K; k += 16) {
+        a0 = dot16(a0, r0 + k, xm + k); a1 = dot16(a1, r1 + k, xm + k);
+        a2 = dot16(a2, r2 + k, xm + k); a3 = dot16(a3, r3 + k, xm + k);
+      }
+      int32_t* ym = y + m * N + n;
+      ym[0] = hsum256i(a0); ym[1] = hsum256i(a1); ym[2] = hsum256i(a2); ym[3] = hsum256i(a3);
+    }
+  }
+  for (; n < n1; ++n) {
+    const int8_t* r0 = w + n * K;
+    for (int64_t m = 0; m < M; ++m) {
+      const int16_t* xm = x + m * K;
+      __m256i a0 = _mm256_setzero_si256();
+      for (int64_t k = 0; k < K; k += 16) a0 = dot16(a0, r0 + k, xm + k);
+      y[m * N + n] = hsum256i(a0);
+    }
+  }
+}
+
+// Each row of x [M, K] as int16 codes and one float scale: x ~ code * s, |code| <= cmax, where cmax
+// keeps every int32 lane's sum of (int8 weight x code) products from overflowing (each lane sums at
+// most K / 8 of them, each below 127 * cmax): 32767 up to K = 4096, 14 bits at K = 16384.
+void quantize_rows(const float* x, int64_t M, int64_t K, int16_t* q, float* s) {
+  const double cmax = std::min(32767.0, std::floor(2147483647.0 / (127.0 * (double)(K / 8 + 1))));
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xm = x + m * K;
+    float amax = 0.f;
+    for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(xm[k]));
+    float sc = amax > 0.f ? (float)(amax / cmax) : 1.f;
+    float inv = 1.f / sc;
+    for (int64_t k = 0; k < K; ++k) q[m * K + k] = (int16_t)std::nearbyint(std::min((float)cmax, std::max(-(float)cmax, xm[k] * inv)));
+    s[m] = sc;
+  }
+}
+
+void check(const at::Tensor& x, const at::Tensor& w, int64_t K) {
+  TORCH_CHECK(g_isa > 0, "layerline_cpu: no kernel for this CPU (AVX2 + FMA or AVX-512 BF16 needed)");
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "layerline_cpu: CPU tensors only");
+  TORCH_CHECK(w.dim() == 2 && x.size(-1) == K, "layerline_cpu: x [..., K] and w [N, K] expected");
+  TORCH_CHECK(K % 32 == 0, "layerline_cpu: K must be a multiple of 32");
+}
+
+// rows [0, N) in blocks of 4, split over torch's threads; a block streams 4 * K weights
+template <typename F>
+void over_rows(int64_t N, int64_t K, F body) {
+  int64_t blocks = (N + 3) / 4;
+  int64_t grain = std::max<int64_t>(1, 16384 / K);  // at least ~64K weights a task
+  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) { body(b0 * 4, std::min(N, b1 * 4)); });
+}
+
+at::Tensor finish(at::Tensor y, const at::Tensor& x, const c10::optional<at::Tensor>& bias, int64_t N) {
+  if (bias.has_value() && bias->defined()) y.add_(bias->to(at::kFloat));
+  auto sizes = x.sizes().vec();
+  sizes.back() = N;
+  return y.to(x.scalar_type()).view(sizes);
+}
+
+at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+  int64_t N = w.size(0), K = w.size(1);
+  check(x, w, K);
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "linear_bf16: bf16 x and w");
+  auto wc = w.contiguous();
+  auto x2 = x.reshape({-1, K}).contiguous();
+  int64_t M = x2.size(0);
+  auto y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  auto W = reinterpret_cast<const uint16_t*>(wc.data_ptr<at::BFloat16>());
+  float* Y = y.data_ptr<float>();
+  if (g_isa == 2) {
+    auto X = reinterpret_cast<const uint16_t*>(x2.data_ptr<at::BFloat16>());
+    over_rows(N, K, [&](int64_t n0, int64_t n1) { bf16_512(W, X, K, M, N, n0, n1, Y); });
+  } else {
+    auto xf = x2.to(at::kFloat);
+    const float* X = xf.data_ptr<float>();
+    over_rows(N, K, [&](int64_t n0, int64_t n1) { bf16_avx2(W, X, K, M, N, n0, n1, Y); });
+  }
+  return finish(y, x, bias, N);
+}
+
+at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
+                       const c10::optional<at::Tensor>& bias) {
+  int64_t N = q.size(0), K = q.size(1);
+  check(x, q, K);
+  TORCH_CHECK(q.scalar_type() == at::kChar, "linear_int8: int8 weights");
+  TORCH_CHECK(scale.numel() == N, "linear_int8: one scale per row");
+  auto qc = q.contiguous();
+  auto xf = x.reshape({-1, K}).to(at::kFloat).contiguous();
+  int64_t M = xf.size(0);
+  auto xq = at::empty({M, K}, x.options().dtype(at::kShort));
+  auto xs = at::empty({M, 1}, x.options().dtype(at::kFloat));
+  quantize_rows(xf.data_ptr<float>(), M, K, xq.data_ptr<int16_t>(), xs.data_ptr<float>());
+  auto acc = at::empty({M, N}, x.options().dtype(at::kInt));
+  const int8_t* W = qc.data_ptr<int8_t>();
+  const int16_t* X = xq.data_ptr<int16_t>();
+  int32_t* Y = acc.data_ptr<int32_t>();
+  if (g_isa == 2)
+    over_rows(N, K, [&](int64_t n0, int64_t n1) { int8_512(W, X, K, M, N, n0, n1, Y); });
+  else
+    over_rows(N, K, [&](int64_t n0, int64_t n1) { int8_avx2(W, X, K, M, N, n0, n1, Y); });
+  auto y = acc.to(at::kFloat).mul_(xs).mul_(scale.to(at::kFloat).reshape({1, N}));
+  return finish(y, x, bias, N);
+}
+
+at::Tensor linear_meta(const at::Tensor& x, const at::Tensor& w) {
+  auto sizes = x.sizes().vec();
+  sizes.back() = w.size(0);
+  return at::empty(sizes, x.options());
+}
+at::Tensor linear_bf16_meta(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>&) {
+  return linear_meta(x, w);
+}
+at::Tensor linear_int8_meta(const at::Tensor& x, const at::Tensor& q, const at::Tensor&,
+                            const c10::optional<at::Tensor>&) {
+  return linear_meta(x, q);
+}
+
+// the ISA the kernels use: the best this CPU has, capped at `cap`
+int64_t use_isa(int64_t cap) {
+  g_isa = std::min(cap, cpu_isa());
+  return g_isa;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(layerline_cpu, m) {
+  m.def("linear_bf16(Tensor x, Tensor w, Tensor? bias=None) -> Tensor");
+  m.def("linear_int8(Tensor x, Tensor q, Tensor scale, Tensor? bias=None) -> Tensor");
+  m.def("use_isa(int cap) -> int", &use_isa);
+}
+TORCH_LIBRARY_IMPL(layerline_cpu, CPU, m) {
+  m.impl("linear_bf16", linear_bf16);
+  m.impl("linear_int8", linear_int8);
+}
+TORCH_LIBRARY_IMPL(layerline_cpu, Meta, m) {
+  m.impl("linear_bf16", linear_bf16_meta);
+  m.impl("linear_int8", linear_int8_meta);
+}
+"""
+
+
+class _State:
+    tried = False
+    isa: str | None = None    # the ISA in use, None when the kernels are off
+    why_off: str | None = None
+
+
+_S = _State()
+
+
+def status() -> str:
+    """The kernels' state in a word or a line: "avx512-bf16", "avx2", or "off: why"."""
+    if not _S.tried:
+        return "off: not loaded (only CPU stages at bf16, int8 or int4 load them)"
+    return _S.isa or f"off: {_S.why_off}"
+
+
+def enabled() -> bool:
+    return _S.isa is not None
+
+
+def cache_dir() -> Path:
+    d = os.environ.get("LAYERLINE_KERNEL_CACHE")
+    if d:
+        return Path(d)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "layerline" / "kernels"
+
+
+def _build() -> Path:
+    """The compiled library, built into the cache unless already there (one builder at a time)."""
+    cxx = os.environ.get("CXX") or "g++"
+    if not shutil.which(cxx):
+        raise RuntimeError(f"no C++ compiler ({cxx}) on PATH; install g++ or set CXX")
+    torch_dir = Path(torch.__file__).parent
+    flags = ["-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp", "-w",
+             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+             f"-I{torch_dir / 'include'}", f"-L{torch_dir / 'lib'}", "-lc10", "-ltorch_cpu"]
+    key = hashlib.sha256("\0".join([SOURCE, torch.__version__, cxx, *flags]).encode()).hexdigest()[:16]
+    d = cache_dir()
+    d.mkdir(parents=True, exist_ok=True)
+    lib = d / f"layerline_cpu-{key}.so"
+    if lib.exists():
+        return lib
+    with open(d / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another process building the same one: wait for it
+        if lib.exists():
+            return lib
+        print(f"layerline: building CPU kernels into {d} (once, about 10 s)", file=sys.stderr, flush=True)
+        with tempfile.TemporaryDirectory(dir=d) as tmp:
+            src, out = Path(tmp) / "layerline_cpu.cpp", Path(tmp) / "layerline_cpu.so"
+            src.write_text(SOURCE)
+            r = subprocess.run([cxx, str(src), "-o", str(out), *flags], capture_output=True, text=True,
+                               timeout=BUILD_TIMEOUT_S)
+            if r.returncode != 0:
+                last = (r.stderr.strip().splitlines() or [f"rc {r.returncode}"])[-1]
+                raise RuntimeError(f"{cxx} failed: {last}")
+            os.replace(out, lib)
+    return lib
+
+
+def load() -> bool:
+    """Build (once per cache) and load the kernels; whether they are in use. Never raises: a host
+    that cannot have them decodes with torch's kernels, and `status()` says why."""
+    if _S.tried:
+        return enabled()
+    _S.tried = True
+    want = os.environ.get("LAYERLINE_CPU_KERNELS", "auto").strip().lower()
+    if want == "off":
+        _S.why_off = "LAYERLINE_CPU_KERNELS=off"
+        return False
+    if want not in ("auto", *ISAS):
+        _S.why_off = f"LAYERLINE_CPU_KERNELS={want}: not auto, off, {', '.join(ISAS)}"
+        print(f"layerline: {_S.why_off}; decoding with torch's kernels", file=sys.stderr, flush=True)
+        return False
+    try:
+        torch.ops.load_library(str(_build()))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        _S.why_off = str(e).splitlines()[0] if str(e) else type(e).__name__
+        print(f"layerline: CPU kernels unavailable ({_S.why_off}); decoding with torch's kernels",
+              file=sys.stderr, flush=True)
+        return False
+    return use_isa("avx512-bf16" if want == "auto" else want)
+
+
+def use_isa(cap: str) -> bool:
+    """Use the best ISA this CPU has up to `cap` ("off", "avx2" or "avx512-bf16"); whether any. Tests
+    use it to run the AVX2 kernels on an AVX-512 CPU, or torch's kernels ("off") beside them."""
+    got = int(torch.ops.layerline_cpu.use_isa(ISAS.get(cap, 0)))
+    _S.isa = {v: k for k, v in ISAS.items()}.get(got)
+    if _S.isa is None:
+        _S.why_off = "turned off" if cap == "off" else "this CPU has neither AVX2 + FMA nor AVX-512 BF16 + VNNI"
+    return enabled()
+
+
+def _takes(x: torch.Tensor, k: int) -> bool:
+    return _S.isa is not None and x.device.type == "cpu" and k % K_MULTIPLE == 0 and x.numel() <= MAX_ROWS * k
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, through `linear_bf16` for a few bf16 rows."""
+    if x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16 and _takes(x, w.shape[1]):
+        return torch.ops.layerline_cpu.linear_bf16(x, w, bias)
+    return F.linear(x, w, bias)
+
+
+def linear_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """`linear_int8` of a few rows, or None where the kernels do not apply (the caller's path)."""
+    if x.dtype in (torch.bfloat16, torch.float32, torch.float16) and _takes(x, q.shape[1]):
+        return torch.ops.layerline_cpu.linear_int8(x, q, scale, bias)
+    return None

@@ -1,0 +1,174 @@
+"""The decode kernels (`layerline.model.cpu_kernels`), built with the host's g++ as a worker builds them.
+
+For each ISA this CPU has (AVX2 + FMA; AVX-512 BF16 + VNNI): bf16 and int8 linear layers of 1-8
+rows agree with a float64 product, with and without bias, for widths that are not a multiple of
+the kernels' blocks and K that is 32 times an odd number; a row's result is bit for bit the same
+whatever else is in the call and whatever the thread count (a greedy request's tokens do not depend
+on its batch). More than 8 rows, fp32, or K not a multiple of 32 go to torch's kernels. A bf16 and
+an int8 stage decode with them to logits close to torch's kernels'. Where they cannot be built (no
+compiler, `LAYERLINE_CPU_KERNELS=off`) a stage still loads and decodes, and `status()` says why.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from layerline.model import cpu_kernels
+from layerline.model.quant import quantize_rows
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return {w for line in f if line.startswith("flags") for w in line.split()}
+    except OSError:
+        return set()
+
+
+FLAGS = _cpu_flags()
+ISAS = [isa for isa, need in (("avx2", {"avx2", "fma"}),
+                              ("avx512-bf16", {"avx512f", "avx512bw", "avx512_bf16", "avx512_vnni"}))
+        if need <= FLAGS]
+pytestmark = pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or not ISAS,
+                                reason="the kernels are x86-64 (AVX2 or AVX-512)")
+
+
+@pytest.fixture(params=ISAS)
+def isa(request):
+    assert cpu_kernels.load(), cpu_kernels.status()  # this machine has g++: the build must work
+    cpu_kernels.use_isa(request.param)
+    assert cpu_kernels.status() == request.param
+    yield request.param
+    cpu_kernels.use_isa("avx512-bf16")  # the best this CPU has again
+
+
+def _close(y: torch.Tensor, ref: torch.Tensor, rel: float) -> None:
+    err = (y.double() - ref).abs().max().item()
+    assert err <= rel * ref.abs().max().item(), f"max error {err} of {ref.abs().max().item()}"
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 100, 64), (3, 1027, 96), (8, 258, 1024), (5, 4, 32)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_kernels_equal_the_float64_product(isa, m, n, k, bias):
+    g = torch.Generator().manual_seed(m * n + k)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    w = torch.randn(n, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    ref = F.linear(x.double(), w.double(), None if b is None else b.double())
+    y = torch.ops.layerline_cpu.linear_bf16(x, w, b)
+    assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+    _close(y, ref, 0.01)  # the output's bf16 rounding
+    q, s = quantize_rows(torch.randn(n, k, generator=g))
+    for dt in (torch.bfloat16, torch.float32):
+        ref8 = F.linear(x.double(), q.double() * s.double()[:, None], None if b is None else b.double())
+        y8 = torch.ops.layerline_cpu.linear_int8(x.to(dt), q, s, b)
+        assert y8.dtype == dt and y8.shape == (m, n)
+        _close(y8, ref8, 0.01 if dt == torch.bfloat16 else 2e-4)  # x as int16 codes: about 1/30000
+
+
+def test_a_row_has_the_same_bits_in_any_batch_and_thread_count(isa):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(8, 1, 512, generator=g).bfloat16()
+    w = torch.randn(4099, 512, generator=g).bfloat16()  # rows in blocks of 4 and a tail of 3
+    q, s = quantize_rows(w.float())
+    threads = torch.get_num_threads()
+    try:
+        for op, args in ((torch.ops.layerline_cpu.linear_bf16, (w,)),
+                         (torch.ops.layerline_cpu.linear_int8, (q, s))):
+            torch.set_num_threads(2)
+            batch = op(x, *args)
+            assert batch.shape == (8, 1, 4099)
+            torch.set_num_threads(1)
+            for i in range(8):
+                assert torch.equal(op(x[i:i + 1], *args)[0], batch[i]), (op, i)
+            assert torch.equal(op(x[2:6], *args), batch[2:6])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_dispatch_takes_a_few_bf16_rows_and_leaves_the_rest_to_torch(isa, monkeypatch):
+    calls = []
+    real_bf16, real_int8 = torch.ops.layerline_cpu.linear_bf16, torch.ops.layerline_cpu.linear_int8
+
+    class Spy:
+        def __getattr__(self, name):
+            calls.append(name)
+            return {"linear_bf16": real_bf16, "linear_int8": real_int8}[name]
+
+    monkeypatch.setattr(torch.ops, "layerline_cpu", Spy())
+    w = torch.randn(64, 96).bfloat16()
+    q, s = quantize_rows(w.float())
+    for x, used in ((torch.randn(1, 96), False),                   # fp32: torch's
+                    (torch.randn(2, 4, 96).bfloat16(), True),       # 8 rows: the kernel
+                    (torch.randn(9, 96).bfloat16(), False),         # 9 rows (a prefill): torch's
+                    (torch.randn(1, 80).bfloat16(), False)):        # K not a multiple of 32: torch's
+        calls.clear()
+        ww = w if x.shape[-1] == 96 else torch.randn(64, 80).bfloat16()
+        y = cpu_kernels.linear(x, ww.to(x.dtype))
+        assert calls == (["linear_bf16"] if used else []), (x.shape, x.dtype)
+        torch.testing.assert_close(y.float(), F.linear(x.float(), ww.to(x.dtype).float()), rtol=0.02, atol=0.1)
+        if x.shape[-1] == 96:
+            calls.clear()
+            y8 = cpu_kernels.linear_int8(x, q, s)
+            rows = x.numel() // 96
+            assert (y8 is not None) == (rows <= cpu_kernels.MAX_ROWS)
+            assert calls == (["linear_int8"] if rows <= cpu_kernels.MAX_ROWS else [])
+
+
+@pytest.mark.parametrize("precision", ["bf16", "int8"])
+def test_a_stage_decodes_with_the_kernels_close_to_torchs(tmp_path, isa, precision):
+    from layerline.checkpoint import write_demo_checkpoint
+    from layerline.model.loader import load_stage
+    ck = str(write_demo_checkpoint(tmp_path / "m", layers=2, hidden=256, vocab=512, dtype="float32"))
+    stage = load_stage(ck, 0, 2, True, True, precision)
+    ids = torch.tensor([[5, 17, 3, 99, 42]])
+
+    def decode():
+        cache = stage.new_cache(2, 16)
+        out = [stage(ids.expand(2, -1), 0, cache)[:, -1]]
+        for i in range(3):  # one-token steps of two rows: the kernels (prefill: torch's)
+            out.append(stage(torch.tensor([[7 + i], [9 + i]]), 5 + i, cache)[:, -1])
+        return torch.stack(out)
+
+    ours = decode()
+    cpu_kernels.use_isa("off")  # torch's kernels for the same stage
+    try:
+        theirs = decode()
+    finally:
+        cpu_kernels.use_isa(isa)
+    assert not torch.equal(ours[1:], theirs[1:])  # the steps did go through other kernels
+    assert torch.equal(ours[0], theirs[0])        # the prefill did not
+    _close(ours, theirs.double(), 0.03)
+
+
+def _status_in_subprocess(tmp_path, **env) -> dict:
+    code = ("import json, torch; from layerline.checkpoint import write_demo_checkpoint;"
+            "from layerline.model.loader import load_stage; from layerline.model import cpu_kernels;"
+            f"ck = write_demo_checkpoint({str(tmp_path / 'm')!r}, layers=1, hidden=64, vocab=100, dtype='float32');"
+            "s = load_stage(str(ck), 0, 1, True, True, 'bf16'); c = s.new_cache(1, 8); s(torch.tensor([[1, 2]]), 0, c);"
+            "y = s(torch.tensor([[3]]), 2, c);"
+            "print(json.dumps({'status': cpu_kernels.status(), 'finite': bool(torch.isfinite(y).all())}))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "LAYERLINE_KERNEL_CACHE": str(tmp_path / "kernels"), **env})
+    assert r.returncode == 0, r.stderr
+    return {**json.loads(r.stdout.strip().splitlines()[-1]), "stderr": r.stderr}
+
+
+def test_without_a_compiler_a_stage_decodes_with_torchs_kernels_and_says_why(tmp_path):
+    out = _status_in_subprocess(tmp_path, CXX="/nonexistent/g++")
+    assert out["status"] == "off: no C++ compiler (/nonexistent/g++) on PATH; install g++ or set CXX"
+    assert out["finite"] and "CPU kernels unavailable (no C++ compiler" in out["stderr"]
+    assert "Traceback" not in out["stderr"]
+    out = _status_in_subprocess(tmp_path, LAYERLINE_CPU_KERNELS="off")
+    assert out["status"] == "off: LAYERLINE_CPU_KERNELS=off" and out["finite"]
+    out = _status_in_subprocess(tmp_path, LAYERLINE_CPU_KERNELS="sse9")
+    assert out["status"].startswith("off: LAYERLINE_CPU_KERNELS=sse9: not auto, off") and out["finite"]
