@@ -48,6 +48,7 @@ SOURCE = r"""
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 namespace {
 
@@ -230,27 +231,31 @@ void int8_avx2(const int8_t* w, const int16_t* x, int64_t K, int64_t M, int64_t 
 // Each row of x [M, K] as int16 codes and one float scale: x ~ code * s, |code| <= cmax, where cmax
 // keeps every int32 lane's sum of (int8 weight x code) products from overflowing (each lane sums at
 // most K / 8 of them, each below 127 * cmax): 32767 up to K = 4096, 14 bits at K = 16384.
-void quantize_rows(const float* x, int64_t M, int64_t K, int16_t* q, float* s) {
-  const double cmax = std::min(32767.0, std::floor(2147483647.0 / (127.0 * (double)(K / 8 + 1))));
+template <typename T>
+void quantize_rows(const T* x, int64_t M, int64_t K, int16_t* q, float* s) {
+  const float cmax = (float)std::min(32767.0, std::floor(2147483647.0 / (127.0 * (double)(K / 8 + 1))));
   for (int64_t m = 0; m < M; ++m) {
-    const float* xm = x + m * K;
+    const T* xm = x + m * K;
     float amax = 0.f;
-    for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(xm[k]));
-    float sc = amax > 0.f ? (float)(amax / cmax) : 1.f;
+    for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(static_cast<float>(xm[k])));
+    float sc = amax > 0.f ? amax / cmax : 1.f;
     float inv = 1.f / sc;
-    for (int64_t k = 0; k < K; ++k) q[m * K + k] = (int16_t)std::nearbyint(std::min((float)cmax, std::max(-(float)cmax, xm[k] * inv)));
+    for (int64_t k = 0; k < K; ++k)
+      q[m * K + k] = (int16_t)std::nearbyint(std::min(cmax, std::max(-cmax, static_cast<float>(xm[k]) * inv)));
     s[m] = sc;
   }
 }
 
-void check(const at::Tensor& x, const at::Tensor& w, int64_t K) {
+void check(const at::Tensor& x, const at::Tensor& w, int64_t K, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(g_isa > 0, "layerline_cpu: no kernel for this CPU (AVX2 + FMA or AVX-512 BF16 needed)");
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "layerline_cpu: CPU tensors only");
   TORCH_CHECK(w.dim() == 2 && x.size(-1) == K, "layerline_cpu: x [..., K] and w [N, K] expected");
   TORCH_CHECK(K % 32 == 0, "layerline_cpu: K must be a multiple of 32");
+  TORCH_CHECK(!bias.has_value() || !bias->defined() || bias->numel() == w.size(0), "layerline_cpu: one bias per row of w");
 }
 
-// rows [0, N) in blocks of 4, split over torch's threads; a block streams 4 * K weights
+// rows [0, N) in blocks of 4, split over torch's threads; a block streams 4 * K weights. body(n0, n1)
+// computes rows [n0, n1) and writes their outputs, while they are in cache.
 template <typename F>
 void over_rows(int64_t N, int64_t K, F body) {
   int64_t blocks = (N + 3) / 4;
@@ -258,56 +263,94 @@ void over_rows(int64_t N, int64_t K, F body) {
   at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) { body(b0 * 4, std::min(N, b1 * 4)); });
 }
 
-at::Tensor finish(at::Tensor y, const at::Tensor& x, const c10::optional<at::Tensor>& bias, int64_t N) {
-  if (bias.has_value() && bias->defined()) y.add_(bias->to(at::kFloat));
-  auto sizes = x.sizes().vec();
-  sizes.back() = N;
-  return y.to(x.scalar_type()).view(sizes);
+// out[m, n] = sums[m, n] (* xs[m] * ws[n]) (+ bias[n]) in the output's dtype, for n in [n0, n1)
+template <typename S, typename T>
+void store(const S* sums, int64_t M, int64_t N, int64_t n0, int64_t n1, const float* xs, const float* ws,
+           const float* bias, T* out) {
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = n0; n < n1; ++n) {
+      float v = static_cast<float>(sums[m * N + n]);
+      if (xs) v = v * xs[m] * ws[n];
+      if (bias) v = v + bias[n];
+      out[m * N + n] = static_cast<T>(v);
+    }
 }
+
+// y [..., N] in x's dtype, sums [M, N] (the kernels' scratch), bias as float (or undefined)
+struct Out {
+  at::Tensor y, sums, bias;
+  Out(const at::Tensor& x, int64_t M, int64_t N, at::ScalarType sum_type, const c10::optional<at::Tensor>& b) {
+    auto sizes = x.sizes().vec();
+    sizes.back() = N;
+    y = at::empty(sizes, x.options());
+    sums = at::empty({M, N}, x.options().dtype(sum_type));
+    if (b.has_value() && b->defined()) bias = b->to(at::kFloat).contiguous();
+  }
+  const float* b() const { return bias.defined() ? bias.data_ptr<float>() : nullptr; }
+  template <typename S>
+  void store_rows(int64_t M, int64_t N, int64_t n0, int64_t n1, const float* xs, const float* ws) {
+    const S* s = sums.data_ptr<S>();
+    switch (y.scalar_type()) {
+      case at::kBFloat16: store(s, M, N, n0, n1, xs, ws, b(), y.data_ptr<at::BFloat16>()); break;
+      case at::kHalf: store(s, M, N, n0, n1, xs, ws, b(), y.data_ptr<at::Half>()); break;
+      default: store(s, M, N, n0, n1, xs, ws, b(), y.data_ptr<float>());
+    }
+  }
+};
 
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
   int64_t N = w.size(0), K = w.size(1);
-  check(x, w, K);
+  check(x, w, K, bias);
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "linear_bf16: bf16 x and w");
   auto wc = w.contiguous();
   auto x2 = x.reshape({-1, K}).contiguous();
   int64_t M = x2.size(0);
-  auto y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  Out out(x, M, N, at::kFloat, bias);
   auto W = reinterpret_cast<const uint16_t*>(wc.data_ptr<at::BFloat16>());
-  float* Y = y.data_ptr<float>();
-  if (g_isa == 2) {
-    auto X = reinterpret_cast<const uint16_t*>(x2.data_ptr<at::BFloat16>());
-    over_rows(N, K, [&](int64_t n0, int64_t n1) { bf16_512(W, X, K, M, N, n0, n1, Y); });
-  } else {
-    auto xf = x2.to(at::kFloat);
-    const float* X = xf.data_ptr<float>();
-    over_rows(N, K, [&](int64_t n0, int64_t n1) { bf16_avx2(W, X, K, M, N, n0, n1, Y); });
+  auto X = reinterpret_cast<const uint16_t*>(x2.data_ptr<at::BFloat16>());
+  float* Y = out.sums.data_ptr<float>();
+  std::vector<float> xf;
+  if (g_isa == 1) {  // AVX2: x as fp32, once
+    xf.resize(M * K);
+    const at::BFloat16* xb = x2.data_ptr<at::BFloat16>();
+    for (int64_t i = 0; i < M * K; ++i) xf[i] = static_cast<float>(xb[i]);
   }
-  return finish(y, x, bias, N);
+  over_rows(N, K, [&](int64_t n0, int64_t n1) {
+    if (g_isa == 2) bf16_512(W, X, K, M, N, n0, n1, Y);
+    else bf16_avx2(W, xf.data(), K, M, N, n0, n1, Y);
+    out.store_rows<float>(M, N, n0, n1, nullptr, nullptr);
+  });
+  return out.y;
 }
 
 at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
                        const c10::optional<at::Tensor>& bias) {
   int64_t N = q.size(0), K = q.size(1);
-  check(x, q, K);
+  check(x, q, K, bias);
   TORCH_CHECK(q.scalar_type() == at::kChar, "linear_int8: int8 weights");
-  TORCH_CHECK(scale.numel() == N, "linear_int8: one scale per row");
+  TORCH_CHECK(scale.numel() == N && scale.scalar_type() == at::kFloat, "linear_int8: one float32 scale per row");
+  auto st = x.scalar_type();
+  TORCH_CHECK(st == at::kFloat || st == at::kBFloat16 || st == at::kHalf, "linear_int8: x fp32, bf16 or fp16");
   auto qc = q.contiguous();
-  auto xf = x.reshape({-1, K}).to(at::kFloat).contiguous();
-  int64_t M = xf.size(0);
-  auto xq = at::empty({M, K}, x.options().dtype(at::kShort));
-  auto xs = at::empty({M, 1}, x.options().dtype(at::kFloat));
-  quantize_rows(xf.data_ptr<float>(), M, K, xq.data_ptr<int16_t>(), xs.data_ptr<float>());
-  auto acc = at::empty({M, N}, x.options().dtype(at::kInt));
+  auto sc = scale.contiguous();
+  auto x2 = x.reshape({-1, K}).contiguous();
+  int64_t M = x2.size(0);
+  std::vector<int16_t> xq(M * K);
+  std::vector<float> xs(M);
+  if (st == at::kBFloat16) quantize_rows(x2.data_ptr<at::BFloat16>(), M, K, xq.data(), xs.data());
+  else if (st == at::kHalf) quantize_rows(x2.data_ptr<at::Half>(), M, K, xq.data(), xs.data());
+  else quantize_rows(x2.data_ptr<float>(), M, K, xq.data(), xs.data());
+  Out out(x, M, N, at::kInt, bias);
   const int8_t* W = qc.data_ptr<int8_t>();
-  const int16_t* X = xq.data_ptr<int16_t>();
-  int32_t* Y = acc.data_ptr<int32_t>();
-  if (g_isa == 2)
-    over_rows(N, K, [&](int64_t n0, int64_t n1) { int8_512(W, X, K, M, N, n0, n1, Y); });
-  else
-    over_rows(N, K, [&](int64_t n0, int64_t n1) { int8_avx2(W, X, K, M, N, n0, n1, Y); });
-  auto y = acc.to(at::kFloat).mul_(xs).mul_(scale.to(at::kFloat).reshape({1, N}));
-  return finish(y, x, bias, N);
+  const int16_t* X = xq.data();
+  int32_t* Y = out.sums.data_ptr<int32_t>();
+  const float* S = sc.data_ptr<float>();
+  over_rows(N, K, [&](int64_t n0, int64_t n1) {
+    if (g_isa == 2) int8_512(W, X, K, M, N, n0, n1, Y);
+    else int8_avx2(W, X, K, M, N, n0, n1, Y);
+    out.store_rows<int32_t>(M, N, n0, n1, xs.data(), S);
+  });
+  return out.y;
 }
 
 at::Tensor linear_meta(const at::Tensor& x, const at::Tensor& w) {
