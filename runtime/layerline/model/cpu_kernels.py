@@ -68,37 +68,51 @@ int64_t cpu_isa() {
 // A row's sum runs over k in the same lanes and order whether it is in a block of four or alone,
 // so its bits do not depend on M or on how the rows are split across threads.
 
+// A tile: R rows of W against MB rows of x, R x MB sums in registers. Each weight vector is loaded
+// once for all MB rows of x, so a step of several sequences streams W once; each (row, x row) sum
+// runs over k in the same order for any R and MB.
+template <int R, int MB>
 __attribute__((target("avx512f,avx512bw,avx512bf16")))
-inline __m512 dot32bf(__m512 acc, const uint16_t* w, const uint16_t* x) {
-  return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(w), (__m512bh)_mm512_loadu_si512(x));
-}
-
-// R rows of W against one row of x; each row's sum in the same order for any R
-template <int R>
-__attribute__((target("avx512f,avx512bw,avx512bf16")))
-inline void bf16_512_rows(const uint16_t* w, const uint16_t* xm, int64_t K, float* out) {
-  __m512 a[R];
-  for (int r = 0; r < R; ++r) a[r] = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k + 64 <= K; k += 64)
-    for (int r = 0; r < R; ++r) {
-      const uint16_t* row = w + r * K + k;
-      a[r] = dot32bf(a[r], row, xm + k);
-      a[r] = dot32bf(a[r], row + 32, xm + k + 32);
+inline void bf16_512_tile(const uint16_t* w, const uint16_t* x, int64_t K, int64_t N, float* y) {
+  __m512 a[R][MB];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MB; ++m) a[r][m] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 32) {
+    __m512bh wv[R];
+    for (int r = 0; r < R; ++r) wv[r] = (__m512bh)_mm512_loadu_si512(w + r * K + k);
+    for (int m = 0; m < MB; ++m) {
+      __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * K + k);
+      for (int r = 0; r < R; ++r) a[r][m] = _mm512_dpbf16_ps(a[r][m], wv[r], xv);
     }
-  for (; k < K; k += 32)
-    for (int r = 0; r < R; ++r) a[r] = dot32bf(a[r], w + r * K + k, xm + k);
-  for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(a[r]);
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MB; ++m) y[m * N + r] = _mm512_reduce_add_ps(a[r][m]);
 }
 
+template <int R, int MB>
 __attribute__((target("avx512f,avx512bw,avx512bf16")))
+void bf16_512_rows(const uint16_t* w, const uint16_t* x, int64_t K, int64_t N, int64_t n0, int64_t n1, float* y) {
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) bf16_512_tile<R, MB>(w + n * K, x, K, N, y + n);
+  for (; n < n1; ++n) bf16_512_tile<1, MB>(w + n * K, x, K, N, y + n);
+}
+
 void bf16_512(const uint16_t* w, const uint16_t* x, int64_t K, int64_t M, int64_t N,
               int64_t n0, int64_t n1, float* y) {
-  int64_t n = n0;
-  for (; n + 4 <= n1; n += 4)
-    for (int64_t m = 0; m < M; ++m) bf16_512_rows<4>(w + n * K, x + m * K, K, y + m * N + n);
-  for (; n < n1; ++n)
-    for (int64_t m = 0; m < M; ++m) bf16_512_rows<1>(w + n * K, x + m * K, K, y + m * N + n);
+  for (int64_t m0 = 0; m0 < M; m0 += 8) {
+    const uint16_t* xm = x + m0 * K;
+    float* ym = y + m0 * N;
+    switch (std::min<int64_t>(8, M - m0)) {
+      case 1: bf16_512_rows<4, 1>(w, xm, K, N, n0, n1, ym); break;
+      case 2: bf16_512_rows<4, 2>(w, xm, K, N, n0, n1, ym); break;
+      case 3: bf16_512_rows<4, 3>(w, xm, K, N, n0, n1, ym); break;
+      case 4: bf16_512_rows<4, 4>(w, xm, K, N, n0, n1, ym); break;
+      case 5: bf16_512_rows<2, 5>(w, xm, K, N, n0, n1, ym); break;
+      case 6: bf16_512_rows<2, 6>(w, xm, K, N, n0, n1, ym); break;
+      case 7: bf16_512_rows<2, 7>(w, xm, K, N, n0, n1, ym); break;
+      default: bf16_512_rows<2, 8>(w, xm, K, N, n0, n1, ym);
+    }
+  }
 }
 
 __attribute__((target("avx2,fma"))) inline float hsum256(__m256 v) {
@@ -146,46 +160,53 @@ void bf16_avx2(const uint16_t* w, const float* x, int64_t K, int64_t M, int64_t 
 
 // int8 weights against x quantized to int16 (`quantize_rows` below): exact int32 sums, so any order
 // gives the same bits
-__attribute__((target("avx512f,avx512bw,avx512vnni"))) inline __m512i i8x32(const int8_t* p) {
-  return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)p));
-}
-
+// int8 weights against x quantized to int16 (`quantize_rows` below): exact int32 sums, so any order
+// gives the same bits. Tiles as bf16's; each row's next cache lines are asked for PF bytes ahead.
+template <int R, int MB>
 __attribute__((target("avx512f,avx512bw,avx512vnni")))
-inline __m512i dot32(__m512i acc, const int8_t* w, const int16_t* x) {
-  return _mm512_dpwssd_epi32(acc, i8x32(w), _mm512_loadu_si512(x));
-}
-
-// rows in blocks of R, K in steps of 128 (a step of 32 at the end): more bytes of each row in flight
-// than one vector a turn, which one core's loads need to approach its share of the bandwidth
-template <int R>
-__attribute__((target("avx512f,avx512bw,avx512vnni")))
-inline void int8_512_rows(const int8_t* w, const int16_t* xm, int64_t K, int32_t* out) {
-  __m512i a[R];
-  for (int r = 0; r < R; ++r) a[r] = _mm512_setzero_si512();
-  int64_t k = 0;
-  for (; k + 128 <= K; k += 128)
+inline void int8_512_tile(const int8_t* w, const int16_t* x, int64_t K, int64_t N, int32_t* y) {
+  __m512i a[R][MB];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MB; ++m) a[r][m] = _mm512_setzero_si512();
+  for (int64_t k = 0; k < K; k += 32) {
+    __m512i wv[R];
     for (int r = 0; r < R; ++r) {
-      const int8_t* row = w + r * K + k;
-      _mm_prefetch((const char*)row + PF, _MM_HINT_T0);
-      _mm_prefetch((const char*)row + PF + 64, _MM_HINT_T0);
-      a[r] = dot32(a[r], row, xm + k);
-      a[r] = dot32(a[r], row + 32, xm + k + 32);
-      a[r] = dot32(a[r], row + 64, xm + k + 64);
-      a[r] = dot32(a[r], row + 96, xm + k + 96);
+      if ((k & 63) == 0) _mm_prefetch((const char*)(w + r * K + k) + PF, _MM_HINT_T0);
+      wv[r] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(w + r * K + k)));
     }
-  for (; k < K; k += 32)
-    for (int r = 0; r < R; ++r) a[r] = dot32(a[r], w + r * K + k, xm + k);
-  for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_epi32(a[r]);
+    for (int m = 0; m < MB; ++m) {
+      __m512i xv = _mm512_loadu_si512(x + m * K + k);
+      for (int r = 0; r < R; ++r) a[r][m] = _mm512_dpwssd_epi32(a[r][m], wv[r], xv);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MB; ++m) y[m * N + r] = _mm512_reduce_add_epi32(a[r][m]);
 }
 
+template <int R, int MB>
 __attribute__((target("avx512f,avx512bw,avx512vnni")))
+void int8_512_rows(const int8_t* w, const int16_t* x, int64_t K, int64_t N, int64_t n0, int64_t n1, int32_t* y) {
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) int8_512_tile<R, MB>(w + n * K, x, K, N, y + n);
+  for (; n < n1; ++n) int8_512_tile<1, MB>(w + n * K, x, K, N, y + n);
+}
+
 void int8_512(const int8_t* w, const int16_t* x, int64_t K, int64_t M, int64_t N,
               int64_t n0, int64_t n1, int32_t* y) {
-  int64_t n = n0;
-  for (; n + 4 <= n1; n += 4)
-    for (int64_t m = 0; m < M; ++m) int8_512_rows<4>(w + n * K, x + m * K, K, y + m * N + n);
-  for (; n < n1; ++n)
-    for (int64_t m = 0; m < M; ++m) int8_512_rows<1>(w + n * K, x + m * K, K, y + m * N + n);
+  for (int64_t m0 = 0; m0 < M; m0 += 8) {
+    const int16_t* xm = x + m0 * K;
+    int32_t* ym = y + m0 * N;
+    switch (std::min<int64_t>(8, M - m0)) {
+      case 1: int8_512_rows<4, 1>(w, xm, K, N, n0, n1, ym); break;
+      case 2: int8_512_rows<4, 2>(w, xm, K, N, n0, n1, ym); break;
+      case 3: int8_512_rows<4, 3>(w, xm, K, N, n0, n1, ym); break;
+      case 4: int8_512_rows<4, 4>(w, xm, K, N, n0, n1, ym); break;
+      case 5: int8_512_rows<2, 5>(w, xm, K, N, n0, n1, ym); break;
+      case 6: int8_512_rows<2, 6>(w, xm, K, N, n0, n1, ym); break;
+      case 7: int8_512_rows<2, 7>(w, xm, K, N, n0, n1, ym); break;
+      default: int8_512_rows<2, 8>(w, xm, K, N, n0, n1, ym);
+    }
+  }
 }
 
 __attribute__((target("avx2,fma"))) inline int32_t hsum256i(__m256i v) {
