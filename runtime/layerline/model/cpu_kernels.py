@@ -252,17 +252,35 @@ void int8_avx2(const int8_t* w, const int16_t* x, int64_t K, int64_t M, int64_t 
 // Each row of x [M, K] as int16 codes and one float scale: x ~ code * s, |code| <= cmax, where cmax
 // keeps every int32 lane's sum of (int8 weight x code) products from overflowing (each lane sums at
 // most K / 8 of them, each below 127 * cmax): 32767 up to K = 4096, 14 bits at K = 16384.
+__attribute__((target("avx2,fma,f16c"))) inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+__attribute__((target("avx2,fma,f16c"))) inline __m256 load8(const at::BFloat16* p) {
+  return bf16x8(reinterpret_cast<const uint16_t*>(p));
+}
+__attribute__((target("avx2,fma,f16c"))) inline __m256 load8(const at::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
+}
+
 template <typename T>
+__attribute__((target("avx2,fma,f16c")))
 void quantize_rows(const T* x, int64_t M, int64_t K, int16_t* q, float* s) {
   const float cmax = (float)std::min(32767.0, std::floor(2147483647.0 / (127.0 * (double)(K / 8 + 1))));
+  const __m256 sign = _mm256_set1_ps(-0.f);
   for (int64_t m = 0; m < M; ++m) {
     const T* xm = x + m * K;
-    float amax = 0.f;
-    for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(static_cast<float>(xm[k])));
+    __m256 mx = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 8) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, load8(xm + k)));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    float amax = _mm_cvtss_f32(h);
     float sc = amax > 0.f ? amax / cmax : 1.f;
-    float inv = 1.f / sc;
-    for (int64_t k = 0; k < K; ++k)
-      q[m * K + k] = (int16_t)std::nearbyint(std::min(cmax, std::max(-cmax, static_cast<float>(xm[k]) * inv)));
+    const __m256 inv = _mm256_set1_ps(1.f / sc), hi = _mm256_set1_ps(cmax), lo = _mm256_set1_ps(-cmax);
+    for (int64_t k = 0; k < K; k += 8) {
+      __m256 v = _mm256_round_ps(_mm256_mul_ps(load8(xm + k), inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      __m256i i = _mm256_cvtps_epi32(_mm256_min_ps(hi, _mm256_max_ps(lo, v)));
+      __m128i p = _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
+      _mm_storeu_si128((__m128i*)(q + m * K + k), p);
+    }
     s[m] = sc;
   }
 }
