@@ -1,7 +1,7 @@
 """Decode speed, as ratios against baselines measured in the same run.
 
     .venv/bin/python bench/bench_decode.py [--checkpoint DIR] [--prompt 128] [--new 64]
-        [--compile max-autotune|default|off] [--pipeline-compile off|default|max-autotune] [--parts abcd]
+        [--compile max-autotune|default|off] [--pipeline-compile off|default|max-autotune] [--parts abcdk]
 
 (a) one stage, in process, batch 1: layerline's decoder vs transformers generate, same
     checkpoint and dtype: eager, weight-only int8 and int4 (groups of 32, CPU kernel), and with
@@ -14,6 +14,8 @@
 (d) the per-hop cost of layerline's wire (validated header + frames, both ways) vs a raw
     ZeroMQ round trip of the same bytes, each echoed by another process (as workers are),
     rounds interleaved so both see the same machine;
+(k) layerline's decode kernels (`layerline.model.cpu_kernels`) vs torch's (oneDNN bf16,
+    `_weight_int8pack_mm`), the same eager stage at bf16 and at int8, switched round by round;
 (q) (only with --parts q) the precisions interleaved: transformers generate and one stage at
     bf16, int8 and int4 (eager, or compiled with --compile) held in one process, taking turns
     round by round, best of --rounds each, so a busy spell on a shared machine hits all alike.
@@ -231,7 +233,7 @@ def main(argv=None) -> dict:
                     help="the compiled setting (a) also measures (off: skip it)")
     ap.add_argument("--pipeline-compile", default="off", choices=COMPILE_MODES,
                     help="--compile for the workers of (b) and (c)")
-    ap.add_argument("--parts", default="abcd", help="which of (a)-(d) and (q) to run, e.g. a or q")
+    ap.add_argument("--parts", default="abcdk", help="which of (a)-(d), (k) and (q) to run, e.g. a or q")
     ap.add_argument("--rounds", type=int, default=4, help="(q): rounds of taking turns")
     ap.add_argument("--profile", action="store_true",
                     help="print where a decode step's time goes instead of running (a)-(d)")
@@ -257,6 +259,8 @@ def main(argv=None) -> dict:
         _parts_bc(a, ckpt, prompt, out)
     if "d" in a.parts:
         _part_d(out)
+    if "k" in a.parts:
+        _part_k(a, ckpt, prompt, out)
     if "q" in a.parts:
         _part_q(a, ckpt, prompt, dtype, out)
     return out
@@ -387,6 +391,38 @@ def _print_profile(res: dict, compile: str, new: int) -> None:
             ("step / copy bound", lambda r: f"{r['step_s'] / r['bound_copy_bw_s']:.2f}x"))
     for label, fn in rows:
         print(f"| {label} | " + " | ".join(fn(r) for r in res.values()) + " |", flush=True)
+
+
+def _part_k(a, ckpt: str, prompt: torch.Tensor, out: dict) -> None:
+    """(k): one eager stage per precision decoding with layerline's kernels and with torch's in
+    turns, best of --rounds each."""
+    from layerline.checkpoint import read_index
+    from layerline.model import cpu_kernels
+    from layerline.model.loader import load_stage
+    n, layers = prompt.shape[1], read_index(ckpt).num_layers
+    for prec in ("bf16", "int8"):
+        stage = load_stage(ckpt, 0, layers, True, True, precision=prec)
+        if not cpu_kernels.enabled():
+            print(f"(k) {prec}: no decode kernels here ({cpu_kernels.status()})", flush=True)
+            return
+        isa = cpu_kernels.status()
+        best = {"ours": 0.0, "torch": 0.0}
+        try:
+            for _ in range(a.rounds):
+                for who in best:
+                    cpu_kernels.use_isa(isa if who == "ours" else "off")
+                    cache = stage.new_cache(1, n + a.new + 1)
+                    tok = stage(prompt, start_pos=0, cache=cache)[:, -1:].argmax(-1)
+                    t0 = time.perf_counter()
+                    for i in range(a.new):
+                        tok = stage(tok, start_pos=n + i, cache=cache)[:, -1:].argmax(-1)
+                    best[who] = max(best[who], a.new / (time.perf_counter() - t0))
+        finally:
+            cpu_kernels.use_isa(isa)
+        out[f"k_{prec}"] = best
+        print(f"(k) decode kernels ({isa}) vs torch's, eager {prec}: {best['ours']:.1f} vs {best['torch']:.1f} "
+              f"tokens/s = {best['ours'] / best['torch']:.2f}x", flush=True)
+        del stage
 
 
 def _part_q(a, ckpt: str, prompt: torch.Tensor, dtype: torch.dtype, out: dict) -> None:
