@@ -599,9 +599,15 @@ def generate(pipe: Pipeline, prompts: list[list[int]], max_new_tokens: int, samp
     t0 = time.perf_counter()
     for s in seqs:
         eng.add(s)
+    # the driver's tensor work is sampling a few logits rows: on one thread, as the server's. With
+    # OpenMP's, one was left spinning after each step on a core the stages decode on (one local
+    # eager worker of the demo, libgomp's default spin: 32 -> 41-46 tokens/s on 2 cores)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     try:
         eng.run()
     finally:
+        torch.set_num_threads(threads)
         eng.close()
     out = [s.generated for s in seqs]
     return Generation(out, eng.steps, time.perf_counter() - t0, sum(len(t) for t in out), eng.replays,
