@@ -114,6 +114,8 @@ def test_compiled_worker_serves_without_recompiling(tmp_path):
         assert before["compiled_graphs"] >= 4  # steps of 1, 2, 4 and 8 rows
         # its compiled step, timed at warm-up: the launch keeps it as the mode's factor for the planner
         assert 0 < ready["step_s"] < 60 and before["step_s"] == ready["step_s"]
+        # an fp32 stage has no use for the decode kernels (bf16 / int8 only) and says so
+        assert ready["kernels"] == before["kernels"] and ready["kernels"].startswith("off: not loaded")
         prompts = [[1, 2, 3, 4], [9, 8, 7, 6], [5, 5, 5], [42], [3, 1, 4, 1, 5, 9, 2, 6], [7, 7, 1, 2]]
         with Pipeline(first, timeout_s=120) as pipe:
             g = generate(pipe, prompts, 6)

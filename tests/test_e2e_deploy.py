@@ -81,6 +81,9 @@ def test_deploy_drive_idempotent_teardown(run_vars):
     got = client.completions.create(model=model, prompt=[5, 17, 3, 99], max_tokens=4, temperature=0)
     ids = torch.tensor([[5, 17, 3, 99]])
     full = load_stage(str(home / "ckpt"), 0, 6, True, True, precision=plan["precision"])
+    from layerline.model import cpu_kernels
+    for s in actives:  # each worker says which decode kernels it runs: those of this machine
+        assert json.loads((home / "state" / s["host"] / "ready.json").read_text())["kernels"] == cpu_kernels.status()
     with torch.no_grad():
         for _ in range(4):
             ids = torch.cat([ids, full(ids)[:, -1:].argmax(-1)], dim=1)
