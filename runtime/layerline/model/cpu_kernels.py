@@ -12,8 +12,11 @@ rate a plain dot-product loop reaches (2 cores, AVX-512, a 32000x1024 bf16 matri
 Each output is one row's dot product over k in one fixed order (fp32 lanes, then their sum), the
 same for any number of rows in the call: a row's bits do not depend on what it is batched with.
 They run for up to `MAX_ROWS` rows (decode steps and the server's micro-batches; prefills stay with
-torch's GEMMs, which are faster for many rows) and K a multiple of 32. AVX-512 with BF16 (vdpbf16ps)
-or AVX2 + FMA, chosen at run time by the CPU; rows are split across torch's threads.
+torch's GEMMs, which are faster for many rows) and K a multiple of 32; rows are split across
+torch's threads. The ISA is chosen at run time: AVX-512 with BF16 and VNNI runs both ops
+(vdpbf16ps, vpdpwssd); AVX2 + FMA runs int8 only. An AVX2 bf16 kernel (bf16 widened to fp32, FMA)
+was tried and dropped: under AVX2 limits on an AVX-512 machine it read 19-25 GB/s where torch's
+own AVX2 bf16 GEMV read 28-30 (demo model eager: 0.74x of torch's).
 
 Built with the host's C++ compiler (`CXX`, else g++) against torch's headers into a cache
 (`LAYERLINE_KERNEL_CACHE`, else ~/.cache/layerline/kernels), once per source and torch version: about
@@ -126,40 +129,6 @@ __attribute__((target("avx2,fma"))) inline __m256 bf16x8(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
 }
 
-// x as fp32 [M, K] (converted once per call)
-__attribute__((target("avx2,fma")))
-void bf16_avx2(const uint16_t* w, const float* x, int64_t K, int64_t M, int64_t N,
-               int64_t n0, int64_t n1, float* y) {
-  int64_t n = n0;
-  for (; n + 4 <= n1; n += 4) {
-    const uint16_t *r0 = w + n * K, *r1 = r0 + K, *r2 = r1 + K, *r3 = r2 + K;
-    for (int64_t m = 0; m < M; ++m) {
-      const float* xm = x + m * K;
-      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-      for (int64_t k = 0; k < K; k += 8) {
-        __m256 xv = _mm256_loadu_ps(xm + k);
-        a0 = _mm256_fmadd_ps(bf16x8(r0 + k), xv, a0);
-        a1 = _mm256_fmadd_ps(bf16x8(r1 + k), xv, a1);
-        a2 = _mm256_fmadd_ps(bf16x8(r2 + k), xv, a2);
-        a3 = _mm256_fmadd_ps(bf16x8(r3 + k), xv, a3);
-      }
-      float* ym = y + m * N + n;
-      ym[0] = hsum256(a0); ym[1] = hsum256(a1); ym[2] = hsum256(a2); ym[3] = hsum256(a3);
-    }
-  }
-  for (; n < n1; ++n) {
-    const uint16_t* r0 = w + n * K;
-    for (int64_t m = 0; m < M; ++m) {
-      const float* xm = x + m * K;
-      __m256 a0 = _mm256_setzero_ps();
-      for (int64_t k = 0; k < K; k += 8) a0 = _mm256_fmadd_ps(bf16x8(r0 + k), _mm256_loadu_ps(xm + k), a0);
-      y[m * N + n] = hsum256(a0);
-    }
-  }
-}
-
-// int8 weights against x quantized to int16 (`quantize_rows` below): exact int32 sums, so any order
-// gives the same bits
 // int8 weights against x quantized to int16 (`quantize_rows` below): exact int32 sums, so any order
 // gives the same bits. Tiles as bf16's; each row's next cache lines are asked for PF bytes ahead.
 template <int R, int MB>
@@ -341,6 +310,7 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::opti
   int64_t N = w.size(0), K = w.size(1);
   check(x, w, K, bias);
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "linear_bf16: bf16 x and w");
+  TORCH_CHECK(g_isa == 2, "linear_bf16: AVX-512 BF16 only (on AVX2, torch's bf16 GEMV is the faster)");
   auto wc = w.contiguous();
   auto x2 = x.reshape({-1, K}).contiguous();
   int64_t M = x2.size(0);
@@ -348,15 +318,8 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::opti
   auto W = reinterpret_cast<const uint16_t*>(wc.data_ptr<at::BFloat16>());
   auto X = reinterpret_cast<const uint16_t*>(x2.data_ptr<at::BFloat16>());
   float* Y = out.sums.data_ptr<float>();
-  std::vector<float> xf;
-  if (g_isa == 1) {  // AVX2: x as fp32, once
-    xf.resize(M * K);
-    const at::BFloat16* xb = x2.data_ptr<at::BFloat16>();
-    for (int64_t i = 0; i < M * K; ++i) xf[i] = static_cast<float>(xb[i]);
-  }
   over_rows(N, K, [&](int64_t n0, int64_t n1) {
-    if (g_isa == 2) bf16_512(W, X, K, M, N, n0, n1, Y);
-    else bf16_avx2(W, xf.data(), K, M, N, n0, n1, Y);
+    bf16_512(W, X, K, M, N, n0, n1, Y);
     out.store_rows<float>(M, N, n0, n1, nullptr, nullptr);
   });
   return out.y;
@@ -528,8 +491,9 @@ def _takes(x: torch.Tensor, k: int) -> bool:
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, through `linear_bf16` for a few bf16 rows."""
-    if x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16 and _takes(x, w.shape[1]):
+    """F.linear, through `linear_bf16` for a few bf16 rows on an AVX-512 BF16 CPU."""
+    if (x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16 and _S.isa == "avx512-bf16"
+            and _takes(x, w.shape[1])):
         return torch.ops.layerline_cpu.linear_bf16(x, w, bias)
     return F.linear(x, w, bias)
 
