@@ -516,7 +516,14 @@ lower_priority(int(os.environ["NICE"]))
 t = threading.Thread(target=lambda: None)     # and one started after
 t.start()
 t.join()
-print(sorted({os.getpriority(os.PRIO_PROCESS, int(tid)) for tid in os.listdir("/proc/self/task")}))
+
+def prio(tid):
+    try:
+        return os.getpriority(os.PRIO_PROCESS, int(tid))
+    except ProcessLookupError:  # a thread that ended while listed (a joined one can linger a moment)
+        return None
+
+print(sorted({p for p in map(prio, os.listdir("/proc/self/task")) if p is not None}))
 print(open("/proc/self/autogroup").read().strip() if os.path.exists("/proc/self/autogroup") else "no autogroup")
 """
 

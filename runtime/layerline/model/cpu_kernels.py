@@ -67,56 +67,83 @@ int64_t cpu_isa() {
   return 0;
 }
 
-// Every kernel: rows [n0, n1) of W, each dotted with the M rows of x, into y [M, N] (fp32).
-// A row's sum runs over k in the same lanes and order whether it is in a block of four or alone,
-// so its bits do not depend on M or on how the rows are split across threads.
-
-// A tile: R rows of W against MB rows of x, R x MB sums in registers. Each weight vector is loaded
-// once for all MB rows of x, so a step of several sequences streams W once; each (row, x row) sum
-// runs over k in the same order for any R and MB.
-template <int R, int MB>
-__attribute__((target("avx512f,avx512bw,avx512bf16")))
-inline void bf16_512_tile(const uint16_t* w, const uint16_t* x, int64_t K, int64_t N, float* y) {
-  __m512 a[R][MB];
-  for (int r = 0; r < R; ++r)
-    for (int m = 0; m < MB; ++m) a[r][m] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k += 32) {
-    __m512bh wv[R];
-    for (int r = 0; r < R; ++r) wv[r] = (__m512bh)_mm512_loadu_si512(w + r * K + k);
-    for (int m = 0; m < MB; ++m) {
-      __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * K + k);
-      for (int r = 0; r < R; ++r) a[r][m] = _mm512_dpbf16_ps(a[r][m], wv[r], xv);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int m = 0; m < MB; ++m) y[m * N + r] = _mm512_reduce_add_ps(a[r][m]);
-}
-
-template <int R, int MB>
-__attribute__((target("avx512f,avx512bw,avx512bf16")))
-void bf16_512_rows(const uint16_t* w, const uint16_t* x, int64_t K, int64_t N, int64_t n0, int64_t n1, float* y) {
+// Every kernel: rows [n0, n1) of W, each dotted with the M rows of x, into y [M, N] (fp32 or int32
+// sums). A tile, Tile<R, MB>::run, is R rows of W against MB rows of x with R x MB sums in
+// registers: each weight vector is loaded once for all MB rows of x, so a step of several sequences
+// streams W once. Each (row, x row) sum runs over k in the same order for any R and MB, so a row's
+// bits do not depend on M or on how the rows are split across threads.
+template <template <int, int> class Tile, int R, int MB, typename W, typename X, typename Y>
+void tile_rows(const W* w, const X* x, int64_t K, int64_t N, int64_t n0, int64_t n1, Y* y) {
   int64_t n = n0;
-  for (; n + R <= n1; n += R) bf16_512_tile<R, MB>(w + n * K, x, K, N, y + n);
-  for (; n < n1; ++n) bf16_512_tile<1, MB>(w + n * K, x, K, N, y + n);
+  for (; n + R <= n1; n += R) Tile<R, MB>::run(w + n * K, x, K, N, y + n);
+  for (; n < n1; ++n) Tile<1, MB>::run(w + n * K, x, K, N, y + n);
 }
 
-void bf16_512(const uint16_t* w, const uint16_t* x, int64_t K, int64_t M, int64_t N,
-              int64_t n0, int64_t n1, float* y) {
+// x in chunks of up to 8 rows; 4 rows of W a tile up to 4 rows of x, then 2 (16 sums at most)
+template <template <int, int> class Tile, typename W, typename X, typename Y>
+void tiles(const W* w, const X* x, int64_t K, int64_t M, int64_t N, int64_t n0, int64_t n1, Y* y) {
   for (int64_t m0 = 0; m0 < M; m0 += 8) {
-    const uint16_t* xm = x + m0 * K;
-    float* ym = y + m0 * N;
+    const X* xm = x + m0 * K;
+    Y* ym = y + m0 * N;
     switch (std::min<int64_t>(8, M - m0)) {
-      case 1: bf16_512_rows<4, 1>(w, xm, K, N, n0, n1, ym); break;
-      case 2: bf16_512_rows<4, 2>(w, xm, K, N, n0, n1, ym); break;
-      case 3: bf16_512_rows<4, 3>(w, xm, K, N, n0, n1, ym); break;
-      case 4: bf16_512_rows<4, 4>(w, xm, K, N, n0, n1, ym); break;
-      case 5: bf16_512_rows<2, 5>(w, xm, K, N, n0, n1, ym); break;
-      case 6: bf16_512_rows<2, 6>(w, xm, K, N, n0, n1, ym); break;
-      case 7: bf16_512_rows<2, 7>(w, xm, K, N, n0, n1, ym); break;
-      default: bf16_512_rows<2, 8>(w, xm, K, N, n0, n1, ym);
+      case 1: tile_rows<Tile, 4, 1>(w, xm, K, N, n0, n1, ym); break;
+      case 2: tile_rows<Tile, 4, 2>(w, xm, K, N, n0, n1, ym); break;
+      case 3: tile_rows<Tile, 4, 3>(w, xm, K, N, n0, n1, ym); break;
+      case 4: tile_rows<Tile, 4, 4>(w, xm, K, N, n0, n1, ym); break;
+      case 5: tile_rows<Tile, 2, 5>(w, xm, K, N, n0, n1, ym); break;
+      case 6: tile_rows<Tile, 2, 6>(w, xm, K, N, n0, n1, ym); break;
+      case 7: tile_rows<Tile, 2, 7>(w, xm, K, N, n0, n1, ym); break;
+      default: tile_rows<Tile, 2, 8>(w, xm, K, N, n0, n1, ym);
     }
   }
 }
+
+// bf16: vdpbf16ps, pairs of bf16 products added into fp32 lanes
+template <int R, int MB>
+struct Bf16Tile {
+  __attribute__((target("avx512f,avx512bw,avx512bf16")))
+  static void run(const uint16_t* w, const uint16_t* x, int64_t K, int64_t N, float* y) {
+    __m512 a[R][MB];
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MB; ++m) a[r][m] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 32) {
+      __m512bh wv[R];
+      for (int r = 0; r < R; ++r) wv[r] = (__m512bh)_mm512_loadu_si512(w + r * K + k);
+      for (int m = 0; m < MB; ++m) {
+        __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * K + k);
+        for (int r = 0; r < R; ++r) a[r][m] = _mm512_dpbf16_ps(a[r][m], wv[r], xv);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MB; ++m) y[m * N + r] = _mm512_reduce_add_ps(a[r][m]);
+  }
+};
+
+// int8 weights against x quantized to int16 (`quantize_rows` below), vpdpwssd: exact int32 sums, so
+// any order gives the same bits. Each row's next cache lines are asked for PF bytes ahead: with a
+// widening per vector, too few of a core's loads are in flight otherwise.
+template <int R, int MB>
+struct Int8Tile {
+  __attribute__((target("avx512f,avx512bw,avx512vnni")))
+  static void run(const int8_t* w, const int16_t* x, int64_t K, int64_t N, int32_t* y) {
+    __m512i a[R][MB];
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MB; ++m) a[r][m] = _mm512_setzero_si512();
+    for (int64_t k = 0; k < K; k += 32) {
+      __m512i wv[R];
+      for (int r = 0; r < R; ++r) {
+        if ((k & 63) == 0) _mm_prefetch((const char*)(w + r * K + k) + PF, _MM_HINT_T0);
+        wv[r] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(w + r * K + k)));
+      }
+      for (int m = 0; m < MB; ++m) {
+        __m512i xv = _mm512_loadu_si512(x + m * K + k);
+        for (int r = 0; r < R; ++r) a[r][m] = _mm512_dpwssd_epi32(a[r][m], wv[r], xv);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MB; ++m) y[m * N + r] = _mm512_reduce_add_epi32(a[r][m]);
+  }
+};
 
 __attribute__((target("avx2,fma"))) inline float hsum256(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -127,55 +154,6 @@ __attribute__((target("avx2,fma"))) inline float hsum256(__m256 v) {
 
 __attribute__((target("avx2,fma"))) inline __m256 bf16x8(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
-}
-
-// int8 weights against x quantized to int16 (`quantize_rows` below): exact int32 sums, so any order
-// gives the same bits. Tiles as bf16's; each row's next cache lines are asked for PF bytes ahead.
-template <int R, int MB>
-__attribute__((target("avx512f,avx512bw,avx512vnni")))
-inline void int8_512_tile(const int8_t* w, const int16_t* x, int64_t K, int64_t N, int32_t* y) {
-  __m512i a[R][MB];
-  for (int r = 0; r < R; ++r)
-    for (int m = 0; m < MB; ++m) a[r][m] = _mm512_setzero_si512();
-  for (int64_t k = 0; k < K; k += 32) {
-    __m512i wv[R];
-    for (int r = 0; r < R; ++r) {
-      if ((k & 63) == 0) _mm_prefetch((const char*)(w + r * K + k) + PF, _MM_HINT_T0);
-      wv[r] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(w + r * K + k)));
-    }
-    for (int m = 0; m < MB; ++m) {
-      __m512i xv = _mm512_loadu_si512(x + m * K + k);
-      for (int r = 0; r < R; ++r) a[r][m] = _mm512_dpwssd_epi32(a[r][m], wv[r], xv);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int m = 0; m < MB; ++m) y[m * N + r] = _mm512_reduce_add_epi32(a[r][m]);
-}
-
-template <int R, int MB>
-__attribute__((target("avx512f,avx512bw,avx512vnni")))
-void int8_512_rows(const int8_t* w, const int16_t* x, int64_t K, int64_t N, int64_t n0, int64_t n1, int32_t* y) {
-  int64_t n = n0;
-  for (; n + R <= n1; n += R) int8_512_tile<R, MB>(w + n * K, x, K, N, y + n);
-  for (; n < n1; ++n) int8_512_tile<1, MB>(w + n * K, x, K, N, y + n);
-}
-
-void int8_512(const int8_t* w, const int16_t* x, int64_t K, int64_t M, int64_t N,
-              int64_t n0, int64_t n1, int32_t* y) {
-  for (int64_t m0 = 0; m0 < M; m0 += 8) {
-    const int16_t* xm = x + m0 * K;
-    int32_t* ym = y + m0 * N;
-    switch (std::min<int64_t>(8, M - m0)) {
-      case 1: int8_512_rows<4, 1>(w, xm, K, N, n0, n1, ym); break;
-      case 2: int8_512_rows<4, 2>(w, xm, K, N, n0, n1, ym); break;
-      case 3: int8_512_rows<4, 3>(w, xm, K, N, n0, n1, ym); break;
-      case 4: int8_512_rows<4, 4>(w, xm, K, N, n0, n1, ym); break;
-      case 5: int8_512_rows<2, 5>(w, xm, K, N, n0, n1, ym); break;
-      case 6: int8_512_rows<2, 6>(w, xm, K, N, n0, n1, ym); break;
-      case 7: int8_512_rows<2, 7>(w, xm, K, N, n0, n1, ym); break;
-      default: int8_512_rows<2, 8>(w, xm, K, N, n0, n1, ym);
-    }
-  }
 }
 
 __attribute__((target("avx2,fma"))) inline int32_t hsum256i(__m256i v) {
@@ -319,7 +297,7 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::opti
   auto X = reinterpret_cast<const uint16_t*>(x2.data_ptr<at::BFloat16>());
   float* Y = out.sums.data_ptr<float>();
   over_rows(N, K, [&](int64_t n0, int64_t n1) {
-    bf16_512(W, X, K, M, N, n0, n1, Y);
+    tiles<Bf16Tile>(W, X, K, M, N, n0, n1, Y);
     out.store_rows<float>(M, N, n0, n1, nullptr, nullptr);
   });
   return out.y;
@@ -348,7 +326,7 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   int32_t* Y = out.sums.data_ptr<int32_t>();
   const float* S = sc.data_ptr<float>();
   over_rows(N, K, [&](int64_t n0, int64_t n1) {
-    if (g_isa == 2) int8_512(W, X, K, M, N, n0, n1, Y);
+    if (g_isa == 2) tiles<Int8Tile>(W, X, K, M, N, n0, n1, Y);
     else int8_avx2(W, X, K, M, N, n0, n1, Y);
     out.store_rows<int32_t>(M, N, n0, n1, xs.data(), S);
   });
