@@ -145,13 +145,7 @@ struct Int8Tile {
   }
 };
 
-__attribute__((target("avx2,fma"))) inline float hsum256(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
+// AVX2 int8: x's codes made from bf16 x (below), then vpmaddwd sums as the AVX-512 tile's
 __attribute__((target("avx2,fma"))) inline __m256 bf16x8(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
 }
@@ -479,6 +473,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
 def linear_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
                 bias: torch.Tensor | None = None) -> torch.Tensor | None:
     """`linear_int8` of a few rows, or None where the kernels do not apply (the caller's path)."""
-    if x.dtype in (torch.bfloat16, torch.float32, torch.float16) and _takes(x, q.shape[1]):
+    if (x.dtype in (torch.bfloat16, torch.float32, torch.float16) and scale.dtype == torch.float32
+            and _takes(x, q.shape[1])):
         return torch.ops.layerline_cpu.linear_int8(x, q, scale, bias)
     return None
