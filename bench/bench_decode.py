@@ -393,13 +393,25 @@ def _print_profile(res: dict, compile: str, new: int) -> None:
         print(f"| {label} | " + " | ".join(fn(r) for r in res.values()) + " |", flush=True)
 
 
+def decode_rate(stage, prompt: torch.Tensor, new: int) -> float:
+    """Greedy decode tokens/s of one in-process stage after a prefill of `prompt` (a cache of just
+    what the run fills)."""
+    n = prompt.shape[1]
+    cache = stage.new_cache(1, n + new + 1)
+    tok = stage(prompt, start_pos=0, cache=cache)[:, -1:].argmax(-1)
+    t0 = time.perf_counter()
+    for i in range(new):
+        tok = stage(tok, start_pos=n + i, cache=cache)[:, -1:].argmax(-1)
+    return new / (time.perf_counter() - t0)
+
+
 def _part_k(a, ckpt: str, prompt: torch.Tensor, out: dict) -> None:
     """(k): one eager stage per precision decoding with layerline's kernels and with torch's in
     turns, best of --rounds each."""
     from layerline.checkpoint import read_index
     from layerline.model import cpu_kernels
     from layerline.model.loader import load_stage
-    n, layers = prompt.shape[1], read_index(ckpt).num_layers
+    layers = read_index(ckpt).num_layers
     for prec in ("bf16", "int8"):
         stage = load_stage(ckpt, 0, layers, True, True, precision=prec)
         if not cpu_kernels.enabled():
@@ -411,12 +423,7 @@ def _part_k(a, ckpt: str, prompt: torch.Tensor, out: dict) -> None:
             for _ in range(a.rounds):
                 for who in best:
                     cpu_kernels.use_isa(isa if who == "ours" else "off")
-                    cache = stage.new_cache(1, n + a.new + 1)
-                    tok = stage(prompt, start_pos=0, cache=cache)[:, -1:].argmax(-1)
-                    t0 = time.perf_counter()
-                    for i in range(a.new):
-                        tok = stage(tok, start_pos=n + i, cache=cache)[:, -1:].argmax(-1)
-                    best[who] = max(best[who], a.new / (time.perf_counter() - t0))
+                    best[who] = max(best[who], decode_rate(stage, prompt, a.new))
         finally:
             cpu_kernels.use_isa(isa)
         out[f"k_{prec}"] = best
@@ -431,7 +438,7 @@ def _part_q(a, ckpt: str, prompt: torch.Tensor, dtype: torch.dtype, out: dict) -
     from layerline.checkpoint import read_index
     from layerline.model.loader import load_stage
     from layerline.model.quant import int4_kernel_error
-    new, n = a.new, prompt.shape[1]
+    new = a.new
     hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype).eval()
 
     def hf_rate():
@@ -445,12 +452,7 @@ def _part_q(a, ckpt: str, prompt: torch.Tensor, dtype: torch.dtype, out: dict) -
         return new / max(1e-9, tn - t1)
 
     def rate(stage):
-        cache = stage.new_cache(1, n + new + 1)
-        tok = stage(prompt, start_pos=0, cache=cache)[:, -1:].argmax(-1)
-        t0 = time.perf_counter()
-        for i in range(new):
-            tok = stage(tok, start_pos=n + i, cache=cache)[:, -1:].argmax(-1)
-        return new / (time.perf_counter() - t0)
+        return decode_rate(stage, prompt, new)
 
     precs = [a.precision, "int8"] + (["int4"] if int4_kernel_error() is None else [])
     layers = read_index(ckpt).num_layers
