@@ -10,7 +10,9 @@ weights are in). Attention is torch's scaled_dot_product_attention (on the CPU i
 softmax in float32, grouped-query heads without copying K/V) over the keys in view behind a
 boolean mask: at bf16 a layer's one-token attention took 4-15x less time than the matmul +
 softmax it replaced (which built a oneDNN plan per shape), a 512-token prefill's 8-70x less, at
-fp32 as much or less (README, "Decode speed").
+fp32 as much or less (README, "Decode speed"). One new token per row on a CPU with the decode
+kernels goes through `cpu_kernels.decode_attention` instead (the k/v write and the attention in one
+C++ call): SDPA's flash kernel took about 100 us for one bf16 query over 130 keys, the kernel 11.
 
 Submodule names mirror HF's, so a stage's state_dict key is the HF tensor name without the
 leading "model." (layers are keyed by their global index): see `hf_name`.
@@ -487,9 +489,15 @@ class Attention(nn.Module):
                     kv: tuple | None, view: tuple) -> torch.Tensor:
         """One sequence (of B rows): write its k/v at `pos` into its (k, v) buffers `kv` (None: no
         cache) and attend over the keys in `view` (lo, hi, mask), read in place."""
+        lo, hi, mask = view
+        if kv is not None and q.shape[2] == 1:  # one new token: the decode kernel where it applies
+            n = q.shape[0]
+            out = cpu_kernels.decode_attention(q, k, v, list(zip(kv[0][:n].unbind(0), kv[1][:n].unbind(0))),
+                                               [hi - 1] * n, [lo] * n, self.scale)
+            if out is not None:
+                return out
         if kv is not None:
             k, v = kv_update(kv[0], kv[1], pos, k, v)
-        lo, hi, mask = view
         k, v = k[:, :, lo:hi], v[:, :, lo:hi]  # only the keys in view (without a cache: the new ones, from 0)
         return self._attend(q, k, v, mask)
 
@@ -499,6 +507,10 @@ class Attention(nn.Module):
         k/v into its own cache at pos[i] and attends over its own keys in place, one call per row.
         A row's numbers are then those of its sequence stepped alone: at bf16 a padded batch behind
         a mask gave other last bits, and greedy tokens that changed with what else was batched."""
+        out = cpu_kernels.decode_attention(q, k, v, [(c[0][0], c[1][0]) for c in kv], [hi - 1 for _, hi, _ in view],
+                                           [lo for lo, _, _ in view], self.scale)
+        if out is not None:
+            return out
         return torch.cat([self._attend_one(q[i:i + 1], k[i:i + 1], v[i:i + 1], pos[i], kv[i], view[i])
                           for i in range(q.shape[0])])
 
