@@ -630,8 +630,10 @@ def _build() -> Path:
             r = subprocess.run([cxx, str(src), "-o", str(out), *flags], capture_output=True, text=True,
                                timeout=BUILD_TIMEOUT_S)
             if r.returncode != 0:
-                last = (r.stderr.strip().splitlines() or [f"rc {r.returncode}"])[-1]
-                raise RuntimeError(f"{cxx} failed: {last}")
+                # the first error line (the last is often a caret line under the source)
+                lines = r.stderr.strip().splitlines()
+                first = next((ln for ln in lines if "error" in ln), lines[-1] if lines else f"rc {r.returncode}")
+                raise RuntimeError(f"{cxx} failed: {first.strip()}")
             os.replace(out, lib)
     return lib
 

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import math
 import threading
+import types
 from dataclasses import dataclass
 
 import torch
@@ -683,8 +684,15 @@ class Stage(nn.Module):
         # options= does not reach it); a worker process compiles nothing but its stage.
         torch._inductor.config.freezing = True
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-        kw = {"mode": "max-autotune-no-cudagraphs"} if mode == "max-autotune" else {}
-        self._step = torch.compile(self._forward, dynamic=False, **kw)
+        opts = torch._inductor.list_mode_options("max-autotune-no-cudagraphs") if mode == "max-autotune" else {}
+        # No guards on the modules and weights: checking them took 0.4-0.6 ms of a 7-13 ms step.
+        # Safe only because this stage's compiled forward is a code object of its own (dynamo keys
+        # its graphs by code object, and without those guards another stage of the same class
+        # would run this one's graph) and nothing replaces a stage's modules after loading.
+        f = Stage._forward
+        own = types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__, f.__closure__)
+        opts["guard_filter_fn"] = torch.compiler.skip_guard_on_all_nn_modules_unsafe
+        self._step = torch.compile(types.MethodType(own, self), dynamic=False, options=opts)
 
     @property
     def compiled(self) -> bool:
