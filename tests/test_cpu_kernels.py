@@ -180,7 +180,8 @@ def test_decode_attention_equals_the_float64_attention_and_writes_the_cache(isa,
     pos, lo = [0, 17, 299, 130], [0, 0, 40, 130]  # one key, a few, a sliding window, only the new one
     before = [(c.clone(), d.clone()) for c, d in caches]
     ref = _attention_ref(q, k, v, [c for c, _ in before], [d for _, d in before], pos, lo, hd ** -0.5)
-    out = cpu_kernels.decode_attention(q, k, v, caches, pos, lo, hd ** -0.5)
+    kc, vc = [c[None] for c, _ in caches[:2]] + [c for c, _ in caches[2:]], [d for _, d in caches]
+    out = cpu_kernels.decode_attention(q, k, v, kc, vc, pos, lo, hd ** -0.5)  # [1, nkv, ...] or [nkv, ...]
     assert out.dtype == dtype and out.shape == (n, 1, nh * hd)
     _close(out, ref, 0.01 if dtype == torch.bfloat16 else 1e-5)
     for i, ((c, d), (c0, d0)) in enumerate(zip(caches, before)):
@@ -191,24 +192,28 @@ def test_decode_attention_equals_the_float64_attention_and_writes_the_cache(isa,
     try:
         torch.set_num_threads(1)
         for i in range(n):
-            one = cpu_kernels.decode_attention(q[i:i + 1], k[i:i + 1], v[i:i + 1], caches[i:i + 1], pos[i:i + 1],
-                                               lo[i:i + 1], hd ** -0.5)
+            one = cpu_kernels.decode_attention(q[i:i + 1], k[i:i + 1], v[i:i + 1], [caches[i][0]], [caches[i][1]],
+                                               pos[i:i + 1], lo[i:i + 1], hd ** -0.5)
             assert torch.equal(one[0], out[i]), i
     finally:
         torch.set_num_threads(threads)
+    # rows past the caches given (a compiled step's padding) come out as zeros
+    part = cpu_kernels.decode_attention(q, k, v, kc[:2], vc[:2], pos[:2], lo[:2], hd ** -0.5)
+    assert part.shape == out.shape and torch.equal(part[:2], out[:2]) and not part[2:].any()
 
 
 def test_decode_attention_leaves_what_it_does_not_take_to_torch(isa):
     q = torch.randn(1, 4, 1, 64)
     k = v = torch.randn(1, 2, 1, 64)
-    cache = [(torch.zeros(2, 8, 64), torch.zeros(2, 8, 64))]
-    assert cpu_kernels.decode_attention(q.half(), k.half(), v.half(), [(c.half(), d.half()) for c, d in cache],
+    kc, vc = [torch.zeros(2, 8, 64)], [torch.zeros(2, 8, 64)]
+    assert cpu_kernels.decode_attention(q.half(), k.half(), v.half(), [kc[0].half()], [vc[0].half()],
                                         [3], [0], 0.125) is None            # fp16
-    assert cpu_kernels.decode_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), cache, [3], [0], 0.125) is None
+    assert cpu_kernels.decode_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), kc, vc, [3], [0], 0.125) is None
     q24, k24 = torch.randn(1, 4, 1, 24), torch.randn(1, 2, 1, 24)          # head_dim not a multiple of 16
-    assert cpu_kernels.decode_attention(q24, k24, k24, [(torch.zeros(2, 8, 24),) * 2], [3], [0], 0.125) is None
+    assert cpu_kernels.decode_attention(q24, k24, k24, [torch.zeros(2, 8, 24)], [torch.zeros(2, 8, 24)], [3], [0],
+                                        0.125) is None
     with pytest.raises(RuntimeError, match="0 <= lo <= pos < max_len"):
-        cpu_kernels.decode_attention(q, k, v, cache, [8], [0], 0.125)
+        cpu_kernels.decode_attention(q, k, v, kc, vc, [8], [0], 0.125)
 
 
 def _status_in_subprocess(tmp_path, **env) -> dict:

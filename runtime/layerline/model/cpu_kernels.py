@@ -485,9 +485,9 @@ void attend_task_avx2(const T* q, int64_t qs, const T* knew, const T* vnew, T* k
 
 template <typename T>
 void attend_all(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::vector<at::Tensor>& kc,
-                const std::vector<at::Tensor>& vc, c10::IntArrayRef pos, c10::IntArrayRef lo, double scale,
+                const std::vector<at::Tensor>& vc, int64_t n, c10::IntArrayRef pos, c10::IntArrayRef lo, double scale,
                 at::Tensor& out) {
-  const int64_t n = q.size(0), nh = q.size(1), hd = q.size(2), nkv = k.size(1), g = nh / nkv;
+  const int64_t nh = q.size(1), hd = q.size(2), nkv = k.size(1), g = nh / nkv;
   at::parallel_for(0, n * nkv, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> buf;
     for (int64_t t = t0; t < t1; ++t) {
@@ -506,23 +506,30 @@ void attend_all(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
   });
 }
 
-// q [n, nh, hd], k/v [n, nkv, hd]; kc/vc: per row its [nkv, max_len, hd] caches (views of any
-// batch), written at pos[i]; -> [n, 1, nh * hd] in q's dtype
-at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::TensorList kc,
+// q [B, nh, (1,) hd], k/v [B, nkv, (1,) hd]; kc/vc: for the first n <= B rows, each its
+// [(1,) nkv, max_len, hd] caches (views of any batch), written at pos[i]; -> [B, 1, nh * hd] in q's
+// dtype, zeros for rows past n (a compiled step's padding)
+at::Tensor decode_attention(const at::Tensor& q4, const at::Tensor& k4, const at::Tensor& v4, at::TensorList kc,
                             at::TensorList vc, c10::IntArrayRef pos, c10::IntArrayRef lo, double scale) {
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes(), "decode_attention: q [n, nh, hd], k/v [n, nkv, hd]");
-  const int64_t n = q.size(0), nh = q.size(1), hd = q.size(2), nkv = k.size(1);
-  TORCH_CHECK(k.size(0) == n && k.size(2) == hd && nkv > 0 && nh % nkv == 0 && hd % 16 == 0,
-              "decode_attention: n, heads (a multiple of the kv heads) and head_dim (a multiple of 16) must agree");
-  TORCH_CHECK((int64_t)kc.size() == n && (int64_t)vc.size() == n && (int64_t)pos.size() == n && (int64_t)lo.size() == n,
-              "decode_attention: one cache, position and first key per row");
+  auto one = [](const at::Tensor& t) { return t.dim() == 4 && t.size(2) == 1 ? t.select(2, 0) : t; };
+  const at::Tensor q = one(q4), k = one(k4), v = one(v4);
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes(),
+              "decode_attention: q [B, nh, 1, hd], k/v [B, nkv, 1, hd]");
+  const int64_t B = q.size(0), nh = q.size(1), hd = q.size(2), nkv = k.size(1), n = (int64_t)kc.size();
+  TORCH_CHECK(k.size(0) == B && k.size(2) == hd && nkv > 0 && nh % nkv == 0 && hd % 16 == 0,
+              "decode_attention: rows, heads (a multiple of the kv heads) and head_dim (a multiple of 16) must agree");
+  TORCH_CHECK(n <= B && (int64_t)vc.size() == n && (int64_t)pos.size() == n && (int64_t)lo.size() == n,
+              "decode_attention: one cache, position and first key per row, at most one per row of q");
   auto st = q.scalar_type();
   TORCH_CHECK(st == at::kFloat || st == at::kBFloat16, "decode_attention: fp32 or bf16");
   auto last1 = [](const at::Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguous(); };
   auto qc = last1(q), kk = last1(k), vv = last1(v);
   TORCH_CHECK(kk.scalar_type() == st && vv.scalar_type() == st, "decode_attention: q, k, v of one dtype");
-  std::vector<at::Tensor> kcs(kc.begin(), kc.end()), vcs(vc.begin(), vc.end());
+  auto cache = [](const at::Tensor& t) { return t.dim() == 4 && t.size(0) == 1 ? t.select(0, 0) : t; };
+  std::vector<at::Tensor> kcs, vcs;
   for (int64_t i = 0; i < n; ++i) {
+    kcs.push_back(cache(kc[i]));
+    vcs.push_back(cache(vc[i]));
     for (const auto& c : {kcs[i], vcs[i]})
       TORCH_CHECK(c.dim() == 3 && c.size(0) == nkv && c.size(2) == hd && c.stride(2) == 1 &&
                   c.scalar_type() == st && c.device().is_cpu(),
@@ -530,9 +537,9 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
     TORCH_CHECK(0 <= lo[i] && lo[i] <= pos[i] && pos[i] < kcs[i].size(1) && vcs[i].size(1) == kcs[i].size(1),
                 "decode_attention: 0 <= lo <= pos < max_len");
   }
-  auto out = at::empty({n, 1, nh * hd}, q.options());
-  if (st == at::kBFloat16) attend_all<at::BFloat16>(qc, kk, vv, kcs, vcs, pos, lo, scale, out);
-  else attend_all<float>(qc, kk, vv, kcs, vcs, pos, lo, scale, out);
+  auto out = n < B ? at::zeros({B, 1, nh * hd}, q.options()) : at::empty({B, 1, nh * hd}, q.options());
+  if (st == at::kBFloat16) attend_all<at::BFloat16>(qc, kk, vv, kcs, vcs, n, pos, lo, scale, out);
+  else attend_all<float>(qc, kk, vv, kcs, vcs, n, pos, lo, scale, out);
   return out;
 }
 
@@ -693,14 +700,13 @@ def linear_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
     return None
 
 
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]],
-                     pos: list[int], lo: list[int], scale: float) -> torch.Tensor | None:
-    """One new token per row (q [n, nh, 1, hd], k/v [n, nkv, 1, hd]): row i's k/v written at pos[i]
-    of its caches kv[i] ([nkv, max_len, hd] each) and its attention over keys lo[i]..pos[i] there,
-    [n, 1, nh * hd]; or None where the kernel does not apply (the caller's path)."""
-    c = kv[0][0]
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kc: list[torch.Tensor],
+                     vc: list[torch.Tensor], pos: list[int], lo: list[int], scale: float) -> torch.Tensor | None:
+    """One new token per row (q [B, nh, 1, hd], k/v [B, nkv, 1, hd]): for each of the first n =
+    len(kc) rows, its k/v written at pos[i] of its caches kc[i], vc[i] ([1, nkv, max_len, hd] or
+    [nkv, max_len, hd]) and its attention over keys lo[i]..pos[i] there; [B, 1, nh * hd], zeros
+    past n. None where the kernel does not apply (the caller's path)."""
     if (_S.isa is None or q.device.type != "cpu" or q.dtype not in (torch.bfloat16, torch.float32)
-            or not (k.dtype == v.dtype == c.dtype == q.dtype) or q.shape[-1] % 16):
+            or not (k.dtype == v.dtype == kc[0].dtype == q.dtype) or q.shape[-1] % 16):
         return None
-    return torch.ops.layerline_cpu.decode_attention(q[:, :, 0], k[:, :, 0], v[:, :, 0], [c for c, _ in kv],
-                                                    [c for _, c in kv], pos, lo, scale)
+    return torch.ops.layerline_cpu.decode_attention(q, k, v, kc, vc, pos, lo, scale)

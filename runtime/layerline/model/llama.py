@@ -493,7 +493,7 @@ class Attention(nn.Module):
         lo, hi, mask = view
         if kv is not None and q.shape[2] == 1:  # one new token: the decode kernel where it applies
             n = q.shape[0]
-            out = cpu_kernels.decode_attention(q, k, v, list(zip(kv[0][:n].unbind(0), kv[1][:n].unbind(0))),
+            out = cpu_kernels.decode_attention(q, k, v, list(kv[0][:n].unbind(0)), list(kv[1][:n].unbind(0)),
                                                [hi - 1] * n, [lo] * n, self.scale)
             if out is not None:
                 return out
@@ -508,8 +508,8 @@ class Attention(nn.Module):
         k/v into its own cache at pos[i] and attends over its own keys in place, one call per row.
         A row's numbers are then those of its sequence stepped alone: at bf16 a padded batch behind
         a mask gave other last bits, and greedy tokens that changed with what else was batched."""
-        out = cpu_kernels.decode_attention(q, k, v, [(c[0][0], c[1][0]) for c in kv], [hi - 1 for _, hi, _ in view],
-                                           [lo for lo, _, _ in view], self.scale)
+        out = cpu_kernels.decode_attention(q, k, v, [c[0] for c in kv], [c[1] for c in kv],
+                                           [hi - 1 for _, hi, _ in view], [lo for lo, _, _ in view], self.scale)
         if out is not None:
             return out
         return torch.cat([self._attend_one(q[i:i + 1], k[i:i + 1], v[i:i + 1], pos[i], kv[i], view[i])
@@ -837,7 +837,13 @@ class Stage(nn.Module):
         n, i, w = len(caches), layer - self.start, mod.window
         view = _ROWS.views.get(w)
         if view is None:  # the step's first layer of this window: every layer sees the same keys
-            view = _ROWS.views[w] = _views(pos[:n, 0].tolist(), 1, (w,), self.device)[w]
+            view = _views(pos[:n, 0].tolist(), 1, (w,), self.device)[w]
+            _ROWS.views[w] = view = (view, [hi - 1 for _, hi, _ in view], [lo for lo, _, _ in view])
+        view, his, los = view
+        out = cpu_kernels.decode_attention(q, k, v, [c.layers[i].k for c in caches], [c.layers[i].v for c in caches],
+                                           his, los, mod.self_attn.scale)  # padding rows: zeros
+        if out is not None:
+            return out
         kv = [(c.layers[i].k, c.layers[i].v) for c in caches]
         res = mod.self_attn._attend_rows(q[:n], k[:n], v[:n], pos[:n].unbind(0), kv, view)
         if n == q.shape[0]:
