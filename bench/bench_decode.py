@@ -273,7 +273,8 @@ PROFILE_BUCKETS = ("weight GEMVs", "attention", "norms/RoPE/sampling")
 _PROFILE_RULES = (
     ("weight GEMVs", ("gemm_", "linear", "aten::mm", "aten::addmm", "int8pack", "int4pack", "mkldnn")),
     ("norms/RoPE/sampling", ("rsqrt", "_cos_", "_sin_", "argmax", "embedding")),
-    ("attention", ("scaled_dot_product", "flash_attention", "bmm", "softmax", "index_copy", "masked_fill")),
+    ("attention", ("scaled_dot_product", "flash_attention", "bmm", "softmax", "index_copy", "masked_fill",
+                   "decode_attention", "rows_attention")),
     ("norms/RoPE/sampling", ("cpp_fused", "aten::")),
 )
 FRAMEWORK = "Python and framework"
@@ -289,8 +290,9 @@ def profile_bucket(name: str) -> str | None:
     low = name.lower()
     if low.startswith("graph_") and low.endswith("kernel") and "cpp_fused" not in low:
         return PROFILE_BUCKETS[0]  # inductor's GEMM templates (graph_0_gemm_m1n..._kernel, int8's graph_1_kernel)
+    fused = "cpp_fused" in low  # inductor's elementwise kernels, named also for a linear op they follow
     for bucket, keys in _PROFILE_RULES:
-        if any(k.lower() in low for k in keys):
+        if not (fused and bucket == PROFILE_BUCKETS[0]) and any(k.lower() in low for k in keys):
             return bucket
     return None
 

@@ -19,6 +19,11 @@ GEMV, ATTN, ELEM = PROFILE_BUCKETS
     ("aten::mm", GEMV), ("aten::_weight_int8pack_mm", GEMV), ("aten::_weight_int4pack_mm_for_cpu", GEMV),
     ("aten::bmm", ATTN), ("aten::index_copy_", ATTN), ("aten::_scaled_dot_product_flash_attention_for_cpu", ATTN),
     ("graph_0_cpp_fused__softmax__to_copy_arange_le_logical_not_masked_fill_mul_unbind", ATTN),
+    # layerline's decode kernels, and the compiled step's attention op (its Python around the kernel)
+    ("layerline_cpu::linear_bf16", GEMV), ("layerline_cpu::linear_int8", GEMV),
+    ("layerline_cpu::decode_attention", ATTN), ("layerline::rows_attention", ATTN),
+    # an elementwise kernel inductor names for the linear op before it is not a GEMV
+    ("graph_0_cpp_fused_linear_bf16_mul_silu_split_with_sizes_1", ELEM),
     # RoPE fused with the KV write counts as RoPE; norms, sampling
     ("graph_0_cpp_fused__to_copy_add_cat_cos_index_copy_mul_neg_sin_split_transpose", ELEM),
     ("graph_1_cpp_fused__to_copy_add_mean_mul_pow_rsqrt_view_13", ELEM), ("aten::argmax", ELEM),
