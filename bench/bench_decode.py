@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -121,11 +122,13 @@ def decode_in_turns(ckpt: str, precision: str, setups: dict, runs: list[tuple[st
     from layerline.driver import Pipeline
     from layerline.generate import generate
     procs: list = []
+    tmps: list = []
     pipes: dict = {}
     try:
         for name, (n, kw) in setups.items():
             ls = local_stages(ckpt, n, precision, **kw)
             procs += ls.procs
+            tmps.append(ls.tmp)
             # each pipeline keeps as many micro-batches in flight as its plan says (its depth)
             pipes[name] = Pipeline(ls.first, depth=ls.depth)
         for name, seqs in runs:  # warm: connections, allocations
@@ -141,6 +144,8 @@ def decode_in_turns(ckpt: str, precision: str, setups: dict, runs: list[tuple[st
         for pipe in pipes.values():
             pipe.close()
         stop_local(procs)
+        for t in tmps:
+            shutil.rmtree(t, ignore_errors=True)
 
 
 def _echo(port: int, mode: str) -> None:

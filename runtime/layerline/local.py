@@ -173,8 +173,8 @@ def _start_local(checkpoint, n, precision, kv_context, threads, curve, compile, 
                 time.sleep(0.05)
     except BaseException as e:
         stop_local(procs)
-        if isinstance(e, _PortTaken):
-            shutil.rmtree(tmp, ignore_errors=True)
+        # keys (secrets) never outlive the start; a failed stage's log stays for the user to read
+        shutil.rmtree(tmp if isinstance(e, _PortTaken) else os.path.join(tmp, "keys"), ignore_errors=True)
         raise
     return LocalStages(procs, plan.actives[0].endpoint, tmp, plan.depth)
 
