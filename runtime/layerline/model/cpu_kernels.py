@@ -449,7 +449,7 @@ void attend_task_512(const T* q, int64_t qs, const T* knew, const T* vnew, T* kc
   }
   for (int64_t r = 0; r < g; ++r) {
     float* s = sc + r * Lp;
-    for (int64_t j = L; j < Lp; ++j) s[j] = -INFINITY;  // the last block's unused lanes: e^-inf = 0
+    for (int64_t j = L; j < Lp; ++j) s[j] = -INFINITY;  // unused lanes: e^-87 at most, nothing beside the max's 1
     __m512 m = _mm512_set1_ps(-INFINITY);
     for (int64_t j = 0; j < Lp; j += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(s + j));
     const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(m));
