@@ -458,9 +458,6 @@ def _part_q(a, ckpt: str, prompt: torch.Tensor, dtype: torch.dtype, out: dict) -
         t1, tn = run(1), run(new + 1)
         return new / max(1e-9, tn - t1)
 
-    def rate(stage):
-        return decode_rate(stage, prompt, new)
-
     precs = [a.precision, "int8"] + (["int4"] if int4_kernel_error() is None else [])
     layers = read_index(ckpt).num_layers
     stages = {}
@@ -469,14 +466,14 @@ def _part_q(a, ckpt: str, prompt: torch.Tensor, dtype: torch.dtype, out: dict) -
         stages[p].compile(a.compile)
     t0 = time.perf_counter()
     for st in stages.values():
-        rate(st)  # warm: compiles when compiling
+        decode_rate(st, prompt, new)  # warm: compiles when compiling
     warm = time.perf_counter() - t0
     hf_rate()
     best = dict.fromkeys(["transformers", *precs], 0.0)
     for _ in range(a.rounds):
         best["transformers"] = max(best["transformers"], hf_rate())
         for p, st in stages.items():
-            best[p] = max(best[p], rate(st))
+            best[p] = max(best[p], decode_rate(st, prompt, new))
     h = best["transformers"]
     out["q"] = {"compile": a.compile, "transformers_tok_s": h, "warmup_s": warm,
                 **{f"{p}_tok_s": best[p] for p in precs}, **{f"{p}_ratio": best[p] / h for p in precs}}

@@ -131,7 +131,7 @@ def load_stage(ckpt_dir: str, start: int, end: int, first: bool, last: bool,
     paged = expert_cache_bytes is not None and args.num_experts > 0
     expected = _expected(args, start, end, first, last, resident_experts=not paged)
     if dev.type == "cpu" and (quant or dtype == torch.bfloat16):
-        cpu_kernels.load()  # decode's few-row bf16 / int8 matmuls (torch's when it cannot build them)
+        cpu_kernels.load()  # decode's few-row bf16 / int8 matmuls and attention (torch's when it cannot build them)
     with torch.device("meta"):
         stage = Stage(args, start, end, first, last, dtype, quant=quant, resident_experts=not paged)
     meta_state = stage.state_dict(keep_vars=True)
