@@ -332,7 +332,7 @@ def profile_steps(ckpt: str, prompt: torch.Tensor, new: int, precisions: list[st
     # inductor's C++ kernels then show up in the profile by name (otherwise as one graph call)
     inductor_config.cpp.enable_kernel_profile = True
     with torch.inference_mode():
-        decode_bw = probe_mod._decode_bandwidth(torch, 2.0)
+        decode_bw, _ = probe_mod._decode_rates(torch, 2.0)
         copy_bw = probe_mod._copy_bandwidth(torch, torch.device("cpu"), 1.0, 64 << 20)
     n = prompt.shape[1]
     layers = read_index(ckpt).num_layers

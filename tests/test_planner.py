@@ -64,8 +64,10 @@ def mem(mc, opts, prec, a, b) -> int:
     return w_bytes(mc, prec, a, b) + (b - a) * kv_layer(mc, opts, prec)
 
 
-def s_time(mc: ModelCost, prec: str, flops: float, bw: float, a: int, b: int, batch: int) -> float:
-    """Decode step time: the larger of compute and weight reads (active experts only)."""
+def s_time(mc: ModelCost, prec: str, flops: float, bw: float, a: int, b: int, batch: int,
+           layer_s: float = 0.0) -> float:
+    """Decode step time: the larger of compute and weight reads (active experts only), plus each
+    layer's fixed cost."""
     L = mc.num_layers
     act = sum(mc.active_params(i) for i in range(a, b))
     fl = 2.0 * act
@@ -73,7 +75,7 @@ def s_time(mc: ModelCost, prec: str, flops: float, bw: float, a: int, b: int, ba
     if b == L:
         fl += 2.0 * mc.vocab_size * mc.hidden_size
         rd += (mc.head_params + (mc.embed_params if mc.tied_embeddings else 0)) * PB[prec]
-    return max(fl * batch / flops, rd / bw)
+    return max(fl * batch / flops, rd / bw) + (b - a) * layer_s
 
 
 def budgets(specs: list[dict], reserve: int = 0) -> list[int]:
@@ -98,7 +100,7 @@ def caps(spec: dict) -> dict:
             "disk_free_bytes": 10**12, "disk_read_bytes_per_s": spec.get("disk"),
             "devices": [{"name": "cpu", "kind": "cpu", "memory_bytes": spec["ram_total"],
                          "memory_free_bytes": spec["ram"], "flops_per_s": spec["flops"],
-                         "mem_bw_bytes_per_s": spec["bw"]}],
+                         "mem_bw_bytes_per_s": spec["bw"], "layer_overhead_s": spec.get("layer_s")}],
             "probe_seconds": 0.1, **({"machine_id": spec["machine_id"]} if "machine_id" in spec else {})}
 
 
@@ -231,7 +233,8 @@ def check_plan(p: dict, specs: list[dict], mc: ModelCost, opts: CostOptions) -> 
         assert s["weight_bytes"] == w_bytes(mc, s["precision"], a, b)
         assert s["kv_bytes"] == (b - a) * kv_layer(mc, opts, s["precision"])
         h = by_host[s["host"]]
-        assert close(s["predicted_s"], s_time(mc, s["precision"], h["flops"], h["bw"], a, b, opts.batch))
+        assert close(s["predicted_s"], s_time(mc, s["precision"], h["flops"], h["bw"], a, b, opts.batch,
+                                              h.get("layer_s") or 0.0))
     assert p["bottleneck_s"] == max(s["predicted_s"] for s in act)
     assert p["predicted_token_s"] >= sum(s["predicted_s"] for s in act)
     assert p["kv"]["context"] == opts.context
@@ -725,21 +728,52 @@ def test_a_plan_measured_after_launch_equals_the_next_plan():
     assert with_measured_factors(first, {}).to_dict() == first
 
 
-def test_hosts_on_one_machine_share_the_smallest_step_factor():
-    """Three hosts on one machine: b's warm-up was measured while the others loaded (15x the
-    model), c never measured. All three plan with a's 1.2, so b is not left out of this plan and,
-    having no layers, never measured again, out of every later one. Another machine keeps its own."""
-    from layerline.planner import with_measured_factors
+def test_hosts_on_one_machine_share_the_median_step_factor():
+    """Four hosts on one machine: b's warm-up was measured while the others loaded (15x the
+    model), e's in a quiet moment (0.3), c never measured. All four plan with the median, a's
+    1.2, so b is not left out of this plan and, having no layers, never measured again, out of
+    every later one, and e's luck does not make every stage's prediction short. Another machine
+    keeps its own; of two, the lower middle one counts."""
+    from layerline.planner import machine_step_factors, with_measured_factors
     mc = _mc()
-    specs = [spec(h, BIG, machine_id="m1") for h in ("a", "b", "c")] + [spec("d", BIG)]
+    specs = [spec(h, BIG, machine_id="m1") for h in ("a", "b", "c", "e")] + [spec("d", BIG)]
     measured = {s["host"]: caps(s) for s in specs}
-    for h, f in (("a", 1.2), ("b", 15.0), ("d", 3.0)):
+    for h, f in (("a", 1.2), ("b", 15.0), ("e", 0.3), ("d", 3.0)):
         measured[h]["devices"][0]["step_factors"] = {"bf16/off": f}
     nodes = [dataclasses.replace(n, caps=NodeCaps.from_dict(measured[n.host], n.host)) for n in nodes_of(specs)]
     for policy in ("uniform", "auto"):
         got = make_plan(nodes, mc, OPTS, policy).to_dict()
         factors = {s["host"]: s["step_factor"] for s in actives(got)}
-        assert {h: factors.get(h) for h in "abc"} == {"a": 1.2, "b": 1.2, "c": 1.2}, (policy, factors)
+        assert {h: factors.get(h) for h in "abce"} == dict.fromkeys("abce", 1.2), (policy, factors)
         assert factors.get("d") in (None, 3.0)
     first = plan(specs, mc, OPTS, "uniform")
     assert with_measured_factors(first, measured).to_dict() == make_plan(nodes, mc, OPTS, "uniform").to_dict()
+    two = [NodeCaps.from_dict(measured[h], h) for h in ("a", "b")]
+    assert [f["bf16/off"] for f in machine_step_factors(two).values()] == [1.2]
+
+
+def test_each_layer_adds_the_probed_fixed_cost_and_the_head_streams_at_its_bytes():
+    """A stage's step is its streamed bytes at the probe's rate plus the probe's fixed seconds
+    per layer: a stage of many small layers costs more than its bytes say, the LM head (one
+    matrix) no more. Facts without the figure (an older probe) or with a broken one price
+    bytes alone. int4 keeps its head at int8, so its head streams int8 bytes."""
+    mc = _mc()
+    L = mc.num_layers
+    opts = CostOptions(context=256)
+    for layer_s in (None, "x", -1.0, 2e-4):
+        specs = [spec("a", BIG, layers=(0, L // 2), layer_s=layer_s),
+                 spec("b", BIG, layers=(L // 2, L), layer_s=layer_s)]
+        p = plan(specs, mc, opts, "manual")
+        add = layer_s if isinstance(layer_s, float) and layer_s > 0 else 0.0
+        for st in actives(p):
+            a, b = st["layers"]
+            assert close(st["predicted_s"], s_time(mc, "bf16", 1e12, 1e11, a, b, 1) + (b - a) * add), (layer_s, st)
+    head_only = mc.head_params + (mc.embed_params if mc.tied_embeddings else 0)
+    for prec, per in (("int8", 1.0), ("int4", 1.0), ("bf16", 2.0)):
+        st = actives(plan([spec("a", BIG, layers=(0, L - 1), precision=prec),
+                           spec("b", BIG, layers=(L - 1, L), precision=prec)], mc, opts, "manual"))
+        base = actives(plan([spec("a", BIG, layers=(0, L - 2), precision=prec),
+                             spec("b", BIG, layers=(L - 2, L - 1), precision=prec),
+                             spec("c", BIG, layers=(L - 1, L), precision=prec)], mc, opts, "manual"))
+        # the last stage less the same layer alone (not last): what the head adds
+        assert close(st[1]["predicted_s"] - base[1]["predicted_s"], head_only * per / 1e11), prec

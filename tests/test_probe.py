@@ -55,6 +55,7 @@ def test_probe_reports_every_nodecaps_key_with_sane_values(caps):
     assert (cpu["name"], cpu["kind"]) == ("cpu", "cpu")
     assert cpu["memory_bytes"] == caps["ram_total_bytes"]
     assert cpu["memory_free_bytes"] == caps["ram_available_bytes"]
+    assert 0 < cpu["layer_overhead_s"] < 0.01, cpu  # a decode layer's fixed cost, measured on CPUs
     for dev in caps["devices"]:
         assert dev["flops_per_s"] > 1e6, dev
         assert dev["mem_bw_bytes_per_s"] > 1e6, dev

@@ -238,9 +238,18 @@ ansible_facts:
               type: float
               sample: 198132552840.4
             mem_bw_bytes_per_s:
-              description: Measured memory bandwidth (bytes read plus written per second).
+              description:
+                - The rate a stage's weight bytes are priced at. On C(cpu), one-token decode's
+                  weight-streaming rate through two Llama-shaped layers, less each layer's fixed
+                  cost; on C(cuda), a device-memory copy (bytes read plus written per second).
               type: float
               sample: 33741918972.8
+            layer_overhead_s:
+              description:
+                - Fixed seconds each decode layer adds to a step on top of its bytes (its ops,
+                  norms, attention), from two small layers; C(cpu) only, null when not measured.
+              type: float
+              sample: 0.00021
         probe_seconds:
           description: How long the probe took.
           type: float

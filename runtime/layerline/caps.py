@@ -27,6 +27,7 @@ class DeviceCaps:
     memory_free_bytes: int | None = None
     flops_per_s: float | None = None   # measured matmul
     mem_bw_bytes_per_s: float | None = None  # measured streaming rate
+    layer_overhead_s: float | None = None    # measured fixed seconds per layer per decode step
     step_factors: dict | None = None   # "precision/compile" -> measured step / cost model (cost.step_factor)
 
     @classmethod

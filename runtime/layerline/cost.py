@@ -191,15 +191,20 @@ def weight_bytes(cost: ModelCost, layer: int, precision: str, experts: bool = Tr
     return int(p * PRECISION_BYTES[precision]) + extra
 
 
+def edge_param_bytes(precision: str) -> float:
+    """Bytes per parameter of the embedding and LM head (int4 holds them at int8)."""
+    return PRECISION_BYTES[PRECISIONS[precision].edge_precision]
+
+
 def edge_bytes(cost: ModelCost, precision: str, first: bool, last: bool) -> int:
-    precision = PRECISIONS[precision].edge_precision  # int4 holds its embedding and head at int8
+    per = edge_param_bytes(precision)
     b = 0
     if first:
-        b += cost.embed_params * PRECISION_BYTES[precision]
+        b += cost.embed_params * per
     if last:
-        b += cost.head_params * PRECISION_BYTES[precision]
+        b += cost.head_params * per
         if cost.tied_embeddings and not first:
-            b += cost.embed_params * PRECISION_BYTES[precision]  # the head is the embedding
+            b += cost.embed_params * per  # the head is the embedding
     return int(b)
 
 

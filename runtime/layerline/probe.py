@@ -189,7 +189,7 @@ def _cpu_device(torch, ram_total: int, ram_available: int, budget_s: float) -> d
     with torch.inference_mode():
         flops = _matmul_flops(torch, torch.device("cpu"), budget_s / 4, sizes=(512, 1024))
         copy = _copy_bandwidth(torch, torch.device("cpu"), budget_s / 4, copy_bytes)
-        decode = _decode_bandwidth(torch, budget_s / 2)
+        decode, layer_s = _decode_rates(torch, budget_s / 2)
     return {
         "name": "cpu",
         "kind": "cpu",
@@ -198,6 +198,7 @@ def _cpu_device(torch, ram_total: int, ram_available: int, budget_s: float) -> d
         "flops_per_s": flops,
         # what the planner divides a stage's weight bytes by: decode's weight-streaming rate
         "mem_bw_bytes_per_s": decode or copy,
+        "layer_overhead_s": layer_s,  # and what it adds per layer (None: not measured)
         "copy_bw_bytes_per_s": copy,
     }
 
@@ -312,33 +313,52 @@ def _copy_bandwidth(torch, dev, budget_s: float, nbytes: int) -> float:
     return float(moved / seconds)
 
 
-def _decode_bandwidth(torch, budget_s: float) -> float | None:
-    """Weight bytes per second that one-token decode streams through layerline's own layers.
+def _llama_stage(torch, hidden: int, heads: int, kv_heads: int, inter: int, layers: int):
+    """A bf16 Llama stage of random weights, fused as a loaded stage runs (q/k/v and gate/up as
+    one matrix each)."""
+    from .model.llama import ModelArgs, Stage
+    args = ModelArgs.from_config({"model_type": "llama", "vocab_size": 256, "hidden_size": hidden,
+                                  "intermediate_size": inter, "num_hidden_layers": layers,
+                                  "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+                                  "rms_norm_eps": 1e-5, "max_position_embeddings": 4096})
+    stage = Stage(args, 0, layers, False, False, torch.bfloat16)
+    for p in stage.parameters():
+        p.data = torch.randn(p.shape, dtype=torch.float32).mul_(0.02).to(torch.bfloat16)
+    stage.fuse()
+    return stage
 
-    A raw copy overstates what decode gets (small matrix-vector products, norms, attention,
-    per-op overhead all count), so the planner's memory-bound stage time would come out
-    several times too short. Two bf16 layers of a Llama-shaped model (hidden 1024) are timed
-    at one token per step; None if the model code cannot run here.
+
+def _decode_step_s(torch, stage, hidden: int, budget_s: float) -> float:
+    """Best seconds of one one-token decode step after a 32-token prefix (each step decodes
+    token 33 again: the cache rewinds to its position)."""
+    cache = stage.new_cache(1, 64)
+    stage(torch.randn(1, 32, hidden, dtype=torch.bfloat16), 0, cache)
+    x = torch.randn(1, 1, hidden, dtype=torch.bfloat16)
+    return _best_time(lambda: stage(x, 32, cache), lambda: None, budget_s, min_reps=3, max_reps=20)
+
+
+def _decode_rates(torch, budget_s: float) -> tuple[float | None, float | None]:
+    """(weight bytes per second, seconds per layer) of one-token decode through layerline's own
+    layers: a step costs its weight bytes at the first plus the second for each layer.
+
+    A raw copy overstates what decode gets, and a layer's fixed cost (its dozen ops, norms,
+    attention) does not shrink with its weights: it is most of a small layer's step and none of
+    the LM head's one matrix, so one rate would price a stage's layers and its head alike wrong.
+    Two bf16 layers of hidden 128 give the fixed cost (their weights stream in microseconds);
+    two Llama-shaped layers of hidden 1024 less that cost give the rate. (None, None) if the
+    model code cannot run here; (rate, None) if the two timings do not separate.
     """
     try:
-        from .model.llama import ModelArgs, Stage
-        args = ModelArgs.from_config({"model_type": "llama", "vocab_size": 256, "hidden_size": 1024,
-                                      "intermediate_size": 2816, "num_hidden_layers": 2,
-                                      "num_attention_heads": 16, "num_key_value_heads": 4,
-                                      "rms_norm_eps": 1e-5, "max_position_embeddings": 4096})
-        stage = Stage(args, 0, 2, False, False, torch.bfloat16)
-        for p in stage.parameters():
-            p.data = torch.randn(p.shape, dtype=torch.float32).mul_(0.02).to(torch.bfloat16)
-        stage.fuse()  # as a loaded stage runs: q/k/v and gate/up as one matrix each
-        cache = stage.new_cache(1, 64)
-        stage(torch.randn(1, 32, 1024, dtype=torch.bfloat16), 0, cache)  # a 32-token prefix
-        x = torch.randn(1, 1, 1024, dtype=torch.bfloat16)
+        small = _decode_step_s(torch, _llama_stage(torch, 128, 2, 1, 256, 2), 128, budget_s / 3) / 2
+        stage = _llama_stage(torch, 1024, 16, 4, 2816, 2)
         weights = sum(p.numel() * p.element_size() for p in stage.parameters())
-        # each step decodes token 33 again (the cache rewinds to its position)
-        seconds = _best_time(lambda: stage(x, 32, cache), lambda: None, budget_s, min_reps=3, max_reps=20)
-        return float(weights / seconds)
+        big = _decode_step_s(torch, stage, 1024, budget_s * 2 / 3)
     except Exception:  # noqa: BLE001 - a probe reports what it can measure
-        return None
+        return None, None
+    streaming = big - 2 * small
+    if streaming < big / 4:  # the fixed cost swamps the bytes: no rate to tell apart from it
+        return float(weights / big), None
+    return float(weights / streaming), float(small)
 
 
 # --- memory, cores, address ------------------------------------------------------------
