@@ -261,3 +261,26 @@ def test_smollm2_q4_1_blocks_requantize_to_the_same_codes():
     codes = torch.cat([nib & 15, nib >> 4], -1).reshape(w.shape).int()  # low nibbles: the block's first 16
     q, sz = quantize_groups(w)
     assert torch.equal(q, codes) and torch.equal(sz[..., 0].t(), d)
+
+
+def test_int4_projections_fuse_into_one_matrix_with_the_same_bits(ckpt):
+    """q/k/v and gate/up of an int4 stage run as one packed matrix each (the packing keeps each
+    output row's codes apart, so parts concatenate by rows), with the parts' bits; the parts are
+    views into it (no extra bytes) and still run alone."""
+    from layerline.model.llama import FusedLinears
+    st = load_stage(str(ckpt), 0, LAYERS, True, True, precision="int4")
+    fused = [m for m in st.modules() if isinstance(m, FusedLinears)]
+    assert len(fused) == 2 * LAYERS and all(m.weight is not None and m.scale4 is not None for m in fused)
+    x = torch.randn(3, 1, 256, generator=torch.Generator().manual_seed(1)).bfloat16()
+    for f in fused:
+        alone = [m(x) for m in f.parts]
+        assert all(torch.equal(a, b) for a, b in zip(f(x), alone))
+        for m in f.parts:
+            assert m.weight.untyped_storage().data_ptr() == f.weight.untyped_storage().data_ptr()
+            assert m.scale.untyped_storage().data_ptr() == f.scale4.untyped_storage().data_ptr()
+    # and a whole greedy run: fused and one by one give the same tokens
+    ids = torch.randint(0, 1000, (1, 12), generator=torch.Generator().manual_seed(2))
+    a = st(ids)
+    for f in fused:
+        f.weight = None
+    assert torch.equal(a, st(ids))

@@ -196,6 +196,23 @@ def dequantize_groups(q: torch.Tensor, scale_zeros: torch.Tensor, dtype: torch.d
     return w.reshape(n, k).to(dtype)
 
 
+def int4_linear(x: torch.Tensor, weight: torch.Tensor, group: int, scale: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., in] times the packed int4 `weight` (Int4Linear's layout; rows of several such
+    weights concatenate into one) -> [..., out] in x's dtype."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1]).to(scale.dtype)
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    if not scale.is_contiguous():  # a fused part's scales (a column view) when it runs alone
+        scale = scale.contiguous()
+    y = torch._weight_int4pack_mm_for_cpu(x2, weight, group, scale)
+    y = y.view(*shape[:-1], weight.shape[0]).to(x.dtype)
+    if bias is not None:
+        y = y + bias
+    return y
+
+
 class Int4Linear(nn.Module):
     """A bias-optional linear layer with int4 weights in groups (see the module docstring).
 
@@ -233,15 +250,7 @@ class Int4Linear(nn.Module):
         return m
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1]).to(self.scale.dtype)
-        if not x2.is_contiguous():
-            x2 = x2.contiguous()
-        y = torch._weight_int4pack_mm_for_cpu(x2, self.weight, self.group, self.scale)
-        y = y.view(*shape[:-1], self.out_features).to(x.dtype)
-        if self.bias is not None:
-            y = y + self.bias
-        return y
+        return int4_linear(x, self.weight, self.group, self.scale, self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int4 (groups of {self.group})"
