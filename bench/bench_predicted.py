@@ -9,7 +9,7 @@ each worker measured at warm-up (its ready file's step_s). As a deploy keeps the
 cache, the measured / modelled factor goes into the caps, and the next plan (the same layers,
 pinned, so the running workers serve it) predicts from it. Printed per stage: the cost model
 alone, the plan with the factors the hosts measured, as a deploy plans with them (the three hosts
-share this machine, so each plans with the smallest of the three: planner.machine_step_factors;
+share this machine, so each plans with the median of the three: planner.machine_step_factors;
 the goal, within 20%), and
 with the mode's factor (the median of the three hosts': how well one stage's factor carries to
 another's layers), against the measured compute time per decode token.
