@@ -216,6 +216,33 @@ def test_decode_attention_leaves_what_it_does_not_take_to_torch(isa):
         cpu_kernels.decode_attention(q, k, v, kc, vc, [8], [0], 0.125)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rope_and_rms_norm_give_the_torch_modules_numbers(isa, dtype):
+    """The eager step's fused RoPE and RMSNorm: RoPE bit for bit torch's three ops (q as the
+    transposed view of the fused projection, one row of cos/sin for all or one per row, prefill
+    and decode shapes); RMSNorm within an fp32 rounding of the module's torch ops (bf16: the same
+    bits on this data), a row's bits its own; what they do not take goes back to the caller."""
+    from layerline.model.llama import RMSNorm, rotate_half
+    g = torch.Generator().manual_seed(3)
+    for P, T in ((1, 7), (5, 1)):
+        q = torch.randn(5, T, 12 * 32, generator=g).to(dtype).reshape(5, T, 12, 32).transpose(1, 2)
+        ang = torch.randn(P, 1, T, 16, generator=g)
+        emb = torch.cat((ang, ang), -1)
+        cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+        assert torch.equal(cpu_kernels.rope(q, cos, sin), q * cos + rotate_half(q) * sin), (P, T)
+    norm = RMSNorm(320, 1e-5, dtype)
+    norm.weight.data = torch.randn(320, generator=g).to(dtype)
+    x = (torch.randn(6, 3, 320, generator=g) * 4).to(dtype)
+    got = cpu_kernels.rms_norm(x, norm.weight, 1e-5)
+    xf = x.float()
+    ref = norm.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+    assert (got.float() - ref.float()).abs().max() <= (1e-6 * ref.abs().max() if dtype == torch.float32 else 0)
+    assert torch.equal(cpu_kernels.rms_norm(x[2:3, 1:2], norm.weight, 1e-5), got[2:3, 1:2])
+    assert torch.equal(norm(x), got), "the module runs the kernel eagerly"
+    assert cpu_kernels.rms_norm(x.half(), norm.weight.half(), 1e-5) is None
+    assert cpu_kernels.rope(q.half(), cos.half(), sin.half()) is None
+
+
 def _status_in_subprocess(tmp_path, **env) -> dict:
     code = ("import json, torch; from layerline.checkpoint import write_demo_checkpoint;"
             "from layerline.model.loader import load_stage; from layerline.model import cpu_kernels;"

@@ -543,6 +543,96 @@ at::Tensor decode_attention(const at::Tensor& q4, const at::Tensor& k4, const at
   return out;
 }
 
+// RMSNorm of each row of x [..., D] (bf16 or fp32, rows contiguous) with weight w [D]: in fp32,
+// x * rsqrt(mean(x^2) + eps), rounded to x's dtype, times w (in x's dtype), as the torch module
+// computes it, in one call instead of eight ops. A row's bits depend on that row alone.
+template <typename T>
+void rms_rows(const T* x, const T* w, T* o, int64_t rows, int64_t d, float eps) {
+  at::parallel_for(0, rows, 64, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* xr = x + r * d;
+      T* orow = o + r * d;
+      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      int64_t j = 0;
+      for (; j + 8 <= d; j += 8)
+        for (int u = 0; u < 8; ++u) { float f = (float)xr[j + u]; acc[u] += f * f; }
+      float ss = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+      for (; j < d; ++j) { float f = (float)xr[j]; ss += f * f; }
+      const float inv = 1.0f / std::sqrt(ss / (float)d + eps);
+      for (int64_t k = 0; k < d; ++k) orow[k] = (T)((float)w[k] * (float)(T)((float)xr[k] * inv));
+    }
+  });
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  TORCH_CHECK(x.scalar_type() == w.scalar_type() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "rms_norm: x and weight of one dtype, fp32 or bf16");
+  const int64_t d = x.size(-1);
+  TORCH_CHECK(w.dim() == 1 && w.size(0) == d, "rms_norm: weight [D] for x [..., D]");
+  auto xc = x.contiguous();
+  auto wc = w.contiguous();
+  auto out = at::empty_like(xc);
+  const int64_t rows = d ? xc.numel() / d : 0;
+  if (x.scalar_type() == at::kBFloat16)
+    rms_rows<at::BFloat16>(xc.data_ptr<at::BFloat16>(), wc.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(),
+                           rows, d, (float)eps);
+  else
+    rms_rows<float>(xc.data_ptr<float>(), wc.data_ptr<float>(), out.data_ptr<float>(), rows, d, (float)eps);
+  return out;
+}
+
+// Rotary embedding of x [B, H, T, hd] (any strides, rows contiguous) with cos/sin [P, 1, T, hd]
+// (P = 1: every row alike; P = B: row b its own): x * cos + rotate_half(x) * sin, each product
+// and the sum rounded to x's dtype as torch's three ops round them, in one call instead of six.
+template <typename T>
+void rope_rows(const at::Tensor& x, const at::Tensor& c, const at::Tensor& s, at::Tensor& o) {
+  const int64_t B = x.size(0), H = x.size(1), Tn = x.size(2), hd = x.size(3), half = hd / 2;
+  const T* xp = x.data_ptr<T>();
+  const T* cp = c.data_ptr<T>();
+  const T* sp = s.data_ptr<T>();
+  T* op = o.data_ptr<T>();
+  const bool per_row = c.size(0) > 1;
+  at::parallel_for(0, B * H * Tn, 256, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+        const int64_t b = i / (H * Tn), h = (i / Tn) % H, t = i % Tn;
+        const T* xr = xp + b * x.stride(0) + h * x.stride(1) + t * x.stride(2);
+        const int64_t ci = (per_row ? b * c.stride(0) : 0) + t * c.stride(2);
+        const T* cr = cp + ci;
+        const T* sr = sp + (per_row ? b * s.stride(0) : 0) + t * s.stride(2);
+        T* orow = op + ((b * H + h) * Tn + t) * hd;
+        for (int64_t k = 0; k < hd; ++k) {
+          const float rot = k < half ? -(float)xr[k + half] : (float)xr[k - half];
+          const float a = (float)(T)((float)xr[k] * (float)cr[k]);
+          const float r = (float)(T)((float)(T)rot * (float)sr[k]);
+          orow[k] = (T)(a + r);
+        }
+    }
+  });
+}
+
+at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(x.dim() == 4 && x.size(3) % 2 == 0 && x.stride(3) == 1, "rope: x [B, H, T, hd], rows contiguous");
+  TORCH_CHECK(cos.dim() == 4 && cos.sizes() == sin.sizes() && cos.size(1) == 1 && cos.size(2) == x.size(2) &&
+              cos.size(3) == x.size(3) && (cos.size(0) == 1 || cos.size(0) == x.size(0)),
+              "rope: cos/sin [1 or B, 1, T, hd]");
+  TORCH_CHECK(x.scalar_type() == cos.scalar_type() && sin.scalar_type() == cos.scalar_type() &&
+              (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16), "rope: one dtype, fp32 or bf16");
+  auto c = cos.stride(3) == 1 ? cos : cos.contiguous();
+  auto s = sin.stride(3) == 1 ? sin : sin.contiguous();
+  auto out = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+  if (x.scalar_type() == at::kBFloat16) rope_rows<at::BFloat16>(x, c, s, out);
+  else rope_rows<float>(x, c, s, out);
+  return out;
+}
+
+at::Tensor rope_meta(const at::Tensor& x, const at::Tensor&, const at::Tensor&) {
+  return at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+}
+
+at::Tensor rms_norm_meta(const at::Tensor& x, const at::Tensor&, double) {
+  return at::empty_like(x, x.options().memory_format(at::MemoryFormat::Contiguous));
+}
+
 at::Tensor linear_meta(const at::Tensor& x, const at::Tensor& w) {
   auto sizes = x.sizes().vec();
   sizes.back() = w.size(0);
@@ -569,16 +659,22 @@ TORCH_LIBRARY(layerline_cpu, m) {
   m.def("linear_int8(Tensor x, Tensor q, Tensor scale, Tensor? bias=None) -> Tensor");
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor(a!)[] kc, Tensor(b!)[] vc, int[] pos, int[] lo, "
         "float scale) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
+  m.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor");
   m.def("use_isa(int cap) -> int", &use_isa);
 }
 TORCH_LIBRARY_IMPL(layerline_cpu, CPU, m) {
   m.impl("linear_bf16", linear_bf16);
   m.impl("linear_int8", linear_int8);
   m.impl("decode_attention", decode_attention);
+  m.impl("rms_norm", rms_norm);
+  m.impl("rope", rope);
 }
 TORCH_LIBRARY_IMPL(layerline_cpu, Meta, m) {
   m.impl("linear_bf16", linear_bf16_meta);
   m.impl("linear_int8", linear_int8_meta);
+  m.impl("rms_norm", rms_norm_meta);
+  m.impl("rope", rope_meta);
 }
 """
 
@@ -710,3 +806,20 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kc: list
             or not (k.dtype == v.dtype == kc[0].dtype == q.dtype) or q.shape[-1] % 16):
         return None
     return torch.ops.layerline_cpu.decode_attention(q, k, v, kc, vc, pos, lo, scale)
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """RMSNorm (`llama.RMSNorm`'s numbers) in one call, or None where it does not apply (the
+    caller's path): kernels off, not a CPU tensor, or not bf16/fp32 of the weight's dtype."""
+    if _S.isa is None or x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float32) or w.dtype != x.dtype:
+        return None
+    return torch.ops.layerline_cpu.rms_norm(x, w, eps)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
+    """x * cos + rotate_half(x) * sin (`llama.Attention`'s numbers, bit for bit) in one call, or
+    None where it does not apply (the caller's path)."""
+    if (_S.isa is None or x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float32)
+            or cos.dtype != x.dtype or x.stride(-1) != 1):
+        return None
+    return torch.ops.layerline_cpu.rope(x, cos, sin)

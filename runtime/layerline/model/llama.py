@@ -281,6 +281,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.compiler.is_compiling():  # eager: one kernel call for eight ops (inductor fuses its own)
+            out = cpu_kernels.rms_norm(x, self.weight, self.eps)
+            if out is not None:
+                return out
         dtype = x.dtype
         x = x.to(torch.float32)
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -399,6 +403,16 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin: eagerly in one kernel call where it applies (inductor fuses
+    its own), the same bits either way."""
+    if not torch.compiler.is_compiling():
+        out = cpu_kernels.rope(x, cos, sin)
+        if out is not None:
+            return out
+    return x * cos + rotate_half(x) * sin
+
+
 class FusedLinears(nn.Module):
     """Linear layers that read the same input, run as one matrix (q/k/v, gate/up): one GEMV per
     step instead of three or two, which on a CPU saves each one's dispatch and thread start-up.
@@ -491,8 +505,7 @@ class Attention(nn.Module):
         q = q.reshape(b, t, nh, hd).transpose(1, 2)
         k = k.reshape(b, t, nkv, hd).transpose(1, 2)
         v = v.reshape(b, t, nkv, hd).transpose(1, 2)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        q, k = _rotary(q, cos, sin), _rotary(k, cos, sin)
         if view is ROWS_OP:  # compiled rows: the caches stay outside the graph
             return self.o_proj(torch.ops.layerline.rows_attention(q, k, v, torch.stack(pos), self.layer))
         if len(view) > 1:
