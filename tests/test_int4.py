@@ -270,14 +270,14 @@ def test_int4_projections_fuse_into_one_matrix_with_the_same_bits(ckpt):
     from layerline.model.llama import FusedLinears
     st = load_stage(str(ckpt), 0, LAYERS, True, True, precision="int4")
     fused = [m for m in st.modules() if isinstance(m, FusedLinears)]
-    assert len(fused) == 2 * LAYERS and all(m.weight is not None and m.scale4 is not None for m in fused)
+    assert len(fused) == 2 * LAYERS and all(m.weight is not None and m.group is not None for m in fused)
     x = torch.randn(3, 1, 256, generator=torch.Generator().manual_seed(1)).bfloat16()
     for f in fused:
         alone = [m(x) for m in f.parts]
         assert all(torch.equal(a, b) for a, b in zip(f(x), alone))
         for m in f.parts:
             assert m.weight.untyped_storage().data_ptr() == f.weight.untyped_storage().data_ptr()
-            assert m.scale.untyped_storage().data_ptr() == f.scale4.untyped_storage().data_ptr()
+            assert m.scale.untyped_storage().data_ptr() == f.scale.untyped_storage().data_ptr()
     # and a whole greedy run: fused and one by one give the same tokens
     ids = torch.randint(0, 1000, (1, 12), generator=torch.Generator().manual_seed(2))
     a = st(ids)

@@ -34,7 +34,10 @@ class DeviceCaps:
     def from_dict(cls, d, host: str) -> "DeviceCaps":
         if not isinstance(d, dict) or not isinstance(d.get("name"), str):
             raise CapsError(f"{host}: probe facts have a device without a name; re-run the probe (layerline_probe)")
-        return cls(**{k: d.get(k) for k in cls.__dataclass_fields__ if k in d})
+        kw = {k: d.get(k) for k in cls.__dataclass_fields__ if k in d}
+        lo = kw.get("layer_overhead_s")  # an older probe's facts lack it; a broken one prices bytes alone
+        kw["layer_overhead_s"] = float(lo) if _num(lo) and 0 < lo < 1 else None
+        return cls(**kw)
 
 
 @dataclass(frozen=True)

@@ -290,11 +290,9 @@ def _hosts(nodes: list[Node], opts: CostOptions) -> list[_Host]:
             budget = int(d.memory_free_bytes or d.memory_bytes or 0) - opts.reserve_ram_bytes
         if n.max_ram_bytes is not None:
             budget = min(budget, n.max_ram_bytes)
-        layer_s = d.layer_overhead_s if isinstance(d.layer_overhead_s, (int, float)) and not isinstance(
-            d.layer_overhead_s, bool) and 0 < d.layer_overhead_s < 1 else 0.0
         out.append(_Host(n, max(0, int(budget)), float(d.flops_per_s), float(d.mem_bw_bytes_per_s),
                          n.caps.disk_read_bytes_per_s, shared.get((n.caps.machine, d.name), d.step_factors),
-                         float(layer_s)))
+                         d.layer_overhead_s or 0.0))
     return out
 
 

@@ -796,14 +796,18 @@ def linear_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
     return None
 
 
+def _applies(x: torch.Tensor) -> bool:
+    """Whether the attention, RoPE and RMSNorm ops take x: kernels loaded, a CPU bf16/fp32 tensor."""
+    return _S.isa is not None and x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float32)
+
+
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kc: list[torch.Tensor],
                      vc: list[torch.Tensor], pos: list[int], lo: list[int], scale: float) -> torch.Tensor | None:
     """One new token per row (q [B, nh, 1, hd], k/v [B, nkv, 1, hd]): for each of the first n =
     len(kc) rows, its k/v written at pos[i] of its caches kc[i], vc[i] ([1, nkv, max_len, hd] or
     [nkv, max_len, hd]) and its attention over keys lo[i]..pos[i] there; [B, 1, nh * hd], zeros
     past n. None where the kernel does not apply (the caller's path)."""
-    if (_S.isa is None or q.device.type != "cpu" or q.dtype not in (torch.bfloat16, torch.float32)
-            or not (k.dtype == v.dtype == kc[0].dtype == q.dtype) or q.shape[-1] % 16):
+    if not _applies(q) or not (k.dtype == v.dtype == kc[0].dtype == q.dtype) or q.shape[-1] % 16:
         return None
     return torch.ops.layerline_cpu.decode_attention(q, k, v, kc, vc, pos, lo, scale)
 
@@ -811,7 +815,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kc: list
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor | None:
     """RMSNorm (`llama.RMSNorm`'s numbers) in one call, or None where it does not apply (the
     caller's path): kernels off, not a CPU tensor, or not bf16/fp32 of the weight's dtype."""
-    if _S.isa is None or x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float32) or w.dtype != x.dtype:
+    if not _applies(x) or w.dtype != x.dtype:
         return None
     return torch.ops.layerline_cpu.rms_norm(x, w, eps)
 
@@ -819,7 +823,6 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor | Non
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
     """x * cos + rotate_half(x) * sin (`llama.Attention`'s numbers, bit for bit) in one call, or
     None where it does not apply (the caller's path)."""
-    if (_S.isa is None or x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float32)
-            or cos.dtype != x.dtype or x.stride(-1) != 1):
+    if not _applies(x) or cos.dtype != x.dtype or x.stride(-1) != 1:
         return None
     return torch.ops.layerline_cpu.rope(x, cos, sin)

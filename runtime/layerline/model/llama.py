@@ -431,29 +431,26 @@ class FusedLinears(nn.Module):
         self.register_buffer("weight", None, persistent=False)
         self.register_buffer("scale", None, persistent=False)
         self.register_buffer("bias", None, persistent=False)
-        self.register_buffer("scale4", None, persistent=False)
-        self.group = None
+        self.group = None  # int4's group size when int4 parts are fused (its scales are `scale`)
 
     def fuse(self) -> None:
-        self.scale4 = None
+        self.group = None
         parts = list(self.parts)
         kinds = {type(m) for m in parts}
         if (kinds not in ({Linear}, {nn.Linear}, {Int8Linear}, {Int4Linear}) or any(m.weight.is_meta for m in parts)
                 or len({getattr(m, "group", None) for m in parts}) != 1):
             self.weight = self.scale = self.bias = None
             return
-        self.group = getattr(parts[0], "group", None)
+        quantized = kinds in ({Int8Linear}, {Int4Linear})
+        # int8's scales are per output row [out]; int4's [in / group, out, 2]: the parts' are column views
+        sdim = 1 if kinds == {Int4Linear} else 0
         with torch.no_grad():
             w = torch.cat([m.weight for m in parts])
             b = torch.cat([m.bias for m in parts]) if all(m.bias is not None for m in parts) else None
-            s = torch.cat([m.scale for m in parts]) if kinds == {Int8Linear} else None
-            s4 = torch.cat([m.scale for m in parts], dim=1) if kinds == {Int4Linear} else None
-            if s4 is not None:  # int4's scales [in / group, out, 2]: the parts' are column views
-                for m, si in zip(parts, s4.split(self.sizes, dim=1)):
-                    m.scale = si
-            for m, wi, bi, si in zip(parts, w.split(self.sizes), *(t.split(self.sizes) if t is not None
-                                                                   else [None] * len(parts) for t in (b, s))):
-                if isinstance(m, Int8Linear):
+            s = torch.cat([m.scale for m in parts], dim=sdim) if quantized else None
+            splits = [t.split(self.sizes, dim=d) if t is not None else [None] * len(parts) for t, d in ((b, 0), (s, sdim))]
+            for m, wi, bi, si in zip(parts, w.split(self.sizes), *splits):
+                if quantized:
                     m.weight, m.scale = wi, si
                 else:
                     m.weight.data = wi
@@ -462,13 +459,14 @@ class FusedLinears(nn.Module):
         if b is None and any(m.bias is not None for m in parts):  # some biased, some not: not fused
             self.weight = self.scale = self.bias = None
             return
-        self.weight, self.scale, self.bias, self.scale4 = w, s, b, s4
+        self.weight, self.scale, self.bias = w, s, b
+        self.group = parts[0].group if kinds == {Int4Linear} else None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self.weight is None:
             return tuple(m(x) for m in self.parts)
-        if self.scale4 is not None:
-            y = int4_linear(x, self.weight, self.group, self.scale4, self.bias)
+        if self.group is not None:
+            y = int4_linear(x, self.weight, self.group, self.scale, self.bias)
         elif self.scale is not None:
             y = int8_linear(x, self.weight, self.scale, self.bias)
         else:
