@@ -167,6 +167,28 @@ def test_compiled_step_keeps_the_eager_numbers(small_ckpt, precision, one_thread
         scale = want.abs().max().item()
         assert (got - want).abs().max().item() <= 0.03 * scale, precision
         tok = want[:, -1:].argmax(-1)
+    assert fast._cpp_wrapper  # its kernels called from C++ (inductor's cpp_wrapper)
+
+
+def test_a_graph_without_a_cpp_wrapper_runs_through_the_python_one(tmp_path, monkeypatch, one_thread):
+    """Where inductor cannot give the graph a C++ wrapper, the stage stays compiled, through
+    inductor's Python wrapper, with the eager numbers."""
+    from torch._inductor.exc import CppWrapperCodegenError
+    from torch._inductor.graph import GraphLowering
+
+    def refuse(self):
+        raise CppWrapperCodegenError("no C++ wrapper here")
+    ck = write_demo_checkpoint(tmp_path / "m", layers=2, hidden=96, vocab=310, dtype="float32", seed=6)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # lowered here, not cached
+    monkeypatch.setattr(GraphLowering, "validate_can_generate_cpp_wrapper", refuse)
+    fast, eager = (load_stage(str(ck), 0, 2, True, True, "fp32") for _ in range(2))
+    fast.compile("default")
+    prompt = torch.tensor([[3, 1, 4, 1, 5]])
+    a, b = _prefilled(eager, prompt, 8), _prefilled(fast, prompt, 8)
+    for pos, tok in ((5, 9), (6, 2)):
+        got = fast(torch.tensor([[tok]]), start_pos=pos, cache=b)
+        torch.testing.assert_close(got, eager(torch.tensor([[tok]]), start_pos=pos, cache=a), rtol=1e-4, atol=1e-4)
+    assert fast.compiled and fast.compile_error is None and not fast._cpp_wrapper
 
 
 def test_a_stage_that_cannot_compile_decodes_eagerly_and_says_why(tmp_path, monkeypatch, one_thread):
