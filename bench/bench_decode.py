@@ -1,7 +1,7 @@
 """Decode speed, as ratios against baselines measured in the same run.
 
     .venv/bin/python bench/bench_decode.py [--checkpoint DIR] [--prompt 128] [--new 64]
-        [--compile max-autotune|default|off] [--pipeline-compile off|default|max-autotune] [--parts abcdk]
+        [--compile max-autotune|default|off] [--pipeline-compile off|default|max-autotune] [--parts abcdkw]
 
 (a) one stage, in process, batch 1: layerline's decoder vs transformers generate, same
     checkpoint and dtype: eager, weight-only int8 and int4 (groups of 32, CPU kernel), and with
@@ -16,6 +16,8 @@
     rounds interleaved so both see the same machine;
 (k) layerline's decode kernels (`layerline.model.cpu_kernels`) vs torch's (oneDNN bf16,
     `_weight_int8pack_mm`), the same eager stage at bf16 and at int8, switched round by round;
+(w) a stage's step after an idle wait, with a worker's idle-priority spinners (`layerline.awake`)
+    and without, in turns: what a stage alone on its machine gains from them;
 (q) (only with --parts q) the precisions interleaved: transformers generate and one stage at
     bf16, int8 and int4 (eager, or compiled with --compile) held in one process, taking turns
     round by round, best of --rounds each, so a busy spell on a shared machine hits all alike.
@@ -238,7 +240,7 @@ def main(argv=None) -> dict:
                     help="the compiled setting (a) also measures (off: skip it)")
     ap.add_argument("--pipeline-compile", default="off", choices=COMPILE_MODES,
                     help="--compile for the workers of (b) and (c)")
-    ap.add_argument("--parts", default="abcdk", help="which of (a)-(d), (k) and (q) to run, e.g. a or q")
+    ap.add_argument("--parts", default="abcdkw", help="which of (a)-(d), (k), (w) and (q) to run, e.g. a or q")
     ap.add_argument("--rounds", type=int, default=4, help="(q): rounds of taking turns")
     ap.add_argument("--profile", action="store_true",
                     help="print where a decode step's time goes instead of running (a)-(d)")
@@ -266,6 +268,8 @@ def main(argv=None) -> dict:
         _part_d(out)
     if "k" in a.parts:
         _part_k(a, ckpt, prompt, out)
+    if "w" in a.parts:
+        _part_w(a, ckpt, out)
     if "q" in a.parts:
         _part_q(a, ckpt, prompt, dtype, out)
     return out
@@ -437,6 +441,54 @@ def _part_k(a, ckpt: str, prompt: torch.Tensor, out: dict) -> None:
         print(f"(k) decode kernels ({isa}) vs torch's, eager {prec}: {best['ours']:.1f} vs {best['torch']:.1f} "
               f"tokens/s = {best['ours'] / best['torch']:.2f}x", flush=True)
         del stage
+
+
+def _part_w(a, ckpt: str, out: dict) -> None:
+    """(w): the middle third of the model as one eager int8 stage (as a stage of three), each step
+    after an idle (two such steps, as in a three-stage pipeline, and 16 ms, as beside slower
+    stages), with the worker's idle-priority spinners (layerline.awake) and without, in turns,
+    median step of each."""
+    from layerline.awake import Awake
+    from layerline.checkpoint import read_index
+    from layerline.model.loader import load_stage
+    n = read_index(ckpt).num_layers
+    stage = load_stage(ckpt, n // 3, 2 * n // 3, False, False, precision="int8")
+    hidden = stage.args.hidden_size
+    cache = stage.new_cache(1, 4096)
+    stage(torch.zeros(1, 128, hidden, dtype=stage.dtype), start_pos=0, cache=cache)
+    x = torch.zeros(1, 1, hidden, dtype=stage.dtype)
+
+    def steps(awake, idle: float, k: int = 16) -> float:
+        times = []
+        for _ in range(k):
+            awake.poke()  # as the worker does after each message
+            if idle:
+                time.sleep(idle)
+            t0 = time.perf_counter()
+            stage(x, start_pos=128, cache=cache)  # the same position again: its KV is overwritten
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times[1:])
+
+    on, off = Awake(torch.get_num_threads()), Awake(0)
+    try:
+        if not on.procs:
+            print("(w) no spinners on this platform (Linux only)", flush=True)
+            return
+        steps(off, 0.0)
+        idles = {"an idle of two steps": 2 * steps(off, 0.0), "16 ms idle": 0.016}
+        med: dict = {(i, w): [] for i in idles for w in ("on", "off")}
+        for _ in range(max(a.rounds, 5)):
+            for i, idle in idles.items():
+                for w, aw in (("on", on), ("off", off)):
+                    med[i, w].append(steps(aw, idle))
+    finally:
+        on.close()
+    res = {i: {w: statistics.median(med[i, w]) for w in ("on", "off")} for i in idles}
+    out["w"] = {i: {"idle_s": idles[i], "step_s_awake": r["on"], "step_s_idle": r["off"]} for i, r in res.items()}
+    for i, r in res.items():
+        print(f"(w) one int8 stage ({n // 3}:{2 * n // 3}), each step after {i} ({idles[i] * 1e3:.1f} ms): "
+              f"{r['on'] * 1e3:.2f} ms with the worker's spinners vs {r['off'] * 1e3:.2f} without = "
+              f"{r['off'] / r['on']:.2f}x faster", flush=True)
 
 
 def _part_q(a, ckpt: str, prompt: torch.Tensor, dtype: torch.dtype, out: dict) -> None:

@@ -272,6 +272,8 @@ def test_threads_spin_and_compile_follow_where_the_plan_puts_stages():
     assert f["w1"]["--threads"] == f["w2"]["--threads"] == "8"  # the probed cores: stages take turns
     assert f["far"]["--threads"] == "3"                           # the host's own setting wins
     assert int(f["w1"]["--spin"]) < int(f["far"]["--spin"])
+    # a lone stage keeps its CPUs awake between messages; stages that share cores do not
+    assert f["w1"]["--awake-ms"] == f["w2"]["--awake-ms"] == "0" and "--awake-ms" not in f["far"]
     assert "--compile" not in f["w1"] and f["w2"]["--compile"] == "max-autotune"
     assert f["w2"]["--compile-cache"].startswith("/var/lib/layerline-w2/")
     assert st["w2"]["compile"] == "max-autotune" and st["w1"]["compile"] == "off"

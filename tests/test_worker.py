@@ -551,11 +551,11 @@ def test_step_timing_waits_as_a_pipeline_stage_waits(small_ckpt, monkeypatch):
     """measure_step times each step after an idle as long as the model's other layers take at
     this stage's speed (here 3 of 4 layers: 3x its last step), as a stage waits for its input
     in a pipeline (a step after idling is slower on VMs); none before the first step, and never
-    longer than IDLE_CAP_S. What it returns is the median of the steps after the first. The
-    worker's clock is a fake one that each step moves by a set time, so nothing here leans on
-    how fast this machine is."""
+    longer than IDLE_CAP_S, its idle-priority spinners woken as serving wakes them. What it
+    returns is the median of the steps after the first. The worker's clock is a fake one that
+    each step moves by a set time, so nothing here leans on how fast this machine is."""
     from layerline import worker as wmod
-    clock, sleeps, steps = [0.0], [], []
+    clock, sleeps, steps, pokes = [0.0], [], [], []
 
     class FakeTime:
         @staticmethod
@@ -580,7 +580,8 @@ def test_step_timing_waits_as_a_pipeline_stage_waits(small_ckpt, monkeypatch):
 
     def worker_of(stage, start, end):
         w = SimpleNamespace(stage=stage, torch=torch, kv_dtype=None, margs=stage.args, name="w",
-                            args=SimpleNamespace(start=start, end=end, first=start == 0, device="cpu"))
+                            args=SimpleNamespace(start=start, end=end, first=start == 0, device="cpu"),
+                            awake=SimpleNamespace(poke=lambda: pokes.append(len(steps))))
         w._zeros_input = lambda b, t: wmod.Worker._zeros_input(w, b, t)
         return w
 
@@ -589,6 +590,7 @@ def test_step_timing_waits_as_a_pipeline_stage_waits(small_ckpt, monkeypatch):
     assert len(steps) == 1 + 8, "the prefix, then the timed steps"
     assert [after for _, after in sleeps] == list(range(2, 9)), "an idle before every timed step but the first"
     assert [s for s, _ in sleeps] == pytest.approx([0.006] * 7), "the 3 other layers at this stage's 2 ms a layer"
+    assert pokes == [after for _, after in sleeps], "the CPUs kept awake through each idle, as serving keeps them"
     steps.clear()
     sleeps.clear()
     whole = worker_of(timed(load_stage(str(small_ckpt), 0, 4, True, True, precision="fp32"), 0.002), 0, 4)

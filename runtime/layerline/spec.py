@@ -152,6 +152,11 @@ def worker_spec(plan: Plan | dict, host: str, hvars: dict, python: str = "python
         argv += ["--threads", str(int(s.threads))]
     if s.spin is not None:
         argv += ["--spin", str(int(s.spin))]
+    if s.shares_cores_with:
+        # no idle-priority spinners (layerline.awake) where another stage needs these cores: each
+        # worker is its own scheduling group (its own session), and across groups idle priority
+        # is not idle: the spinners would take turns with the busy stage
+        argv += ["--awake-ms", "0"]
     nice = str(hvars.get("layerline_nice") or 0)  # str: 2.5 and True are not nice values
     if not (nice.isdigit() and int(nice) <= 19):
         raise LayerlineError(f"{host}: layerline_nice {hvars.get('layerline_nice')!r} must be an integer "

@@ -3,7 +3,7 @@
     python -m layerline.worker --checkpoint DIR --layers A:B --device D --precision P
         --kv-context N --kv-dtype T --rng-seed S --bind ADDR --next ADDR [--first] [--last]
         --keys DIR [--next-key HOST] [--curve auto|on] [--name HOST] [--ready-file PATH]
-        [--control ADDR] [--threads N] [--spin N] [--compile off|default|max-autotune]
+        [--control ADDR] [--threads N] [--spin N] [--awake-ms MS] [--compile off|default|max-autotune]
         [--compile-cache DIR]
     python -m layerline.worker --probe [--checkpoint DIR] [--device D]
 
@@ -80,6 +80,7 @@ def openmp_env(argv: list[str]) -> None:
 if __name__ == "__main__":
     openmp_env(sys.argv[1:])
 
+from . import awake  # noqa: E402
 from .errors import LayerlineError  # noqa: E402 - after openmp_env: .wire imports torch
 from .model import COMPILE_MODES, cpu_kernels  # noqa: E402
 from .wire import MAX_BATCH, MAX_REPLY_PEERS, MAX_SEQS  # noqa: E402
@@ -126,6 +127,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--spin", type=int, default=None,
                    help="OpenMP spin count before an idle thread sleeps (GOMP_SPINCOUNT); low when stages "
                         "share a machine's cores")
+    p.add_argument("--awake-ms", type=int, default=None,
+                   help="after each message, keep this worker's CPUs from idling this long with idle-priority "
+                        "spinners (layerline.awake; 0: off; default 50)")
     p.add_argument("--nice", type=int, default=None,
                    help="yield the CPU to the machine's other work: nice value 1-19 for this worker and its "
                         "session's scheduling group (layerline_nice)")
@@ -157,6 +161,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--threads must be at least 1")
     if a.spin is not None and a.spin < 0:
         p.error("--spin must not be negative")
+    if a.awake_ms is not None and not 0 <= a.awake_ms <= 1000:
+        p.error("--awake-ms must be 0-1000")
     if a.nice is not None and not 0 <= a.nice <= 19:
         p.error("--nice must be 0-19 (a worker may only lower its priority)")
     for flag in ("kv_bytes", "expert_cache_bytes"):
@@ -249,6 +255,9 @@ class Worker:
             self.set_next(args.next, args.next_key)
         self.peers: OrderedDict[str, object] = OrderedDict()
         self.running = True
+        # spinners as many as the threads a step runs on; they spin only after a message
+        ms = awake.WINDOW_S * 1000 if args.awake_ms is None else args.awake_ms
+        self.awake = awake.Awake(torch.get_num_threads(), ms / 1000)
         if args.compile != "off":
             self.warm_up(args.compile)
         self.step_s = self.measure_step()
@@ -306,6 +315,7 @@ class Worker:
             times, deadline, idle = [], time.perf_counter() + budget_s, 0.0
             for i in range(steps):
                 if idle:
+                    self.awake.poke()  # as serving keeps the CPUs between messages
                     time.sleep(idle)
                 t0 = time.perf_counter()
                 self.stage(x, start_pos=prefix, cache=cache)  # the same position again: its KV is overwritten
@@ -714,10 +724,15 @@ class Worker:
                 frames = sock.recv_multipart(copy=False)
                 if len(frames) < 2:
                     continue
-                (self.handle_data if sock is self.data else self.handle_control)(frames)
+                if sock is self.data:
+                    self.handle_data(frames)
+                    self.awake.poke()  # the next message is due within a pipeline's step
+                else:
+                    self.handle_control(frames)
         self.close()
 
     def close(self) -> None:
+        self.awake.close()
         for s in [self.data, self.control, self.next, *self.peers.values()]:
             if s is not None:
                 s.close(linger=1000)
