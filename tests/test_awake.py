@@ -101,3 +101,10 @@ def test_a_worker_keeps_one_spinner_per_thread_unless_told_not_to(tmp_path, awak
     finally:
         w.stop()
     wait_for(lambda: not any(alive(p) for p in got), timeout=10, what="the worker's spinners to exit with it")
+
+
+@pytest.mark.parametrize("value", ["-1", "1001"])
+def test_awake_ms_out_of_range_is_refused_before_anything_starts(value):
+    r = subprocess.run([sys.executable, "-m", "layerline.worker", "--checkpoint", "x", "--layers", "0:1", "--last",
+                        "--bind", "tcp://127.0.0.1:1", "--awake-ms", value], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--awake-ms must be 0-1000" in r.stderr, r.stderr
