@@ -66,6 +66,22 @@ def test_off_means_no_processes():
         a.close()
 
 
+def test_a_spinner_that_cannot_start_leaves_the_worker_serving_without_them(monkeypatch, capsys):
+    import layerline.awake as awake_mod
+    real, started = awake_mod.subprocess.Popen, []
+
+    def second_fails(*a, **kw):
+        if started:
+            raise OSError(11, "Resource temporarily unavailable")
+        started.append(real(*a, **kw))
+        return started[-1]
+    monkeypatch.setattr(awake_mod.subprocess, "Popen", second_fails)
+    a = Awake(2)
+    a.poke()
+    assert a.procs == [] and "no idle-priority spinners" in capsys.readouterr().err
+    wait_for(lambda: not alive(started[0].pid) or started[0].poll() is not None, what="the first spinner to stop")
+
+
 def test_spinners_exit_when_their_owner_is_killed(tmp_path):
     owner = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
         import sys, time

@@ -3,8 +3,8 @@
 On the VMs measured (2-core Firecracker guests), a vCPU left idle for some milliseconds costs the
 step that follows: one int8 stage (layers 5-11 of the demo model, 1.9-2.0 ms back to back) took
 2.4-3.1 ms a step after 8 ms idle and 14-18 ms after 16 ms idle; with this module's spinners,
-1.8-1.9 ms after either. A stage of a pipeline idles while the others compute, so it pays this on every
-token once the others' steps add up to a few milliseconds.
+1.8-1.9 ms after either. A stage of a pipeline idles while the others compute, so it pays this
+on every token once the others' steps add up to a few milliseconds.
 
 So a worker keeps `Awake` spinners: one process per torch thread, at SCHED_IDLE, which spin for
 `window_s` after each message and otherwise block on a pipe. In the worker's own session
@@ -37,20 +37,27 @@ class Awake:
         self._deadline = None
         if spinners <= 0 or window_s <= 0 or not (hasattr(os, "memfd_create") and hasattr(os, "SCHED_IDLE")):
             return
-        fd = os.memfd_create("layerline-awake")
         try:
-            os.ftruncate(fd, 8)
-            # one 8-byte store per update (struct.pack_into zeroes the bytes first: a spinner could read 0)
-            self._deadline = memoryview(mmap.mmap(fd, 8)).cast("d")
-            for _ in range(spinners):
-                r, w = os.pipe()
-                os.set_blocking(w, False)
-                self.procs.append(subprocess.Popen([sys.executable, "-I", __file__, str(fd), str(r)],
-                                                   pass_fds=(fd, r), stdin=subprocess.DEVNULL, close_fds=True))
-                os.close(r)
-                self._pokes.append(w)
-        finally:
-            os.close(fd)
+            fd = os.memfd_create("layerline-awake")
+            try:
+                os.ftruncate(fd, 8)
+                # one 8-byte store per update (struct.pack_into zeroes the bytes first: a spinner could read 0)
+                self._deadline = memoryview(mmap.mmap(fd, 8)).cast("d")
+                for _ in range(spinners):
+                    r, w = os.pipe()
+                    self._pokes.append(w)
+                    os.set_blocking(w, False)
+                    try:
+                        self.procs.append(subprocess.Popen([sys.executable, "-I", __file__, str(fd), str(r)],
+                                                           pass_fds=(fd, r), stdin=subprocess.DEVNULL))
+                    finally:
+                        os.close(r)
+            finally:
+                os.close(fd)
+        except OSError as e:  # out of processes or memory: serve without them
+            print(f"layerline: no idle-priority spinners ({e}); steps after an idle may be slower",
+                  file=sys.stderr, flush=True)
+            self.close()
 
     def poke(self) -> None:
         """Spin for the next window_s (a message just came, the next is due soon)."""
