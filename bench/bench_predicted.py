@@ -20,6 +20,7 @@ import argparse
 import copy
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -90,6 +91,7 @@ def run_mode(ckpt: str, caps: dict, prec: str, compile: str, new: int, ports: li
             p.terminate()
         for p in procs:
             p.wait(10)
+        shutil.rmtree(tmp, ignore_errors=True)  # the workers' keys (secrets) and ready files
     decode = steps[1:]
     rows = []
     for i, s in enumerate(first):
