@@ -33,8 +33,7 @@ class Awake:
         self.window_s = window_s
         self.procs: list[subprocess.Popen] = []
         self._pokes: list[int] = []
-        self._until = 0.0
-        self._deadline = None
+        self._deadline = None  # the spinners' deadline (time.monotonic), shared with them
         if spinners <= 0 or window_s <= 0 or not (hasattr(os, "memfd_create") and hasattr(os, "SCHED_IDLE")):
             return
         try:
@@ -64,9 +63,8 @@ class Awake:
         if self._deadline is None:
             return
         now = time.monotonic()
-        asleep = now > self._until - 0.001  # spinners past their deadline block on their pipes
-        self._until = now + self.window_s
-        self._deadline[0] = self._until  # before the wake-up: they read it first
+        asleep = now > self._deadline[0] - 0.001  # spinners past their deadline block on their pipes
+        self._deadline[0] = now + self.window_s  # before the wake-up: they read it first
         if asleep:
             for w in self._pokes:
                 try:
