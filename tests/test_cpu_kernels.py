@@ -1,7 +1,7 @@
 """The decode kernels (`layerline.model.cpu_kernels`), built with the host's g++ as a worker builds them.
 
-For each ISA this CPU has (AVX2 + FMA: int8; AVX-512 BF16 + VNNI: bf16 and int8): linear layers of
-1-8 rows agree with a float64 product, with and without bias, for widths that are not a multiple of
+For each ISA this CPU has (AVX2 + FMA: int8; AVX-512 BF16 + VNNI: bf16, int8 and int4): linear layers
+of 1-8 rows (int4: any) agree with a float64 product, with and without bias, for widths that are not a multiple of
 the kernels' blocks and K that is 32 times an odd number; a row's result is bit for bit the same
 whatever else is in the call and whatever the thread count (a greedy request's tokens do not depend
 on its batch). More than 8 rows, fp32, or K not a multiple of 32 go to torch's kernels. A bf16 and
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from layerline.model import cpu_kernels
-from layerline.model.quant import quantize_rows
+from layerline.model.quant import _pack_rows, dequantize_int4_rows, quantize_groups, quantize_rows
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -79,6 +79,30 @@ def test_kernels_equal_the_float64_product(isa, m, n, k, bias):
         _close(y8, ref8, 2e-4 if dt == torch.float32 else 0.01)  # x as int16 codes: about 1/30000
 
 
+@pytest.mark.parametrize("m,n,k", [(1, 100, 64), (3, 1027, 576), (4, 258, 1024), (40, 36, 2816)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_int4_kernel_equals_the_float64_product_of_its_weights(isa, m, n, k, bias):
+    """int4 in layerline's layout (any rows: a prefill's too; K = 64 * odd leaves a pair of groups
+    past the last 16, 576 two past the last 16) against x @ the dequantized weight in float64."""
+    g = torch.Generator().manual_seed(m * n + k)
+    w = torch.randn(n, k, generator=g) * torch.linspace(0.1, 2, k)  # groups of different scales
+    codes, sz = _pack_rows(*quantize_groups(w))
+    deq = dequantize_int4_rows(codes, sz, torch.float64)
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    x = torch.randn(m, k, generator=g)
+    x[:, :32] *= 50  # one group far larger than the rest: x is quantized per group, not per row
+    for dt in (torch.bfloat16, torch.float16, torch.float32):
+        if isa != "avx512-bf16":
+            with pytest.raises(RuntimeError, match="AVX-512 with VNNI only"):
+                torch.ops.layerline_cpu.linear_int4(x.to(dt), codes, sz, b)
+            assert cpu_kernels.linear_int4(x.to(dt), codes, sz, b) is None  # the caller dequantizes
+            continue
+        ref = F.linear(x.to(dt).double(), deq, None if b is None else b.double())
+        y = torch.ops.layerline_cpu.linear_int4(x.to(dt), codes, sz, b)
+        assert y.dtype == dt and y.shape == (m, n)
+        _close(y, ref, 0.02)  # x as int8 codes per group of 32 (each within 1/254 of its group's largest)
+
+
 def test_a_row_has_the_same_bits_in_any_batch_and_thread_count(isa):
     g = torch.Generator().manual_seed(3)
     x = torch.randn(8, 1, 512, generator=g).bfloat16()
@@ -89,6 +113,7 @@ def test_a_row_has_the_same_bits_in_any_batch_and_thread_count(isa):
         ops = [(torch.ops.layerline_cpu.linear_int8, (q, s))]
         if isa == "avx512-bf16":
             ops.append((torch.ops.layerline_cpu.linear_bf16, (w,)))
+            ops.append((torch.ops.layerline_cpu.linear_int4, _pack_rows(*quantize_groups(w.float()))))
         for op, args in ops:
             torch.set_num_threads(2)
             batch = op(x, *args)

@@ -1,9 +1,10 @@
-"""Weight-only int4 (groups of 32 along the input, torch's CPU int4 kernel, bf16 compute; embedding
-and LM head int8): the layer against a dequantized reference, the stage, one-process generation
+"""Weight-only int4 (groups of 32 along the input, layerline's CPU int4 kernel on AVX-512 VNNI and
+torch's elsewhere, bf16 compute; embedding and LM head int8): the layer against a dequantized reference, the stage, one-process generation
 through the CLI, the compiled step, the planner's ladder, and quality on SmolLM2.
 
 Measured on SmolLM2-135M-Instruct (the packaged Q4_1 GGUF) over `TEXT` (358 tokens): top-1
-next-token agreement with bf16 is 0.944 at int8 and 0.972 at int4 (in groups of 64: ~0.72). The
+next-token agreement with bf16 is 0.953 at int8 and 0.966 at int4 (2026-12-03; 0.972 through torch's
+int4 kernel; in groups of 64: ~0.72). The
 file's matrices are Q4_1, 32-weight blocks of exactly this shape, so int4 in groups of 32
 re-quantizes them almost exactly and beats per-row int8; a float checkpoint would not flatter int4
 so. On this module's random-init model int4 logits are 16% of the largest |logit| from bf16
@@ -25,7 +26,7 @@ from helpers import chained_greedy
 from layerline.checkpoint import read_index, write_demo_checkpoint
 from layerline.cost import CostOptions, ModelCost, model_cost, weight_bytes
 from layerline.errors import LayerlineError
-from layerline.model import quant
+from layerline.model import cpu_kernels, quant
 from layerline.model.loader import load_stage
 from layerline.model.quant import (Int4Linear, Int8Embedding, Int8Linear, dequantize_groups, make_linear,
                                    quantize_groups)
@@ -33,7 +34,7 @@ from layerline.planner import Node, make_plan
 
 LAYERS = 2
 INT4_REL_BOUND = 0.25  # measured 0.164 on this random model (max |int4 - bf16| / max |bf16|)
-SMOL_INT4_AGREEMENT = 0.90  # the issue's goal; measured 0.972
+SMOL_INT4_AGREEMENT = 0.90  # the issue's goal; measured 0.966
 
 pytestmark = pytest.mark.skipif(quant.int4_kernel_error() is not None, reason="this torch lacks the int4 kernel")
 
@@ -58,10 +59,14 @@ def test_quantize_groups_round_trip_and_odd_shapes_fall_back_to_int8():
     err = (dequantize_groups(q, sz) - w).abs().reshape(32, 3, 32)
     assert (err <= sz.transpose(0, 1)[..., :1] / 2 + 1e-6).all()
     assert torch.allclose(dequantize_groups(q, sz)[3, :32], torch.full((32,), 0.5), atol=1e-6)
-    # the kernel takes groups of 32 along the input and output widths divisible by 16: other matrices are int8
+    # layerline's kernel takes inputs in multiples of 64, torch's groups of 32 along the input and
+    # output widths divisible by 16: a matrix neither takes is int8
     assert isinstance(make_linear(256, 96, False, torch.bfloat16, "int4"), Int4Linear)
     assert isinstance(make_linear(80, 96, False, torch.bfloat16, "int4"), Int8Linear)
-    assert isinstance(make_linear(256, 100, False, torch.bfloat16, "int4"), Int8Linear)
+    odd_out = make_linear(256, 100, False, torch.bfloat16, "int4")
+    assert isinstance(odd_out, Int4Linear if cpu_kernels.int4_ready() else Int8Linear)
+    torchs = make_linear(96, 96, False, torch.bfloat16, "int4")
+    assert isinstance(torchs, Int4Linear) and not torchs.rows and torchs.scale.shape == (3, 96, 2)
 
 
 def test_int4_linear_equals_the_dequantized_matmul(ckpt):
@@ -83,6 +88,16 @@ def test_int4_linear_equals_the_dequantized_matmul(ckpt):
             torch.testing.assert_close(y.float(), ref, atol=0.02 * ref.abs().max().item(), rtol=0)
             # and the quantization itself is close to the float weight (half a step per weight)
             assert float((deq - w.float()).abs().max()) <= float(sz[..., 0].max()) * 0.5 + 0.02
+        # the layout is layerline's where its kernel runs (this stage's matrices all fit it)
+        assert mod.rows == cpu_kernels.int4_ready()
+        if mod.rows:  # and a weight packed for the kernel still runs where it was turned off since
+            want = mod(x)
+            try:
+                cpu_kernels.use_isa("off")
+                torch.testing.assert_close(mod(x).float(), ref, atol=0.02 * ref.abs().max().item(), rtol=0)
+                assert not torch.equal(mod(x), want)  # it did take the other path
+            finally:
+                cpu_kernels.use_isa("avx512-bf16")
     b = torch.randn(48)
     m = Int4Linear.from_float(torch.randn(48, 64), b)  # with a bias, from a non-contiguous input
     x = torch.randn(64, 5, dtype=torch.bfloat16).t()

@@ -4,17 +4,24 @@ its weight once, at close to the memory's speed, and the attention of one new to
 A decode step on a CPU is bound by reading every weight once per token, and torch's own kernels
 (oneDNN's bf16 GEMM, `_weight_int8pack_mm`) read a one-row product's weight at about half the
 rate a plain dot-product loop reaches (2 cores, AVX-512, a 32000x1024 bf16 matrix: 2.6 ms against
-1.4 ms). Two ops, built from the C++ below at first use:
+1.4 ms). Three ops, built from the C++ below at first use:
 
   layerline_cpu::linear_bf16(x, w, bias?)        x bf16 [..., K] @ w bf16 [N, K].T
   layerline_cpu::linear_int8(x, q, scale, bias?) x [..., K] @ (q int8 [N, K] * scale f32 [N]).T
+  layerline_cpu::linear_int4(x, codes, sz, bias?) x [..., K] @ int4 W in groups of 32 (codes uint8
+                                                  [N, K / 2], sz bf16 [N, K / 32, 2]; any rows)
 
 Each output is one row's dot product over k in one fixed order (fp32 lanes, then their sum), the
 same for any number of rows in the call: a row's bits do not depend on what it is batched with.
-They run for up to `MAX_ROWS` rows (decode steps and the server's micro-batches; prefills stay with
-torch's GEMMs, which are faster for many rows) and K a multiple of 32; rows are split across
-torch's threads. The ISA is chosen at run time: AVX-512 with BF16 and VNNI runs both ops
-(vdpbf16ps, vpdpwssd); AVX2 + FMA runs int8 only. An AVX2 bf16 kernel (bf16 widened to fp32, FMA)
+bf16 and int8 run for up to `MAX_ROWS` rows (decode steps and the server's micro-batches; prefills
+stay with torch's GEMMs, which are faster for many rows) and K a multiple of 32; rows are split
+across torch's threads. The ISA is chosen at run time: AVX-512 with BF16 and VNNI runs all three
+(vdpbf16ps, vpdpwssd, vpdpbusd); AVX2 + FMA runs int8 only.
+
+int4 quantizes x per group of 32 to int8 (as llama.cpp's q8_0) and sums each group's code * x
+exactly in int32 before scaling it (2 cores, the demo model's 64 int4 matrices streamed from
+memory, one row: 1.2-1.8x the rate of torch's `_weight_int4pack_mm_for_cpu`, which stays the path
+of AVX2-only hosts; 128 rows: 1.3x). It runs any number of rows: a prefill's too. An AVX2 bf16 kernel (bf16 widened to fp32, FMA)
 was tried and dropped: under AVX2 limits on an AVX-512 machine it read 19-25 GB/s where torch's
 own AVX2 bf16 GEMV read 28-30 (demo model eager: 0.74x of torch's).
 
@@ -64,6 +71,7 @@ namespace {
 
 int64_t g_isa = 0;            // 0: none, 1: AVX2 + FMA, 2: AVX-512 with BF16
 constexpr int64_t PF = 4096;  // bytes ahead of each row that a core asks for early
+constexpr int64_t PF4 = 8192;  // the same for int4's codes (their scales: a quarter of it); 4096 read 0.85x
 
 int64_t cpu_isa() {
   __builtin_cpu_init();
@@ -543,6 +551,136 @@ at::Tensor decode_attention(const at::Tensor& q4, const at::Tensor& k4, const at
   return out;
 }
 
+// int4 weights in groups of 32 (layerline's layout, `quant.Int4Linear` with rows=True): codes
+// uint8 [N, K / 2], 16 bytes a group (byte j: code j in its low nibble, code j + 16 in its high one,
+// as GGUF's Q4_0 / Q4_1 blocks), and sz [N, K / 32] pairs of bf16 (s, z): w = (code - 8) * s + z.
+// x is quantized per group of 32 to int8 (one scale a group, as llama.cpp's q8_0), so a group's
+// sum of code * x is exact in int32 (vpdpbusd); it is scaled by s * dx in fp32, and the zeros add
+// (z - 8 s) * (the group's sum of x). The x codes are laid out per pair of groups as two groups'
+// nibbles unpack into one vector: [g0 0..15, g1 0..15, g0 16..31, g1 16..31].
+LL_512 __m512 load16(const at::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+#define LL_VNNI __attribute__((target("avx512f,avx512bw,avx512bf16,avx512vl,avx512vnni,avx512dq")))
+
+template <typename T>
+LL_VNNI void quantize_groups_x(const T* x, int64_t M, int64_t K, int8_t* xq, float* dx, float* xsum) {
+  const int64_t G = K / 32;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < G; ++g) {
+      const T* p = x + m * K + g * 32;
+      const __m512 a = load16(p), b = load16(p + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+      const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+      const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv)), qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
+      int8_t* out = xq + m * K + (g / 2) * 64 + (g % 2) * 16;
+      _mm_storeu_si128((__m128i*)out, _mm512_cvtsepi32_epi8(qa));
+      _mm_storeu_si128((__m128i*)(out + 32), _mm512_cvtsepi32_epi8(qb));
+      dx[m * G + g] = amax / 127.f;
+      xsum[m * G + g] = amax / 127.f * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+    }
+}
+
+// R rows of W against MB rows of x, 16 groups at a time: their (s, z) in one load, then each pair
+// of groups' 32 code bytes as one vector. The scale rows are a stream of their own, asked for early
+// as the codes are (without it the kernel read 0.65x of torch's int4 kernel's rate from memory).
+template <int R, int MB>
+struct Int4Tile {
+  LL_VNNI static void run(const uint8_t* w, const uint32_t* sz, const int8_t* xq, const float* dx,
+                          const float* xsum, int64_t K, int64_t N, float* y) {
+    const int64_t G = K / 32, KB = K / 2;
+    __m512 acc[R][MB];
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_setzero_ps();
+    const __m256i lo4 = _mm256_set1_epi8(0x0F);
+    const __m512i zmask = _mm512_set1_epi32((int)0xFFFF0000u);
+    const __m512i pair = _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0);  // lane -> group of 2
+    for (int64_t g0 = 0; g0 < G; g0 += 16) {
+      const int ng = (int)std::min<int64_t>(16, G - g0);
+      const __mmask16 mk = (__mmask16)(ng == 16 ? 0xFFFFu : (1u << ng) - 1);
+      __m512 C[R][MB];  // s * dx of each of the 16 groups
+      for (int r = 0; r < R; ++r) {
+        _mm_prefetch((const char*)(sz + r * G + g0) + PF4 / 4, _MM_HINT_T0);
+        const __m512i v = _mm512_maskz_loadu_epi32(mk, sz + r * G + g0);
+        const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+        const __m512 z8 = _mm512_fmadd_ps(s, _mm512_set1_ps(-8.f), _mm512_castsi512_ps(_mm512_and_si512(v, zmask)));
+        for (int m = 0; m < MB; ++m) {
+          C[r][m] = _mm512_mul_ps(s, _mm512_maskz_loadu_ps(mk, dx + m * G + g0));
+          acc[r][m] = _mm512_fmadd_ps(z8, _mm512_maskz_loadu_ps(mk, xsum + m * G + g0), acc[r][m]);
+        }
+      }
+      for (int p = 0; p < ng / 2; ++p) {
+        const __m512i idx = _mm512_add_epi32(pair, _mm512_set1_epi32(2 * p));
+        const int64_t off = (g0 + 2 * p) * 16;
+        __m512i wv[R];
+        for (int r = 0; r < R; ++r) {
+          if ((off & 63) == 0) _mm_prefetch((const char*)(w + r * KB + off) + PF4, _MM_HINT_T0);
+          const __m256i v = _mm256_loadu_si256((const __m256i*)(w + r * KB + off));
+          wv[r] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, lo4)),
+                                     _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4), 1);
+        }
+        for (int m = 0; m < MB; ++m) {
+          const __m512i xv = _mm512_loadu_si512(xq + m * K + off * 2);
+          for (int r = 0; r < R; ++r) {
+            const __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[r], xv);
+            acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_permutexvar_ps(idx, C[r][m]), acc[r][m]);
+          }
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MB; ++m) y[m * N + r] = _mm512_reduce_add_ps(acc[r][m]);
+  }
+};
+
+template <int R, int MB>
+void int4_rows(const uint8_t* w, const uint32_t* sz, const int8_t* xq, const float* dx, const float* xs,
+               int64_t K, int64_t N, int64_t n0, int64_t n1, float* y) {
+  const int64_t G = K / 32;
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) Int4Tile<R, MB>::run(w + n * (K / 2), sz + n * G, xq, dx, xs, K, N, y + n);
+  for (; n < n1; ++n) Int4Tile<1, MB>::run(w + n * (K / 2), sz + n * G, xq, dx, xs, K, N, y + n);
+}
+
+at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sz,
+                       const c10::optional<at::Tensor>& bias) {
+  const int64_t N = codes.size(0), K = codes.size(1) * 2, G = K / 32;
+  check(x, codes, x.size(-1), bias);
+  TORCH_CHECK(g_isa == 2, "linear_int4: AVX-512 with VNNI only");
+  TORCH_CHECK(codes.scalar_type() == at::kByte && x.size(-1) == K && K % 64 == 0,
+              "linear_int4: uint8 codes [N, K / 2] for x [..., K], K a multiple of 64");
+  TORCH_CHECK(sz.scalar_type() == at::kBFloat16 && sz.dim() == 3 && sz.size(0) == N && sz.size(1) == G && sz.size(2) == 2,
+              "linear_int4: bf16 scales and zeros [N, K / 32, 2]");
+  const auto st = x.scalar_type();
+  TORCH_CHECK(st == at::kFloat || st == at::kBFloat16 || st == at::kHalf, "linear_int4: x fp32, bf16 or fp16");
+  auto cc = codes.contiguous();
+  auto szc = sz.contiguous();
+  auto x2 = x.reshape({-1, K}).contiguous();
+  const int64_t M = x2.size(0);
+  std::vector<int8_t> xq(M * K);
+  std::vector<float> dx(M * G), xs(M * G);
+  if (st == at::kBFloat16) quantize_groups_x(x2.data_ptr<at::BFloat16>(), M, K, xq.data(), dx.data(), xs.data());
+  else if (st == at::kHalf) quantize_groups_x(x2.data_ptr<at::Half>(), M, K, xq.data(), dx.data(), xs.data());
+  else quantize_groups_x(x2.data_ptr<float>(), M, K, xq.data(), dx.data(), xs.data());
+  Out out(x, M, N, at::kFloat, bias);
+  const uint8_t* W = cc.data_ptr<uint8_t>();
+  const uint32_t* SZ = reinterpret_cast<const uint32_t*>(szc.data_ptr<at::BFloat16>());
+  float* Y = out.sums.data_ptr<float>();
+  over_rows(N, K, [&](int64_t n0, int64_t n1) {
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {  // x in chunks of up to 4 rows
+      const int8_t* xm = xq.data() + m0 * K;
+      const float *dm = dx.data() + m0 * G, *sm = xs.data() + m0 * G;
+      float* ym = Y + m0 * N;
+      switch (std::min<int64_t>(4, M - m0)) {
+        case 1: int4_rows<4, 1>(W, SZ, xm, dm, sm, K, N, n0, n1, ym); break;
+        case 2: int4_rows<4, 2>(W, SZ, xm, dm, sm, K, N, n0, n1, ym); break;
+        case 3: int4_rows<2, 3>(W, SZ, xm, dm, sm, K, N, n0, n1, ym); break;
+        default: int4_rows<2, 4>(W, SZ, xm, dm, sm, K, N, n0, n1, ym);
+      }
+    }
+    out.store_rows<float>(M, N, n0, n1, nullptr, nullptr);
+  });
+  return out.y;
+}
+
 // RMSNorm of each row of x [..., D] (bf16 or fp32, rows contiguous) with weight w [D]: in fp32,
 // x * rsqrt(mean(x^2) + eps), rounded to x's dtype, times w (in x's dtype), as the torch module
 // computes it, in one call instead of eight ops. A row's bits depend on that row alone.
@@ -645,6 +783,10 @@ at::Tensor linear_int8_meta(const at::Tensor& x, const at::Tensor& q, const at::
                             const c10::optional<at::Tensor>&) {
   return linear_meta(x, q);
 }
+at::Tensor linear_int4_meta(const at::Tensor& x, const at::Tensor& codes, const at::Tensor&,
+                            const c10::optional<at::Tensor>&) {
+  return linear_meta(x, codes);
+}
 
 // the ISA the kernels use: the best this CPU has, capped at `cap`
 int64_t use_isa(int64_t cap) {
@@ -657,6 +799,7 @@ int64_t use_isa(int64_t cap) {
 TORCH_LIBRARY(layerline_cpu, m) {
   m.def("linear_bf16(Tensor x, Tensor w, Tensor? bias=None) -> Tensor");
   m.def("linear_int8(Tensor x, Tensor q, Tensor scale, Tensor? bias=None) -> Tensor");
+  m.def("linear_int4(Tensor x, Tensor codes, Tensor sz, Tensor? bias=None) -> Tensor");
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor(a!)[] kc, Tensor(b!)[] vc, int[] pos, int[] lo, "
         "float scale) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
@@ -666,6 +809,7 @@ TORCH_LIBRARY(layerline_cpu, m) {
 TORCH_LIBRARY_IMPL(layerline_cpu, CPU, m) {
   m.impl("linear_bf16", linear_bf16);
   m.impl("linear_int8", linear_int8);
+  m.impl("linear_int4", linear_int4);
   m.impl("decode_attention", decode_attention);
   m.impl("rms_norm", rms_norm);
   m.impl("rope", rope);
@@ -673,6 +817,7 @@ TORCH_LIBRARY_IMPL(layerline_cpu, CPU, m) {
 TORCH_LIBRARY_IMPL(layerline_cpu, Meta, m) {
   m.impl("linear_bf16", linear_bf16_meta);
   m.impl("linear_int8", linear_int8_meta);
+  m.impl("linear_int4", linear_int4_meta);
   m.impl("rms_norm", rms_norm_meta);
   m.impl("rope", rope_meta);
 }
@@ -793,6 +938,21 @@ def linear_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
     if (x.dtype in (torch.bfloat16, torch.float32, torch.float16) and scale.dtype == torch.float32
             and _takes(x, q.shape[1])):
         return torch.ops.layerline_cpu.linear_int8(x, q, scale, bias)
+    return None
+
+
+def int4_ready() -> bool:
+    """Whether int4 matrices are held in layerline's layout and run by `linear_int4` (kernels loaded
+    with AVX-512 VNNI). Loads the kernels (once) if nothing has yet."""
+    return load() and _S.isa == "avx512-bf16"
+
+
+def linear_int4(x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """`linear_int4` of any number of rows (it beats torch's int4 kernel at 128 rows too), or None
+    where it does not apply (the caller dequantizes)."""
+    if _S.isa == "avx512-bf16" and x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float32, torch.float16):
+        return torch.ops.layerline_cpu.linear_int4(x, codes, sz, bias)
     return None
 
 

@@ -26,8 +26,8 @@ sparse mixture of experts (`moe.SparseMoE`, experts behind an `ExpertStore`).
 Precision int8 (weight-only): every Linear weight, the token embedding and the LM head are held as
 int8 with a float32 scale per output row (`quant`); norms, biases, the Mixtral router, the
 activations and the KV cache are bf16 (the precision table, `layerline.precision`). Precision int4
-holds every layer's Linear weights as int4 in groups of 32 (`quant.Int4Linear`, torch's CPU int4
-kernel) and the embedding and LM head as int8; the rest as at int8.
+holds every layer's Linear weights as int4 in groups of 32 (`quant.Int4Linear`: layerline's CPU int4
+kernel, or torch's where that cannot run) and the embedding and LM head as int8; the rest as at int8.
 
 One forward (`Stage._forward`, after gpt-fast's `Transformer.forward`): the new tokens come with a
 positions tensor, each layer writes their K/V there with one update (`kv_update`) and attends to
@@ -432,18 +432,20 @@ class FusedLinears(nn.Module):
         self.register_buffer("scale", None, persistent=False)
         self.register_buffer("bias", None, persistent=False)
         self.group = None  # int4's group size when int4 parts are fused (its scales are `scale`)
+        self.rows = False  # int4 parts in layerline's layout (quant.int4_rows)
 
     def fuse(self) -> None:
-        self.group = None
+        self.group, self.rows = None, False
         parts = list(self.parts)
         kinds = {type(m) for m in parts}
         if (kinds not in ({Linear}, {nn.Linear}, {Int8Linear}, {Int4Linear}) or any(m.weight.is_meta for m in parts)
-                or len({getattr(m, "group", None) for m in parts}) != 1):
+                or len({(getattr(m, "group", None), getattr(m, "rows", None)) for m in parts}) != 1):
             self.weight = self.scale = self.bias = None
             return
         quantized = kinds in ({Int8Linear}, {Int4Linear})
-        # int8's scales are per output row [out]; int4's [in / group, out, 2]: the parts' are column views
-        sdim = 1 if kinds == {Int4Linear} else 0
+        # int8's scales are per output row [out], layerline's int4 [out, in / 32, 2]; torch's int4
+        # [in / group, out, 2]: there the parts' are column views
+        sdim = 1 if kinds == {Int4Linear} and not parts[0].rows else 0
         with torch.no_grad():
             w = torch.cat([m.weight for m in parts])
             b = torch.cat([m.bias for m in parts]) if all(m.bias is not None for m in parts) else None
@@ -461,12 +463,13 @@ class FusedLinears(nn.Module):
             return
         self.weight, self.scale, self.bias = w, s, b
         self.group = parts[0].group if kinds == {Int4Linear} else None
+        self.rows = kinds == {Int4Linear} and parts[0].rows
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self.weight is None:
             return tuple(m(x) for m in self.parts)
         if self.group is not None:
-            y = int4_linear(x, self.weight, self.group, self.scale, self.bias)
+            y = int4_linear(x, self.weight, self.group, self.scale, self.bias, self.rows)
         elif self.scale is not None:
             y = int8_linear(x, self.weight, self.scale, self.bias)
         else:

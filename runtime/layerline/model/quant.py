@@ -12,11 +12,17 @@ shares the int8 tensor and its scales with the embedding.
 
 Weight-only int4 (`Int4Linear`), group-wise asymmetric: each run of `INT4_GROUP` (32) weights along
 the input dimension gets a scale s = (max - min) / 15 and a zero z = min + 8 s, and each weight a
-code q = round((w - min) / s) in 0..15, so w ≈ (q - 8) s + z (torch's "tinygemm" convention, the
-one its kernels read). Two codes a byte, packed by `torch._convert_weight_to_int4pack_for_cpu`; the
-matmul is `torch._weight_int4pack_mm_for_cpu` (bf16 activations, scales and zeros in bf16), CPU
-only. The kernel takes groups of 32, 64, 128 or 256 and output widths divisible by 16: a matrix
-that does not fit is held at int8 instead. An int4 stage keeps its embedding and LM head at int8
+code q = round((w - min) / s) in 0..15, so w ≈ (q - 8) s + z (torch's "tinygemm" convention). Two
+codes a byte, in one of two layouts, chosen per matrix by `int4_rows` (one place):
+- layerline's (`rows`): codes uint8 [N, K / 2] with each 32-weight group's 16 bytes as GGUF's Q4_0 /
+  Q4_1 blocks hold them (byte j: code j low, code j + 16 high), and each row's (s, z) pairs in bf16
+  [N, K / 32, 2], run by `cpu_kernels.linear_int4` (AVX-512 VNNI; faster than torch's kernel, see
+  there). Used where that kernel is loaded, for groups of 32 and K a multiple of 64.
+- torch's otherwise: packed by `torch._convert_weight_to_int4pack_for_cpu`, (s, z) [K / group, N, 2]
+  in the compute dtype, run by `torch._weight_int4pack_mm_for_cpu`. It takes groups of 32, 64, 128
+  or 256 and output widths divisible by 16.
+Both keep each output row's codes apart, so parts concatenate by rows (`llama.FusedLinears`). A
+matrix neither takes is held at int8 instead. An int4 stage keeps its embedding and LM head at int8
 (the precision table's `edge`). GGUF Q4_0 / Q4_1 blocks are this layout with 32-weight groups, so
 int4 re-quantizes such a file's weights almost exactly.
 """
@@ -153,13 +159,21 @@ def require_int4(device: torch.device | str = "cpu") -> None:
     if err:
         raise LayerlineError(err)
     if torch.device(device).type not in ("cpu", "meta"):
-        raise LayerlineError(f"--precision int4: runs on the CPU only (torch's CPU int4 kernel), not "
+        raise LayerlineError(f"--precision int4: runs on the CPU only (layerline's or torch's CPU int4 kernel), not "
                              f"--device {device}; use --precision int8 there")
 
 
+def int4_rows(in_features: int, group: int = INT4_GROUP) -> bool:
+    """Whether an int4 matrix of `in_features` inputs is held in layerline's layout and run by
+    `cpu_kernels.linear_int4` (else torch's packing): groups of 32, inputs a multiple of 64, and the
+    kernel loaded on this CPU (it loads the kernels once if nothing has)."""
+    return group == 32 and in_features % 64 == 0 and cpu_kernels.int4_ready()
+
+
 def int4_fits(in_features: int, out_features: int, group: int = INT4_GROUP) -> bool:
-    """Whether the CPU kernel takes a [out, in] matrix in groups of `group`."""
-    return group in INT4_GROUPS and in_features % group == 0 and out_features % 16 == 0
+    """Whether a [out, in] matrix in groups of `group` can be held at int4 here (either layout)."""
+    return int4_rows(in_features, group) or (
+        group in INT4_GROUPS and in_features % group == 0 and out_features % 16 == 0)
 
 
 def quantize_groups(w: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
@@ -177,14 +191,30 @@ def quantize_groups(w: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Ten
     return q, sz
 
 
+def _pack_rows(q: torch.Tensor, sz: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """layerline's int4 layout of codes q [N, K] (0..15) and scale_zeros [K / 32, N, 2]."""
+    n, k = q.shape
+    g = q.reshape(n, k // 32, 2, 16).to(torch.uint8)  # each group's codes 0..15 and 16..31
+    return (g[:, :, 0] | (g[:, :, 1] << 4)).reshape(n, k // 2), sz.transpose(0, 1).to(torch.bfloat16).contiguous()
+
+
+def pack_int4(q: torch.Tensor, sz: torch.Tensor, dtype: torch.dtype = torch.bfloat16,
+              group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """`Int4Linear`'s (weight, scale) of codes q int [N, K] in 0..15 and scale_zeros float [K / group,
+    N, 2] (`quantize_groups`'s), in the layout `int4_rows` picks for this matrix."""
+    if int4_rows(q.shape[1], group):
+        return _pack_rows(q, sz)
+    require_int4()
+    return torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 2), sz.to(dtype)
+
+
 def pack_int4_codes(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
                     dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
-    """`Int4Linear`'s (packed weight, scale_zeros in `dtype`) of weights already held as 4-bit codes:
-    w[n, k] = codes[n, k] * scale[n, g] + offset[n, g], g = k // group (GGUF Q4_0 / Q4_1 / Q4_K).
-    In the kernel's convention, (q - 8) * s + z, that is s = scale and z = offset + 8 * scale."""
-    require_int4()
-    sz = torch.stack([scale.float(), offset.float() + 8 * scale.float()], dim=-1).transpose(0, 1).contiguous()
-    return torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 2), sz.to(dtype)
+    """`Int4Linear`'s (weight, scale) of weights already held as 4-bit codes in groups of 32:
+    w[n, k] = codes[n, k] * scale[n, g] + offset[n, g], g = k // 32 (GGUF Q4_0 / Q4_1 / Q4_K).
+    In the (q - 8) * s + z convention, s = scale and z = offset + 8 * scale."""
+    sz = torch.stack([scale.float(), offset.float() + 8 * scale.float()], dim=-1).transpose(0, 1)
+    return pack_int4(codes, sz, dtype, 32)
 
 
 def dequantize_groups(q: torch.Tensor, scale_zeros: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -196,10 +226,24 @@ def dequantize_groups(q: torch.Tensor, scale_zeros: torch.Tensor, dtype: torch.d
     return w.reshape(n, k).to(dtype)
 
 
+def dequantize_int4_rows(codes: torch.Tensor, sz: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The float weight [N, K] of layerline's int4 layout (codes [N, K / 2], sz [N, K / 32, 2])."""
+    n = codes.shape[0]
+    c = codes.reshape(n, -1, 16)
+    c = torch.cat([c & 15, c >> 4], dim=-1).float()  # [N, G, 32]: a group's codes in order
+    w = (c - 8) * sz[..., :1].float() + sz[..., 1:].float()
+    return w.reshape(n, -1).to(dtype)
+
+
 def int4_linear(x: torch.Tensor, weight: torch.Tensor, group: int, scale: torch.Tensor,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., in] times the packed int4 `weight` (Int4Linear's layout; rows of several such
-    weights concatenate into one) -> [..., out] in x's dtype."""
+                bias: torch.Tensor | None = None, rows: bool = False) -> torch.Tensor:
+    """x [..., in] times the int4 `weight` (Int4Linear's; rows of several such weights concatenate
+    into one) -> [..., out] in x's dtype. rows: layerline's layout (else torch's packing)."""
+    if rows:
+        y = cpu_kernels.linear_int4(x, weight, scale, bias)
+        if y is None:  # the kernel turned off since the weight was packed, or not a CPU tensor
+            y = F.linear(x, dequantize_int4_rows(weight, scale, x.dtype), bias)
+        return y
     shape = x.shape
     x2 = x.reshape(-1, shape[-1]).to(scale.dtype)
     if not x2.is_contiguous():
@@ -216,28 +260,31 @@ def int4_linear(x: torch.Tensor, weight: torch.Tensor, group: int, scale: torch.
 class Int4Linear(nn.Module):
     """A bias-optional linear layer with int4 weights in groups (see the module docstring).
 
-    state_dict: `weight` (uint8 [out, in / 2], the CPU kernel's packing), `scale` (compute dtype
-    [in / group, out, 2]: each group's scale and zero), and `bias` (compute dtype) when it has one.
+    state_dict: `weight` (uint8 [out, in / 2]), `scale` (each group's scale and zero: bf16 [out,
+    in / group, 2] in layerline's layout, `rows`; [in / group, out, 2] in the compute dtype in
+    torch's) and `bias` (compute dtype) when it has one. The layout is `int4_rows`'s, fixed here.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
                  group: int = INT4_GROUP):
         super().__init__()
         if not int4_fits(in_features, out_features, group):
-            raise ValueError(f"Int4Linear [{out_features}, {in_features}] in groups of {group}: the CPU "
-                             "kernel wants in % group == 0, out % 16 == 0 and group in 32, 64, 128, 256")
+            raise ValueError(f"Int4Linear [{out_features}, {in_features}] in groups of {group}: torch's CPU "
+                             "kernel wants in % group == 0, out % 16 == 0 and group in 32, 64, 128, 256 "
+                             "(layerline's: groups of 32 and in % 64 == 0, on AVX-512 VNNI)")
         self.in_features, self.out_features, self.group = in_features, out_features, group
+        self.rows = int4_rows(in_features, group)
         self.register_buffer("weight", torch.zeros(out_features, in_features // 2, dtype=torch.uint8))
-        self.register_buffer("scale", torch.zeros(in_features // group, out_features, 2, dtype=dtype))
+        g = in_features // group
+        self.register_buffer("scale", torch.zeros(out_features, g, 2, dtype=torch.bfloat16) if self.rows
+                             else torch.zeros(g, out_features, 2, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
 
     @staticmethod
     def pack(w: torch.Tensor, dtype: torch.dtype = torch.bfloat16,
              group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
-        """(packed uint8 weight, scale_zeros in `dtype`) of a float weight, as this module holds them."""
-        require_int4()
-        q, sz = quantize_groups(w, group)
-        return torch._convert_weight_to_int4pack_for_cpu(q, 2), sz.to(dtype)
+        """(weight, scale) of a float weight, as this module holds them."""
+        return pack_int4(*quantize_groups(w, group), dtype, group)
 
     @classmethod
     def from_float(cls, w: torch.Tensor, bias: torch.Tensor | None = None,
@@ -250,10 +297,11 @@ class Int4Linear(nn.Module):
         return m
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return int4_linear(x, self.weight, self.group, self.scale, self.bias)
+        return int4_linear(x, self.weight, self.group, self.scale, self.bias, self.rows)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int4 (groups of {self.group})"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, int4 (groups of "
+                f"{self.group}, {'layerline' if self.rows else 'torch'}'s layout)")
 
 
 def quant_name(quant) -> str | None:
