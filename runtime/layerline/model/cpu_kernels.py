@@ -16,14 +16,14 @@ same for any number of rows in the call: a row's bits do not depend on what it i
 bf16 and int8 run for up to `MAX_ROWS` rows (decode steps and the server's micro-batches; prefills
 stay with torch's GEMMs, which are faster for many rows) and K a multiple of 32; rows are split
 across torch's threads. The ISA is chosen at run time: AVX-512 with BF16 and VNNI runs all three
-(vdpbf16ps, vpdpwssd, vpdpbusd); AVX2 + FMA runs int8 only.
+(vdpbf16ps, vpdpwssd, vpdpbusd); AVX2 + FMA runs int8 only. An AVX2 bf16 kernel (bf16 widened to
+fp32, FMA) was tried and dropped: under AVX2 limits on an AVX-512 machine it read 19-25 GB/s where
+torch's own AVX2 bf16 GEMV read 28-30 (demo model eager: 0.74x of torch's).
 
 int4 quantizes x per group of 32 to int8 (as llama.cpp's q8_0) and sums each group's code * x
 exactly in int32 before scaling it (2 cores, the demo model's 64 int4 matrices streamed from
 memory, one row: 1.2-1.8x the rate of torch's `_weight_int4pack_mm_for_cpu`, which stays the path
-of AVX2-only hosts; 128 rows: 1.3x). It runs any number of rows: a prefill's too. An AVX2 bf16 kernel (bf16 widened to fp32, FMA)
-was tried and dropped: under AVX2 limits on an AVX-512 machine it read 19-25 GB/s where torch's
-own AVX2 bf16 GEMV read 28-30 (demo model eager: 0.74x of torch's).
+of AVX2-only hosts; 128 rows: 1.3x). It runs any number of rows: a prefill's too.
 
 A third op does a decode step's attention: `decode_attention` writes each row's new k/v into its
 cache and attends over that row's keys in place (GQA heads share each key's load; softmax in
@@ -71,7 +71,7 @@ namespace {
 
 int64_t g_isa = 0;            // 0: none, 1: AVX2 + FMA, 2: AVX-512 with BF16
 constexpr int64_t PF = 4096;  // bytes ahead of each row that a core asks for early
-constexpr int64_t PF4 = 8192;  // the same for int4's codes (their scales: a quarter of it); 4096 read 0.85x
+constexpr int64_t PF4 = 8192;  // the same for int4's codes (their scales: a quarter of it); 4096: 0.87-0.94x
 
 int64_t cpu_isa() {
   __builtin_cpu_init();
