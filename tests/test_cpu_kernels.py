@@ -1,12 +1,12 @@
-"""The decode kernels (`layerline.model.cpu_kernels`), built with the host's g++ as a worker builds them.
-
-For each ISA this CPU has (AVX2 + FMA: int8; AVX-512 BF16 + VNNI: bf16, int8 and int4): linear layers
-of 1-8 rows (int4: any) agree with a float64 product, with and without bias, for widths that are not a multiple of
-the kernels' blocks and K that is 32 times an odd number; a row's result is bit for bit the same
-whatever else is in the call and whatever the thread count (a greedy request's tokens do not depend
-on its batch). More than 8 rows, fp32, or K not a multiple of 32 go to torch's kernels. A bf16 and
-an int8 stage decode with them to logits close to torch's kernels'. Where they cannot be built (no
-compiler, `LAYERLINE_CPU_KERNELS=off`) a stage still loads and decodes, and `status()` says why.
+"""The decode kernels (`layerline.model.cpu_kernels`), built with the host's g++ as a worker builds
+them. For each ISA this CPU has (AVX2 + FMA: int8; AVX-512 BF16 + VNNI: bf16, int8 and int4): linear
+layers of 1-8 rows (int4: any) agree with a float64 product, with and without bias, for widths that
+are not a multiple of the kernels' blocks and K that is 32 times an odd number; a row's result is
+bit for bit the same whatever else is in the call and whatever the thread count (a greedy request's
+tokens do not depend on its batch). More than 8 rows, fp32, or K not a multiple of 32 go to torch's
+kernels. A bf16 and an int8 stage decode with them to logits close to torch's kernels'. Where they
+cannot be built (no compiler, `LAYERLINE_CPU_KERNELS=off`) a stage still loads and decodes, and
+`status()` says why.
 """
 from __future__ import annotations
 

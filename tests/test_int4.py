@@ -1,13 +1,13 @@
 """Weight-only int4 (groups of 32 along the input, layerline's CPU int4 kernel on AVX-512 VNNI and
-torch's elsewhere, bf16 compute; embedding and LM head int8): the layer against a dequantized reference, the stage, one-process generation
-through the CLI, the compiled step, the planner's ladder, and quality on SmolLM2.
+torch's elsewhere, bf16 compute; embedding and LM head int8): the layer against a dequantized
+reference, the stage, one-process generation through the CLI, the compiled step, the planner's
+ladder, and quality on SmolLM2.
 
 Measured on SmolLM2-135M-Instruct (the packaged Q4_1 GGUF) over `TEXT` (358 tokens): top-1
-next-token agreement with bf16 is 0.953 at int8 and 0.966 at int4 (2026-12-03; 0.972 through torch's
-int4 kernel; in groups of 64: ~0.72). The
-file's matrices are Q4_1, 32-weight blocks of exactly this shape, so int4 in groups of 32
-re-quantizes them almost exactly and beats per-row int8; a float checkpoint would not flatter int4
-so. On this module's random-init model int4 logits are 16% of the largest |logit| from bf16
+next-token agreement with bf16 is 0.953 at int8 and 0.966 at int4 (2026-12-03; 0.972 through
+torch's int4 kernel; in groups of 64: ~0.72). The file's matrices are Q4_1, 32-weight blocks of
+exactly this shape, so int4 in groups of 32 re-quantizes them almost exactly and beats per-row
+int8; a float checkpoint would not flatter int4 so. On this module's random-init model int4 logits are 16% of the largest |logit| from bf16
 (int8: 2.5%): random weights have no structure for 4 bits to keep.
 """
 from __future__ import annotations
