@@ -4,7 +4,8 @@
         [--modes bf16/off,bf16/default,int8/off]
 
 Probes this machine once (as the probe module does), then for each mode (precision/compile):
-plans three hosts that share it, starts one worker per planned stage, and reads the step time
+plans three hosts that share it, starts one worker per planned stage (at once, with the flags a
+deploy gives stages that share a machine: `--time-alone`, `--awake-ms 0`), and reads the step time
 each worker measured at warm-up (its ready file's step_s). As a deploy keeps them in the probe
 cache, the measured / modelled factor goes into the caps, and the next plan (the same layers,
 pinned, so the running workers serve it) predicts from it. Printed per stage: the cost model
@@ -41,13 +42,16 @@ def _start(ckpt: str, stages: list, compile: str, tmp: str, kd: dict) -> list:
                  "--kv-context", "512", "--bind", s["endpoint"], "--name", s["host"],
                  "--ready-file", f"{tmp}/ready{i}", "--keys", kd[s["host"]], "--compile", compile,
                  "--compile-cache", str(ROOT / ".cache" / "inductor")]
+        # as a deploy starts stages that share a machine (layerline.spec): all at once, no
+        # spinners, each timing its step alone (layerline.timing_lock)
+        argv_ += ["--awake-ms", "0", "--time-alone", f"{tmp}/timing.lock"]
         argv_ += ["--first"] if i == 0 else []
         argv_ += ["--last"] if i == len(stages) - 1 else ["--next", stages[i + 1]["endpoint"]]
         procs.append(subprocess.Popen(argv_, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        # one at a time: each worker times its step at warm-up, alone on the cores as it will decode
+    for i, p in enumerate(procs):
         while not os.path.exists(f"{tmp}/ready{i}"):
-            if procs[-1].poll() is not None:
-                raise SystemExit(f"worker {i} exited {procs[-1].returncode}")
+            if p.poll() is not None:
+                raise SystemExit(f"worker {i} exited {p.returncode}")
             time.sleep(0.05)
     return procs
 

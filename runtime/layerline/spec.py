@@ -7,6 +7,7 @@ The stage checkpoint argv (weight staging) is decided here too, from the same st
 """
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import os
 from dataclasses import asdict, dataclass
@@ -157,6 +158,8 @@ def worker_spec(plan: Plan | dict, host: str, hvars: dict, python: str = "python
         # worker is its own scheduling group (its own session), and across groups idle priority
         # is not idle: the spinners would take turns with the busy stage
         argv += ["--awake-ms", "0"]
+        # and each times its step alone, not while another loads, compiles or times (timing_lock)
+        argv += ["--time-alone", timing_lock_name(plan)]
     nice = str(hvars.get("layerline_nice") or 0)  # str: 2.5 and True are not nice values
     if not (nice.isdigit() and int(nice) <= 19):
         raise LayerlineError(f"{host}: layerline_nice {hvars.get('layerline_nice')!r} must be an integer "
@@ -168,6 +171,14 @@ def worker_spec(plan: Plan | dict, host: str, hvars: dict, python: str = "python
         argv += ["--compile", s.compile, "--compile-cache", cache]
     return WorkerSpec(host=host, argv=tuple(argv), state_dir=state, ready_file=ready, keys_dir=keys,
                       ready_timeout=ready_timeout(s, hvars), endpoint=str(s.endpoint))
+
+
+def timing_lock_name(plan: Plan) -> str:
+    """The lock file (in each machine's temp dir) the plan's co-located stages time their steps
+    under: one per deployment, named by its stages' endpoints, so the workers of two deployments
+    (or two tests) on one machine never wait on each other's."""
+    key = ",".join(sorted(str(s.endpoint) for s in plan.stages))
+    return f"layerline-timing-{hashlib.sha256(key.encode()).hexdigest()[:16]}.lock"
 
 
 def stage_checkpoint_argv(plan: Plan | dict, host: str, hvars: dict, python: str = "python3") -> list[str]:

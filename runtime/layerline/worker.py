@@ -46,6 +46,7 @@ DIR/peers/controller.key, never to a key a message names.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import math
 import json
@@ -80,7 +81,7 @@ def openmp_env(argv: list[str]) -> None:
 if __name__ == "__main__":
     openmp_env(sys.argv[1:])
 
-from . import awake  # noqa: E402
+from . import awake, timing_lock  # noqa: E402
 from .errors import LayerlineError  # noqa: E402 - after openmp_env: .wire imports torch
 from .model import COMPILE_MODES, cpu_kernels  # noqa: E402
 from .wire import MAX_BATCH, MAX_REPLY_PEERS, MAX_SEQS  # noqa: E402
@@ -130,6 +131,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--awake-ms", type=int, default=None,
                    help="after each message, keep this worker's CPUs from idling this long with idle-priority "
                         "spinners (layerline.awake; 0: off; default 50)")
+    p.add_argument("--time-alone", nargs="?", const=timing_lock.PATH, default=None, metavar="LOCK",
+                   help="this stage shares the machine's cores with other stages: load and compile holding "
+                        "the lock file LOCK shared, time the step holding it alone (layerline.timing_lock; a "
+                        "bare file name is in the temp dir; the plan names one per deployment)")
     p.add_argument("--nice", type=int, default=None,
                    help="yield the CPU to the machine's other work: nice value 1-19 for this worker and its "
                         "session's scheduling group (layerline_nice)")
@@ -228,9 +233,10 @@ class Worker:
         if args.threads:
             torch.set_num_threads(args.threads)
         torch.manual_seed(args.rng_seed)
-        self.stage = load_stage(args.checkpoint, args.start, args.end, args.first, args.last,
-                                precision=args.precision, device=args.device,
-                                expert_cache_bytes=args.expert_cache_bytes)
+        with self._timing_lock(exclusive=False):  # no co-located stage times its step meanwhile
+            self.stage = load_stage(args.checkpoint, args.start, args.end, args.first, args.last,
+                                    precision=args.precision, device=args.device,
+                                    expert_cache_bytes=args.expert_cache_bytes)
         self.margs = self.stage.args
         self.compile_s = None
         # KV: the plan's dtype (else the precision table's rule) and budget (bytes this stage may
@@ -259,8 +265,16 @@ class Worker:
         ms = awake.WINDOW_S * 1000 if args.awake_ms is None else args.awake_ms
         self.awake = awake.Awake(torch.get_num_threads(), ms / 1000)
         if args.compile != "off":
-            self.warm_up(args.compile)
-        self.step_s = self.measure_step()
+            with self._timing_lock(exclusive=False):
+                self.warm_up(args.compile)
+        with self._timing_lock(exclusive=True):
+            self.step_s = self.measure_step()
+
+    def _timing_lock(self, exclusive: bool):
+        """--time-alone's lock (timing_lock.held), or nothing without it."""
+        if self.args.time_alone is None:
+            return contextlib.nullcontext()
+        return timing_lock.held(exclusive, timing_lock.lock_path(self.args.time_alone))
 
     def warm_up(self, mode: str) -> None:
         """Compile the decode step before serving, so no request waits minutes for it: one graph per
