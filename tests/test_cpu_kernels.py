@@ -194,7 +194,7 @@ def _attention_ref(q, k, v, kc, vc, pos, lo, scale):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("nh,nkv,hd", [(16, 4, 64), (6, 6, 32), (4, 1, 128)])
+@pytest.mark.parametrize("nh,nkv,hd", [(16, 4, 64), (6, 6, 32), (4, 1, 128), (9, 3, 64), (4, 2, 256)])
 def test_decode_attention_equals_the_float64_attention_and_writes_the_cache(isa, dtype, nh, nkv, hd):
     g = torch.Generator().manual_seed(nh * hd)
     n, max_len = 4, 300
