@@ -18,7 +18,7 @@
     `_weight_int8pack_mm`), the same eager stage at bf16 and at int8, switched round by round;
 (w) a stage's step after an idle wait, with a worker's idle-priority spinners (`layerline.awake`)
     and without, in turns: what a stage alone on its machine gains from them;
-(q) (only with --parts q) the precisions interleaved: transformers generate and one stage at
+(q) (only with --parts q; `make bench` runs it on its own) the precisions interleaved: transformers generate and one stage at
     bf16, int8 and int4 (eager, or compiled with --compile) held in one process, taking turns
     round by round, best of --rounds each, so a busy spell on a shared machine hits all alike.
 --profile: where one decode step's time goes (torch profiler over --new steps of one stage, at
