@@ -1,7 +1,8 @@
 """Decode speed, as ratios against baselines measured in the same run.
 
     .venv/bin/python bench/bench_decode.py [--checkpoint DIR] [--prompt 128] [--new 64]
-        [--compile max-autotune|default|off] [--pipeline-compile off|default|max-autotune] [--parts abcdkw]
+        [--compile max-autotune|default|off] [--pipeline-compile off|default|max-autotune]
+        [--parts abcdkw|q] [--rounds 4]
 
 (a) one stage, in process, batch 1: layerline's decoder vs transformers generate, same
     checkpoint and dtype: eager, weight-only int8 and int4 (groups of 32, CPU kernel), and with
@@ -18,9 +19,10 @@
     `_weight_int8pack_mm`), the same eager stage at bf16 and at int8, switched round by round;
 (w) a stage's step after an idle wait, with a worker's idle-priority spinners (`layerline.awake`)
     and without, in turns: what a stage alone on its machine gains from them;
-(q) (only with --parts q; `make bench` runs it on its own) the precisions interleaved: transformers generate and one stage at
-    bf16, int8 and int4 (eager, or compiled with --compile) held in one process, taking turns
-    round by round, best of --rounds each, so a busy spell on a shared machine hits all alike.
+(q) (only with --parts q; `make bench` runs it on its own) the precisions interleaved:
+    transformers generate and one stage at bf16, int8 and int4 (eager, or compiled with
+    --compile) held in one process, taking turns round by round, best of --rounds each, so a
+    busy spell on a shared machine hits all alike.
 --profile: where one decode step's time goes (torch profiler over --new steps of one stage, at
     --precision and int8, compiled with --compile): weight GEMVs, attention, norms/RoPE/sampling,
     Python and framework, next to the bandwidth bound (streamed weight bytes / the probe's rates).

@@ -48,11 +48,18 @@ def _start(ckpt: str, stages: list, compile: str, tmp: str, kd: dict) -> list:
         argv_ += ["--first"] if i == 0 else []
         argv_ += ["--last"] if i == len(stages) - 1 else ["--next", stages[i + 1]["endpoint"]]
         procs.append(subprocess.Popen(argv_, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-    for i, p in enumerate(procs):
-        while not os.path.exists(f"{tmp}/ready{i}"):
-            if p.poll() is not None:
-                raise SystemExit(f"worker {i} exited {p.returncode}")
-            time.sleep(0.05)
+    deadline = time.monotonic() + 1800  # a max-autotune compile on a cold cache takes minutes
+    try:
+        for i, p in enumerate(procs):
+            while not os.path.exists(f"{tmp}/ready{i}"):
+                if p.poll() is not None or time.monotonic() > deadline:
+                    raise SystemExit(f"worker {i} did not start (exit {p.poll()})")
+                time.sleep(0.05)
+    except BaseException:
+        for p in procs:  # the others too: they hold ports and cores
+            p.kill()
+            p.wait()
+        raise
     return procs
 
 

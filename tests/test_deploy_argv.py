@@ -274,8 +274,8 @@ def test_threads_spin_and_compile_follow_where_the_plan_puts_stages():
     assert int(f["w1"]["--spin"]) < int(f["far"]["--spin"])
     # a lone stage keeps its CPUs awake between messages; stages that share cores do not
     assert f["w1"]["--awake-ms"] == f["w2"]["--awake-ms"] == "0" and "--awake-ms" not in f["far"]
-    # and time their steps one at a time (layerline.timing_lock); a lone stage needs no lock
-    # under one lock per deployment, so another deployment's (or test's) workers never wait on them
+    # and time their steps one at a time (layerline.timing_lock); a lone stage needs no lock.
+    # One lock per deployment: another deployment's (or test's) workers never wait on them.
     lock = f["w1"]["--time-alone"]
     assert lock == f["w2"]["--time-alone"] and "/" not in lock and "--time-alone" not in f["far"]
     inv2 = {h: {**v, "layerline_port": v["layerline_port"] + 50} for h, v in inv.items()}

@@ -2,13 +2,15 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 import time
 
 import pytest
 
 from layerline.checkpoint import write_demo_checkpoint
-from layerline.timing_lock import held
+from layerline.timing_lock import LOCK_DIR, held, lock_path
 from stage_procs import start_workers
 
 
@@ -42,6 +44,14 @@ def test_no_lock_file_possible_still_runs_the_block(tmp_path):
         assert got is False
 
 
+def test_a_bare_name_is_a_file_in_the_lock_dir_and_an_empty_one_is_refused():
+    assert lock_path("layerline-timing-x.lock") == os.path.join(LOCK_DIR, "layerline-timing-x.lock")
+    assert lock_path("/srv/a.lock") == "/srv/a.lock"
+    r = subprocess.run([sys.executable, "-m", "layerline.worker", "--checkpoint", "x", "--layers", "0:1", "--last",
+                        "--bind", "tcp://127.0.0.1:1", "--time-alone="], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--time-alone needs a lock file name" in r.stderr, r.stderr
+
+
 @pytest.mark.e2e
 def test_a_worker_with_time_alone_waits_while_another_times(tmp_path):
     """A worker started with --time-alone neither loads nor times its step while another stage
@@ -53,16 +63,19 @@ def test_a_worker_with_time_alone_waits_while_another_times(tmp_path):
     def start():
         out["w"] = start_workers(str(ck), [(0, 2)], extra=["--time-alone", lock], timeout=120)
 
-    with held(True, lock) as got:
-        assert got
-        t = threading.Thread(target=start)
-        t.start()
-        time.sleep(4)  # a worker of this model starts in 1-2.5 s here
-        assert t.is_alive(), "the worker became ready while another stage held the lock alone"
-        released = time.time()
-    t.join(120)
+    t = threading.Thread(target=start)
+    try:
+        with held(True, lock) as got:
+            assert got
+            t.start()
+            time.sleep(4)  # a worker of this model starts in 1-2.5 s here
+            alive = t.is_alive()
+            released = time.time()
+    finally:
+        t.join(120)
     w = out["w"]
     try:
+        assert alive, "the worker became ready while another stage held the lock alone"
         assert os.path.getmtime(os.path.join(w.tmp, "ready0.json")) >= released
         assert w.info[0]["step_s"] > 0
     finally:

@@ -131,10 +131,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--awake-ms", type=int, default=None,
                    help="after each message, keep this worker's CPUs from idling this long with idle-priority "
                         "spinners (layerline.awake; 0: off; default 50)")
-    p.add_argument("--time-alone", nargs="?", const=timing_lock.PATH, default=None, metavar="LOCK",
+    p.add_argument("--time-alone", default=None, metavar="LOCK",
                    help="this stage shares the machine's cores with other stages: load and compile holding "
-                        "the lock file LOCK shared, time the step holding it alone (layerline.timing_lock; a "
-                        "bare file name is in the temp dir; the plan names one per deployment)")
+                        "the lock LOCK shared, time the step holding it alone (layerline.timing_lock; a bare "
+                        "file name is in /dev/shm; the plan names one per deployment)")
     p.add_argument("--nice", type=int, default=None,
                    help="yield the CPU to the machine's other work: nice value 1-19 for this worker and its "
                         "session's scheduling group (layerline_nice)")
@@ -168,6 +168,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--spin must not be negative")
     if a.awake_ms is not None and not 0 <= a.awake_ms <= 1000:
         p.error("--awake-ms must be 0-1000")
+    if a.time_alone is not None and not a.time_alone.strip("/"):
+        p.error("--time-alone needs a lock file name or path")
     if a.nice is not None and not 0 <= a.nice <= 19:
         p.error("--nice must be 0-19 (a worker may only lower its priority)")
     for flag in ("kv_bytes", "expert_cache_bytes"):
@@ -267,11 +269,16 @@ class Worker:
         if args.compile != "off":
             with self._timing_lock(exclusive=False):
                 self.warm_up(args.compile)
-        with self._timing_lock(exclusive=True):
+        with self._timing_lock(exclusive=True) as alone:
+            if alone is False:
+                print(f"layerline worker {self.name}: timing the decode step without --time-alone's lock "
+                      f"{timing_lock.lock_path(self.args.time_alone)} (another stage kept it over "
+                      f"{timing_lock.WAIT_S:.0f} s, or it cannot be opened): the time may include that "
+                      "stage's work", file=sys.stderr, flush=True)
             self.step_s = self.measure_step()
 
     def _timing_lock(self, exclusive: bool):
-        """--time-alone's lock (timing_lock.held), or nothing without it."""
+        """--time-alone's lock (timing_lock.held), or nothing (None) without it."""
         if self.args.time_alone is None:
             return contextlib.nullcontext()
         return timing_lock.held(exclusive, timing_lock.lock_path(self.args.time_alone))

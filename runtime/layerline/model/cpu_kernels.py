@@ -438,8 +438,8 @@ LL_512 __m512 exp_neg16(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-// 16 vectors to one: lane i the sum of v[i]'s lanes (a transpose as it adds: 31 shuffles and adds
-// where 16 reductions of one vector each take about 4x as many, in a chain)
+// 16 vectors to one: lane i the sum of v[i]'s lanes (a transpose as it adds: 31 shuffles and 15
+// adds, where 16 reductions of one vector each take about 128 ops, each a chain)
 LL_512 __m512 hsum16(const __m512* v) {
   __m512 x[8], y[4], z[2];
   for (int i = 0; i < 8; ++i)  // halves: [v2i 8 lanes, v2i+1 8 lanes]
