@@ -174,9 +174,9 @@ def worker_spec(plan: Plan | dict, host: str, hvars: dict, python: str = "python
 
 
 def timing_lock_name(plan: Plan) -> str:
-    """The lock file (in each machine's temp dir) the plan's co-located stages time their steps
-    under: one per deployment, named by its stages' endpoints, so the workers of two deployments
-    (or two tests) on one machine never wait on each other's."""
+    """The lock (a file in each machine's timing_lock.LOCK_DIR) the plan's co-located stages time
+    their steps under: one per deployment, named by its stages' endpoints, so the workers of two
+    deployments (or two tests) on one machine never wait on each other's."""
     key = ",".join(sorted(str(s.endpoint) for s in plan.stages))
     return f"layerline-timing-{hashlib.sha256(key.encode()).hexdigest()[:16]}.lock"
 
