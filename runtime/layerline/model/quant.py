@@ -230,9 +230,8 @@ def dequantize_int4_rows(codes: torch.Tensor, sz: torch.Tensor, dtype: torch.dty
     """The float weight [N, K] of layerline's int4 layout (codes [N, K / 2], sz [N, K / 32, 2])."""
     n = codes.shape[0]
     c = codes.reshape(n, -1, 16)
-    c = torch.cat([c & 15, c >> 4], dim=-1).float()  # [N, G, 32]: a group's codes in order
-    w = (c - 8) * sz[..., :1].float() + sz[..., 1:].float()
-    return w.reshape(n, -1).to(dtype)
+    q = torch.cat([c & 15, c >> 4], dim=-1).reshape(n, -1)  # each group's codes in order
+    return dequantize_groups(q, sz.transpose(0, 1), dtype)
 
 
 def int4_linear(x: torch.Tensor, weight: torch.Tensor, group: int, scale: torch.Tensor,
