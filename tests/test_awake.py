@@ -112,7 +112,10 @@ def test_a_worker_keeps_one_spinner_per_thread_unless_told_not_to(tmp_path, awak
         pid = w.procs[0].pid
         got = spinners_of(pid)
         assert len(got) == (2 if awake_ms is None else 0), got
-        assert all(os.sched_getscheduler(p) == os.SCHED_IDLE for p in got)
+        # a spinner sets its policy as its interpreter starts, which may be after the worker is
+        # ready (it spins only after that, so waiting here tests what matters)
+        wait_for(lambda: all(os.sched_getscheduler(p) == os.SCHED_IDLE for p in got), timeout=30,
+                 what="the spinners to run at SCHED_IDLE")
         assert all(os.getsid(p) == os.getsid(pid) for p in got), "in the worker's scheduling group"
     finally:
         w.stop()
