@@ -56,7 +56,7 @@ def _close(y: torch.Tensor, ref: torch.Tensor, rel: float) -> None:
     assert err <= rel * ref.abs().max().item(), f"max error {err} of {ref.abs().max().item()}"
 
 
-@pytest.mark.parametrize("m,n,k", [(1, 100, 64), (3, 1027, 96), (8, 258, 1024), (5, 4, 32)])
+@pytest.mark.parametrize("m,n,k", [(1, 100, 64), (3, 1027, 96), (4, 1027, 512), (8, 258, 1024), (5, 4, 32)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_kernels_equal_the_float64_product(isa, m, n, k, bias):
     g = torch.Generator().manual_seed(m * n + k)
