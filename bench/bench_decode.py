@@ -178,40 +178,43 @@ def hop_overhead(nbytes: int = 2048, rounds: int = 12, per_round: int = 300) -> 
     from layerline import wire
     ctx = zmq.Context()
     socks, procs = {}, []
-    for mode in ("raw", "wire"):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        p = mp.get_context("spawn").Process(target=_echo, args=(port, mode), daemon=True)
-        p.start()
-        procs.append(p)
-        socks[mode] = ctx.socket(zmq.DEALER)
-        socks[mode].connect(f"tcp://127.0.0.1:{port}")
-    x = torch.zeros(1, 1, nbytes // 2, dtype=torch.bfloat16)
-    payload = bytes(nbytes)
-    for mode, cli in socks.items():  # wait for both echoes to answer
-        cli.send_multipart([b"{}", payload] if mode == "raw" else wire.encode({"op": "forward"}, {"hidden": x}))
-        cli.recv_multipart()
     medians: dict[str, list[float]] = {"raw": [], "wire": []}
-    for _ in range(rounds):  # interleaved: a noisy spell hits both
-        for mode, cli in socks.items():
-            times = []
-            for i in range(per_round):
-                t0 = time.perf_counter()
-                if mode == "raw":
-                    cli.send_multipart([b"{}", payload])
-                    cli.recv_multipart()
-                else:
-                    cli.send_multipart(wire.encode({"op": "forward", "id": f"r{i}"}, {"hidden": x}), copy=False)
-                    wire.decode(cli.recv_multipart(copy=False))
-                times.append(time.perf_counter() - t0)
-            medians[mode].append(statistics.median(times[per_round // 10:]))
-    for p in procs:
-        p.kill()
-        p.join()
-    for cli in socks.values():
-        cli.close(0)
-    ctx.term()
+    try:
+        for mode in ("raw", "wire"):
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            p = mp.get_context("spawn").Process(target=_echo, args=(port, mode), daemon=True)
+            p.start()
+            procs.append(p)
+            socks[mode] = ctx.socket(zmq.DEALER)
+            socks[mode].setsockopt(zmq.RCVTIMEO, 60_000)  # an echo that died raises zmq.Again, not a hang
+            socks[mode].connect(f"tcp://127.0.0.1:{port}")
+        x = torch.zeros(1, 1, nbytes // 2, dtype=torch.bfloat16)
+        payload = bytes(nbytes)
+        for mode, cli in socks.items():  # wait for both echoes to answer
+            cli.send_multipart([b"{}", payload] if mode == "raw" else wire.encode({"op": "forward"}, {"hidden": x}))
+            cli.recv_multipart()
+        for _ in range(rounds):  # interleaved: a noisy spell hits both
+            for mode, cli in socks.items():
+                times = []
+                for i in range(per_round):
+                    t0 = time.perf_counter()
+                    if mode == "raw":
+                        cli.send_multipart([b"{}", payload])
+                        cli.recv_multipart()
+                    else:
+                        cli.send_multipart(wire.encode({"op": "forward", "id": f"r{i}"}, {"hidden": x}), copy=False)
+                        wire.decode(cli.recv_multipart(copy=False))
+                    times.append(time.perf_counter() - t0)
+                medians[mode].append(statistics.median(times[per_round // 10:]))
+    finally:
+        for p in procs:
+            p.kill()
+            p.join()
+        for cli in socks.values():
+            cli.close(0)
+        ctx.term()
     return statistics.median(medians["raw"]), statistics.median(medians["wire"])
 
 
