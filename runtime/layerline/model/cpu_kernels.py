@@ -915,15 +915,20 @@ def cache_dir() -> Path:
     return Path(base) / "layerline" / "kernels"
 
 
-def _build() -> Path:
-    """The compiled library, built into the cache unless already there (one builder at a time)."""
+def compiler() -> tuple[str, list[str]]:
+    """The C++ compiler and the flags that build SOURCE into a library torch can load."""
     cxx = os.environ.get("CXX") or "g++"
     if not shutil.which(cxx):
         raise RuntimeError(f"no C++ compiler ({cxx}) on PATH; install g++ or set CXX")
     torch_dir = Path(torch.__file__).parent
-    flags = ["-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp", "-w",
-             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-             f"-I{torch_dir / 'include'}", f"-L{torch_dir / 'lib'}", "-lc10", "-ltorch_cpu"]
+    return cxx, ["-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp", "-w",
+                 f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+                 f"-I{torch_dir / 'include'}", f"-L{torch_dir / 'lib'}", "-lc10", "-ltorch_cpu"]
+
+
+def _build() -> Path:
+    """The compiled library, built into the cache unless already there (one builder at a time)."""
+    cxx, flags = compiler()
     key = hashlib.sha256("\0".join([SOURCE, torch.__version__, cxx, *flags]).encode()).hexdigest()[:16]
     d = cache_dir()
     d.mkdir(parents=True, exist_ok=True)
