@@ -33,18 +33,19 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def _start(ckpt: str, stages: list, compile: str, tmp: str, kd: dict) -> list:
+def _start(ckpt: str, plan, compile: str, tmp: str, kd: dict) -> list:
+    from layerline.spec import shared_cores_argv
     env = dict(os.environ, GOMP_SPINCOUNT="10000")
     procs = []
+    stages = [s.to_dict() for s in plan.actives]
     for i, s in enumerate(stages):
         argv_ = [sys.executable, "-m", "layerline.worker", "--checkpoint", ckpt,
                  "--layers", f"{s['layers'][0]}:{s['layers'][1]}", "--precision", s["precision"],
                  "--kv-context", "512", "--bind", s["endpoint"], "--name", s["host"],
                  "--ready-file", f"{tmp}/ready{i}", "--keys", kd[s["host"]], "--compile", compile,
                  "--compile-cache", str(ROOT / ".cache" / "inductor")]
-        # as a deploy starts stages that share a machine (layerline.spec): all at once, no
-        # spinners, each timing its step alone (layerline.timing_lock)
-        argv_ += ["--awake-ms", "0", "--time-alone", f"{tmp}/timing.lock"]
+        # started all at once, with the flags a deploy gives stages that share a machine
+        argv_ += shared_cores_argv(plan) if s["shares_cores_with"] else []
         argv_ += ["--first"] if i == 0 else []
         argv_ += ["--last"] if i == len(stages) - 1 else ["--next", stages[i + 1]["endpoint"]]
         procs.append(subprocess.Popen(argv_, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
@@ -73,26 +74,28 @@ def run_mode(ckpt: str, caps: dict, prec: str, compile: str, new: int, ports: li
 
     cost, opts = model_cost(read_index(ckpt)), CostOptions(context=512)
 
-    def plan_with(per_host: dict, pin: dict | None = None) -> list:
+    def plan_with(per_host: dict, pin: dict | None = None):
         nodes = []
         for i, p in enumerate(ports):
             host = f"w{i + 1}"
             c = caps if host not in per_host else with_step_factor(caps, "cpu", step_mode(prec, compile), per_host[host])
             nodes.append(Node(host=host, caps=c, endpoint=f"tcp://127.0.0.1:{p}", precision=prec, compile=compile,
                               layers=(pin or {}).get(host)))
-        return [s.to_dict() for s in make_plan(nodes, cost, opts, "auto").actives]
+        return make_plan(nodes, cost, opts, "auto")
 
-    first = plan_with({})
+    first_plan = plan_with({})
+    first = [s.to_dict() for s in first_plan.actives]
     tmp = tempfile.mkdtemp(prefix="layerline-bench-")
     kd = local_keys(os.path.join(tmp, "keys"), [s["host"] for s in first])  # every worker needs --keys
-    procs = _start(ckpt, first, compile, tmp, kd)
+    procs = _start(ckpt, first_plan, compile, tmp, kd)
     try:
         ready = [json.loads(Path(f"{tmp}/ready{i}").read_text()) for i in range(len(first))]
         # what the role's record_step keeps per host
         own = {s["host"]: step_factor(r["step_s"], s["predicted_s"], s["step_factor"]) for s, r in zip(first, ready)}
         mode = statistics.median(own.values())
         pin = {s["host"]: tuple(s["layers"]) for s in first}
-        with_own, with_mode = plan_with(own, pin), plan_with(dict.fromkeys(own, mode), pin)
+        with_own = [s.to_dict() for s in plan_with(own, pin).actives]
+        with_mode = [s.to_dict() for s in plan_with(dict.fromkeys(own, mode), pin).actives]
         with Pipeline(first[0]["endpoint"]) as pipe:
             prompt = list(range(1, 65))
             greedy_generate(pipe, prompt[:8], 4, seq="warm")

@@ -154,12 +154,7 @@ def worker_spec(plan: Plan | dict, host: str, hvars: dict, python: str = "python
     if s.spin is not None:
         argv += ["--spin", str(int(s.spin))]
     if s.shares_cores_with:
-        # no idle-priority spinners (layerline.awake) where another stage needs these cores: each
-        # worker is its own scheduling group (its own session), and across groups idle priority
-        # is not idle: the spinners would take turns with the busy stage
-        argv += ["--awake-ms", "0"]
-        # and each times its step alone, not while another loads, compiles or times (timing_lock)
-        argv += ["--time-alone", timing_lock_name(plan)]
+        argv += shared_cores_argv(plan)
     nice = str(hvars.get("layerline_nice") or 0)  # str: 2.5 and True are not nice values
     if not (nice.isdigit() and int(nice) <= 19):
         raise LayerlineError(f"{host}: layerline_nice {hvars.get('layerline_nice')!r} must be an integer "
@@ -171,6 +166,15 @@ def worker_spec(plan: Plan | dict, host: str, hvars: dict, python: str = "python
         argv += ["--compile", s.compile, "--compile-cache", cache]
     return WorkerSpec(host=host, argv=tuple(argv), state_dir=state, ready_file=ready, keys_dir=keys,
                       ready_timeout=ready_timeout(s, hvars), endpoint=str(s.endpoint))
+
+
+def shared_cores_argv(plan: Plan) -> list[str]:
+    """The worker flags of a stage that shares its machine's cores with other stages of `plan`."""
+    # no idle-priority spinners (layerline.awake) where another stage needs these cores: each
+    # worker is its own scheduling group (its own session), and across groups idle priority is
+    # not idle: the spinners would take turns with the busy stage. And each times its step alone,
+    # not while another loads, compiles or times (timing_lock)
+    return ["--awake-ms", "0", "--time-alone", timing_lock_name(plan)]
 
 
 def timing_lock_name(plan: Plan) -> str:
