@@ -1,5 +1,5 @@
 """The decode kernels (`layerline.model.cpu_kernels`), built with the host's g++ as a worker builds
-them. For each ISA this CPU has (AVX2 + FMA: int8; AVX-512 BF16 + VNNI: bf16, int8 and int4): linear
+them. For each ISA this CPU has (AVX2 + FMA; AVX-512 BF16 + VNNI): bf16, int8 and int4 linear
 layers of 1-8 rows (int4: any) agree with a float64 product, with and without bias, for widths that
 are not a multiple of the kernels' blocks and K that is 32 times an odd number; a row's result is
 bit for bit the same whatever else is in the call and whatever the thread count (a greedy request's
@@ -56,7 +56,8 @@ def _close(y: torch.Tensor, ref: torch.Tensor, rel: float) -> None:
     assert err <= rel * ref.abs().max().item(), f"max error {err} of {ref.abs().max().item()}"
 
 
-@pytest.mark.parametrize("m,n,k", [(1, 100, 64), (3, 1027, 96), (4, 1027, 512), (8, 258, 1024), (5, 4, 32)])
+@pytest.mark.parametrize("m,n,k", [(1, 100, 64), (2, 36, 128), (3, 1027, 96), (4, 1027, 512), (8, 258, 1024),
+                                   (5, 4, 32), (7, 33, 64)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_kernels_equal_the_float64_product(isa, m, n, k, bias):
     g = torch.Generator().manual_seed(m * n + k)
@@ -64,13 +65,9 @@ def test_kernels_equal_the_float64_product(isa, m, n, k, bias):
     w = torch.randn(n, k, generator=g).bfloat16()
     b = torch.randn(n, generator=g).bfloat16() if bias else None
     ref = F.linear(x.double(), w.double(), None if b is None else b.double())
-    if isa == "avx512-bf16":
-        y = torch.ops.layerline_cpu.linear_bf16(x, w, b)
-        assert y.dtype == torch.bfloat16 and y.shape == (m, n)
-        _close(y, ref, 0.01)  # the output's bf16 rounding
-    else:
-        with pytest.raises(RuntimeError, match="AVX-512 BF16 only"):
-            torch.ops.layerline_cpu.linear_bf16(x, w, b)
+    y = torch.ops.layerline_cpu.linear_bf16(x, w, b)
+    assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+    _close(y, ref, 0.01)  # the output's bf16 rounding
     q, s = quantize_rows(torch.randn(n, k, generator=g))
     for dt in (torch.bfloat16, torch.float16, torch.float32):
         ref8 = F.linear(x.double(), q.double() * s.double()[:, None], None if b is None else b.double())
@@ -79,7 +76,7 @@ def test_kernels_equal_the_float64_product(isa, m, n, k, bias):
         _close(y8, ref8, 2e-4 if dt == torch.float32 else 0.01)  # x as int16 codes: about 1/30000
 
 
-@pytest.mark.parametrize("m,n,k", [(1, 100, 64), (3, 1027, 576), (4, 258, 1024), (40, 36, 2816)])
+@pytest.mark.parametrize("m,n,k", [(1, 100, 64), (2, 37, 128), (3, 1027, 576), (4, 258, 1024), (40, 36, 2816)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_int4_kernel_equals_the_float64_product_of_its_weights(isa, m, n, k, bias):
     """int4 in layerline's layout (any rows: a prefill's too; K = 64 * odd leaves a pair of groups
@@ -92,11 +89,6 @@ def test_int4_kernel_equals_the_float64_product_of_its_weights(isa, m, n, k, bia
     x = torch.randn(m, k, generator=g)
     x[:, :32] *= 50  # one group far larger than the rest: x is quantized per group, not per row
     for dt in (torch.bfloat16, torch.float16, torch.float32):
-        if isa != "avx512-bf16":
-            with pytest.raises(RuntimeError, match="AVX-512 with VNNI only"):
-                torch.ops.layerline_cpu.linear_int4(x.to(dt), codes, sz, b)
-            assert cpu_kernels.linear_int4(x.to(dt), codes, sz, b) is None  # the caller dequantizes
-            continue
         ref = F.linear(x.to(dt).double(), deq, None if b is None else b.double())
         y = torch.ops.layerline_cpu.linear_int4(x.to(dt), codes, sz, b)
         assert y.dtype == dt and y.shape == (m, n)
@@ -110,11 +102,8 @@ def test_a_row_has_the_same_bits_in_any_batch_and_thread_count(isa):
     q, s = quantize_rows(w.float())
     threads = torch.get_num_threads()
     try:
-        ops = [(torch.ops.layerline_cpu.linear_int8, (q, s))]
-        if isa == "avx512-bf16":
-            ops.append((torch.ops.layerline_cpu.linear_bf16, (w,)))
-            ops.append((torch.ops.layerline_cpu.linear_int4, _pack_rows(*quantize_groups(w.float()))))
-        for op, args in ops:
+        for op, args in ((torch.ops.layerline_cpu.linear_int8, (q, s)), (torch.ops.layerline_cpu.linear_bf16, (w,)),
+                         (torch.ops.layerline_cpu.linear_int4, _pack_rows(*quantize_groups(w.float())))):
             torch.set_num_threads(2)
             batch = op(x, *args)
             assert batch.shape == (8, 1, 4099)
@@ -139,7 +128,7 @@ def test_dispatch_takes_a_few_bf16_rows_and_leaves_the_rest_to_torch(isa, monkey
     w = torch.randn(64, 96).bfloat16()
     q, s = quantize_rows(w.float())
     for x, used in ((torch.randn(1, 96), False),                   # fp32: torch's
-                    (torch.randn(2, 4, 96).bfloat16(), isa == "avx512-bf16"),  # 8 rows: the kernel
+                    (torch.randn(2, 4, 96).bfloat16(), True),       # 8 rows: the kernel
                     (torch.randn(9, 96).bfloat16(), False),         # 9 rows (a prefill): torch's
                     (torch.randn(1, 80).bfloat16(), False)):        # K not a multiple of 32: torch's
         calls.clear()

@@ -1,4 +1,4 @@
-"""Weight-only int4 (groups of 32 along the input, layerline's CPU int4 kernel on AVX-512 VNNI and
+"""Weight-only int4 (groups of 32 along the input, layerline's CPU int4 kernel on AVX2 or AVX-512 and
 torch's elsewhere, bf16 compute; embedding and LM head int8): the layer against a dequantized
 reference, the stage, one-process generation through the CLI, the compiled step, the planner's
 ladder, and quality on SmolLM2.
@@ -69,8 +69,23 @@ def test_quantize_groups_round_trip_and_odd_shapes_fall_back_to_int8():
     assert isinstance(torchs, Int4Linear) and not torchs.rows and torchs.scale.shape == (3, 96, 2)
 
 
-def test_int4_linear_equals_the_dequantized_matmul(ckpt):
-    """A random-init checkpoint's q_proj and down_proj at int4 against x @ dequantized(W).T."""
+@pytest.fixture(params=["kernels", "torch"])
+def int4_path(request):
+    """Layerline's kernels where this host loads them, else (and for "torch") torch's int4 packing."""
+    if request.param == "torch":
+        if not cpu_kernels.load():
+            pytest.skip("the kernels do not load here: the other case is torch's path already")
+        cpu_kernels.use_isa("off")
+    try:
+        yield request.param
+    finally:
+        if request.param == "torch":
+            cpu_kernels.use_isa("avx512-bf16")  # the best this CPU has again
+
+
+def test_int4_linear_equals_the_dequantized_matmul(ckpt, int4_path):
+    """A random-init checkpoint's q_proj and down_proj at int4 against x @ dequantized(W).T, in
+    layerline's layout (where the kernels load) and in torch's."""
     st = load_stage(str(ckpt), 0, LAYERS, True, True, precision="int4")
     idx = read_index(ckpt)
     with safe_open(str(ckpt / idx.tensors["model.layers.0.mlp.down_proj.weight"].file), framework="pt") as f:
@@ -89,7 +104,7 @@ def test_int4_linear_equals_the_dequantized_matmul(ckpt):
             # and the quantization itself is close to the float weight (half a step per weight)
             assert float((deq - w.float()).abs().max()) <= float(sz[..., 0].max()) * 0.5 + 0.02
         # the layout is layerline's where its kernel runs (this stage's matrices all fit it)
-        assert mod.rows == cpu_kernels.int4_ready()
+        assert mod.rows == cpu_kernels.int4_ready() == (int4_path == "kernels" and cpu_kernels.enabled())
         if mod.rows:  # and a weight packed for the kernel still runs where it was turned off since
             want = mod(x)
             try:

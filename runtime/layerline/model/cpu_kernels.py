@@ -15,15 +15,18 @@ Each output is one row's dot product over k in one fixed order (fp32 lanes, then
 same for any number of rows in the call: a row's bits do not depend on what it is batched with.
 bf16 and int8 run for up to `MAX_ROWS` rows (decode steps and the server's micro-batches; prefills
 stay with torch's GEMMs, which are faster for many rows) and K a multiple of 32; rows are split
-across torch's threads. The ISA is chosen at run time: AVX-512 with BF16 and VNNI runs all three
-(vdpbf16ps, vpdpwssd, vpdpbusd); AVX2 + FMA runs int8 only. An AVX2 bf16 kernel (bf16 widened to
-fp32, FMA) was tried and dropped: under AVX2 limits on an AVX-512 machine it read 19-25 GB/s where
-torch's own AVX2 bf16 GEMV read 28-30 (demo model eager: 0.74x of torch's).
+across torch's threads. The ISA is chosen at run time: AVX-512 with BF16 and VNNI (vdpbf16ps,
+vpdpwssd, vpdpbusd), else AVX2 + FMA (bf16 widened to fp32 for FMA, vpmaddwd, vpmaddubsw); both
+run all three. On a 2-core AVX2-only AMD EPYC (Zen 3, 2026-12-03; `bench/bench_kernel_variants.py`
+with torch=torch, the demo model's 65 matrices, in turns) the AVX2 kernels took 0.85x of torch's
+time at bf16 for one row (oneDNN's GEMV), 0.31x for 4 rows and 0.24x for 8; int8 0.64x, 0.50x,
+0.39x of `_weight_int8pack_mm`'s; int4 0.55x, 0.38x, 0.39x of `_weight_int4pack_mm_for_cpu`'s.
+(An AVX2 bf16 kernel tried on an AVX-512 machine under AVX2 limits had lost to torch's there.)
 
 int4 quantizes x per group of 32 to int8 (as llama.cpp's q8_0) and sums each group's code * x
 exactly in int32 before scaling it (2 cores, the demo model's 64 int4 matrices streamed from
-memory, one row: 1.2-1.8x the rate of torch's `_weight_int4pack_mm_for_cpu`, which stays the path
-of AVX2-only hosts; 128 rows: 1.3x). It runs any number of rows: a prefill's too.
+memory, one row: 1.2-1.8x the rate of torch's `_weight_int4pack_mm_for_cpu` on AVX-512; 128
+rows: 1.3x). It runs any number of rows: a prefill's too.
 
 A third op does a decode step's attention: `decode_attention` writes each row's new k/v into its
 cache and attends over that row's keys in place (GQA heads share each key's load; softmax in
@@ -74,6 +77,7 @@ namespace {
 
 int64_t g_isa = 0;            // 0: none, 1: AVX2 + FMA, 2: AVX-512 with BF16
 constexpr int64_t PF = 4096;  // bytes ahead of each row that a core asks for early
+constexpr int64_t PF_AVX2 = 8192;  // AVX2's (Zen 3: 1.09-1.12x faster than 4096 at one row)
 constexpr int64_t PF4 = 8192;  // the same for int4's codes (their scales: a quarter of it); 4096: 0.87-0.94x
 
 int64_t cpu_isa() {
@@ -169,7 +173,61 @@ struct Int8Tile {
   }
 };
 
-// AVX2 int8: x's codes made from bf16 x (below), then vpmaddwd sums as the AVX-512 tile's
+// AVX2 bf16: each 32-bit lane's two bf16 values made fp32 (the even one shifted up, the odd one
+// masked) and summed with FMA into one fp32 accumulator per (row of W, row of x); x's halves are
+// made once per step of 16 for all R rows of W. W's next lines asked for early up to 4 rows of x
+// (at 8 the tile is busy enough: 1.1x slower with them)
+template <int R, int MB>
+struct Bf16Avx2Tile {
+  __attribute__((target("avx2,fma")))
+  static void run(const uint16_t* w, const uint16_t* x, int64_t K, int64_t N, float* y) {
+    __m256 a[R][MB];
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MB; ++m) a[r][m] = _mm256_setzero_ps();
+    const __m256i hi = _mm256_set1_epi32((int)0xFFFF0000u);
+    for (int64_t k = 0; k < K; k += 16) {
+      __m256 we[R], wo[R];
+      for (int r = 0; r < R; ++r) {
+        if (MB <= 4 && (k & 31) == 0) _mm_prefetch((const char*)(w + r * K + k) + PF_AVX2, _MM_HINT_T0);
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(w + r * K + k));
+        we[r] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+        wo[r] = _mm256_castsi256_ps(_mm256_and_si256(v, hi));
+      }
+      for (int m = 0; m < MB; ++m) {
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(x + m * K + k));
+        const __m256 xe = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)), xo = _mm256_castsi256_ps(_mm256_and_si256(v, hi));
+        for (int r = 0; r < R; ++r) a[r][m] = _mm256_fmadd_ps(wo[r], xo, _mm256_fmadd_ps(we[r], xe, a[r][m]));
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MB; ++m) {
+        __m128 s = _mm_add_ps(_mm256_castps256_ps128(a[r][m]), _mm256_extractf128_ps(a[r][m], 1));
+        s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        y[m * N + r] = _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+      }
+  }
+};
+
+// AVX2 tiles: x in chunks of up to 8 rows; fewer rows of W a tile as x has more, so the sums and
+// W's and x's vectors stay in AVX2's 16 registers
+template <template <int, int> class Tile, typename W, typename X, typename Y>
+void avx2_tiles(const W* w, const X* x, int64_t K, int64_t M, int64_t N, int64_t n0, int64_t n1, Y* y) {
+  for (int64_t m0 = 0; m0 < M; m0 += 8) {
+    const X* xm = x + m0 * K;
+    Y* ym = y + m0 * N;
+    switch (std::min<int64_t>(8, M - m0)) {
+      case 1: tile_rows<Tile, 4, 1>(w, xm, K, N, n0, n1, ym); break;
+      case 2: tile_rows<Tile, 2, 2>(w, xm, K, N, n0, n1, ym); break;
+      case 3: tile_rows<Tile, 2, 3>(w, xm, K, N, n0, n1, ym); break;
+      case 4: tile_rows<Tile, 2, 4>(w, xm, K, N, n0, n1, ym); break;
+      case 5: tile_rows<Tile, 1, 5>(w, xm, K, N, n0, n1, ym); break;
+      case 6: tile_rows<Tile, 1, 6>(w, xm, K, N, n0, n1, ym); break;
+      case 7: tile_rows<Tile, 1, 7>(w, xm, K, N, n0, n1, ym); break;
+      default: tile_rows<Tile, 1, 8>(w, xm, K, N, n0, n1, ym);
+    }
+  }
+}
+
 __attribute__((target("avx2,fma"))) inline __m256 bf16x8(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
 }
@@ -181,38 +239,29 @@ __attribute__((target("avx2,fma"))) inline int32_t hsum256i(__m256i v) {
   return _mm_cvtsi128_si32(s);
 }
 
-__attribute__((target("avx2,fma"))) inline __m256i dot16(__m256i acc, const int8_t* w, const int16_t* x) {
-  __m256i wv = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)w));
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(wv, _mm256_loadu_si256((const __m256i*)x)));
-}
-
-__attribute__((target("avx2,fma")))
-void int8_avx2(const int8_t* w, const int16_t* x, int64_t K, int64_t M, int64_t N,
-               int64_t n0, int64_t n1, int32_t* y) {
-  int64_t n = n0;
-  for (; n + 4 <= n1; n += 4) {
-    const int8_t *r0 = w + n * K, *r1 = r0 + K, *r2 = r1 + K, *r3 = r2 + K;
-    for (int64_t m = 0; m < M; ++m) {
-      const int16_t* xm = x + m * K;
-      __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
-      for (int64_t k = 0; k < K; k += 16) {
-        a0 = dot16(a0, r0 + k, xm + k); a1 = dot16(a1, r1 + k, xm + k);
-        a2 = dot16(a2, r2 + k, xm + k); a3 = dot16(a3, r3 + k, xm + k);
+// AVX2 int8: x's int16 codes (`quantize_rows`), vpmaddwd sums as the AVX-512 tile's
+template <int R, int MB>
+struct Int8Avx2Tile {
+  __attribute__((target("avx2,fma")))
+  static void run(const int8_t* w, const int16_t* x, int64_t K, int64_t N, int32_t* y) {
+    __m256i a[R][MB];
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MB; ++m) a[r][m] = _mm256_setzero_si256();
+    for (int64_t k = 0; k < K; k += 16) {
+      __m256i wv[R];
+      for (int r = 0; r < R; ++r) {
+        if ((k & 63) == 0) _mm_prefetch((const char*)(w + r * K + k) + PF_AVX2, _MM_HINT_T0);
+        wv[r] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(w + r * K + k)));
       }
-      int32_t* ym = y + m * N + n;
-      ym[0] = hsum256i(a0); ym[1] = hsum256i(a1); ym[2] = hsum256i(a2); ym[3] = hsum256i(a3);
+      for (int m = 0; m < MB; ++m) {
+        const __m256i xv = _mm256_loadu_si256((const __m256i*)(x + m * K + k));
+        for (int r = 0; r < R; ++r) a[r][m] = _mm256_add_epi32(a[r][m], _mm256_madd_epi16(wv[r], xv));
+      }
     }
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MB; ++m) y[m * N + r] = hsum256i(a[r][m]);
   }
-  for (; n < n1; ++n) {
-    const int8_t* r0 = w + n * K;
-    for (int64_t m = 0; m < M; ++m) {
-      const int16_t* xm = x + m * K;
-      __m256i a0 = _mm256_setzero_si256();
-      for (int64_t k = 0; k < K; k += 16) a0 = dot16(a0, r0 + k, xm + k);
-      y[m * N + n] = hsum256i(a0);
-    }
-  }
-}
+};
 
 // Each row of x [M, K] as int16 codes and one float scale: x ~ code * s, |code| <= cmax, where cmax
 // keeps every int32 lane's sum of (int8 weight x code) products from overflowing (each lane sums at
@@ -306,7 +355,6 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::opti
   int64_t N = w.size(0), K = w.size(1);
   check(x, w, K, bias);
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "linear_bf16: bf16 x and w");
-  TORCH_CHECK(g_isa == 2, "linear_bf16: AVX-512 BF16 only (on AVX2, torch's bf16 GEMV is the faster)");
   auto wc = w.contiguous();
   auto x2 = x.reshape({-1, K}).contiguous();
   int64_t M = x2.size(0);
@@ -315,7 +363,8 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::opti
   auto X = reinterpret_cast<const uint16_t*>(x2.data_ptr<at::BFloat16>());
   float* Y = out.sums.data_ptr<float>();
   over_rows(N, K, [&](int64_t n0, int64_t n1) {
-    tiles<Bf16Tile, 2>(W, X, K, M, N, n0, n1, Y);
+    if (g_isa == 2) tiles<Bf16Tile, 2>(W, X, K, M, N, n0, n1, Y);
+    else avx2_tiles<Bf16Avx2Tile>(W, X, K, M, N, n0, n1, Y);
     out.store_rows<float>(M, N, n0, n1, nullptr, nullptr);
   });
   return out.y;
@@ -345,7 +394,7 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   const float* S = sc.data_ptr<float>();
   over_rows(N, K, [&](int64_t n0, int64_t n1) {
     if (g_isa == 2) tiles<Int8Tile>(W, X, K, M, N, n0, n1, Y);
-    else int8_avx2(W, X, K, M, N, n0, n1, Y);
+    else avx2_tiles<Int8Avx2Tile>(W, X, K, M, N, n0, n1, Y);
     out.store_rows<int32_t>(M, N, n0, n1, xs.data(), S);
   });
   return out.y;
@@ -694,20 +743,105 @@ struct Int4Tile {
   }
 };
 
+// AVX2: the same x codes, layout and sums. A group's 16 code bytes times its x codes by vpmaddubsw
+// (unsigned codes 0..15 times signed x: each int16 pair sum at most 2 * 15 * 127, never saturating),
+// then vpmaddwd into int32 lanes, four a group; each pair of groups' eight lanes scaled in fp32.
+template <typename T>
+__attribute__((target("avx2,fma,f16c")))
+void quantize_groups_x_avx2(const T* x, int64_t M, int64_t K, int8_t* xq, float* dx, float* xsum) {
+  const int64_t G = K / 32;
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // packs' lane-wise order undone
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < G; ++g) {
+      const T* p = x + m * K + g * 32;
+      const __m256 a = load8(p), b = load8(p + 8), c = load8(p + 16), d = load8(p + 24);
+      __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, a), _mm256_andnot_ps(sign, b)),
+                                _mm256_max_ps(_mm256_andnot_ps(sign, c), _mm256_andnot_ps(sign, d)));
+      __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+      h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+      const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+      const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+      const __m256i qa = _mm256_cvtps_epi32(_mm256_mul_ps(a, inv)), qb = _mm256_cvtps_epi32(_mm256_mul_ps(b, inv)),
+                    qc = _mm256_cvtps_epi32(_mm256_mul_ps(c, inv)), qd = _mm256_cvtps_epi32(_mm256_mul_ps(d, inv));
+      const __m256i q = _mm256_permutevar8x32_epi32(
+          _mm256_packs_epi16(_mm256_packs_epi32(qa, qb), _mm256_packs_epi32(qc, qd)), order);
+      int8_t* out = xq + m * K + (g / 2) * 64 + (g % 2) * 16;
+      _mm_storeu_si128((__m128i*)out, _mm256_castsi256_si128(q));
+      _mm_storeu_si128((__m128i*)(out + 32), _mm256_extracti128_si256(q, 1));
+      dx[m * G + g] = amax / 127.f;
+      xsum[m * G + g] = amax / 127.f * (float)hsum256i(_mm256_add_epi32(_mm256_add_epi32(qa, qb), _mm256_add_epi32(qc, qd)));
+    }
+}
+
 template <int R, int MB>
+struct Int4Avx2Tile {
+  __attribute__((target("avx2,fma")))
+  static void run(const uint8_t* w, const uint32_t* sz, const int8_t* xq, const float* dx,
+                  const float* xsum, int64_t K, int64_t N, float* y) {
+    const int64_t G = K / 32, KB = K / 2;
+    __m256 acc[R][MB];
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MB; ++m) acc[r][m] = _mm256_setzero_ps();
+    const __m256i lo4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const __m256i zmask = _mm256_set1_epi32((int)0xFFFF0000u);
+    for (int64_t g0 = 0; g0 < G; g0 += 8) {
+      const int ng = (int)std::min<int64_t>(8, G - g0);  // even: K is a multiple of 64
+      const __m256i mk = _mm256_cmpgt_epi32(_mm256_set1_epi32(ng), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+      __m256 C[R][MB];  // s * dx of each of the 8 groups
+      for (int r = 0; r < R; ++r) {
+        _mm_prefetch((const char*)(sz + r * G + g0) + PF4 / 4, _MM_HINT_T0);
+        const __m256i v = _mm256_maskload_epi32((const int*)(sz + r * G + g0), mk);
+        const __m256 s = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+        const __m256 z8 = _mm256_fmadd_ps(s, _mm256_set1_ps(-8.f), _mm256_castsi256_ps(_mm256_and_si256(v, zmask)));
+        for (int m = 0; m < MB; ++m) {
+          C[r][m] = _mm256_mul_ps(s, _mm256_maskload_ps(dx + m * G + g0, mk));
+          acc[r][m] = _mm256_fmadd_ps(z8, _mm256_maskload_ps(xsum + m * G + g0, mk), acc[r][m]);
+        }
+      }
+      for (int p = 0; p < ng / 2; ++p) {
+        const __m256i idx = _mm256_setr_epi32(2 * p, 2 * p, 2 * p, 2 * p, 2 * p + 1, 2 * p + 1, 2 * p + 1, 2 * p + 1);
+        const int64_t off = (g0 + 2 * p) * 16;
+        __m256i wl[R], wh[R];
+        for (int r = 0; r < R; ++r) {
+          if ((off & 63) == 0) _mm_prefetch((const char*)(w + r * KB + off) + PF4, _MM_HINT_T0);
+          const __m256i v = _mm256_loadu_si256((const __m256i*)(w + r * KB + off));
+          wl[r] = _mm256_and_si256(v, lo4);
+          wh[r] = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
+        }
+        for (int m = 0; m < MB; ++m) {
+          const __m256i xa = _mm256_loadu_si256((const __m256i*)(xq + m * K + off * 2));
+          const __m256i xb = _mm256_loadu_si256((const __m256i*)(xq + m * K + off * 2 + 32));
+          for (int r = 0; r < R; ++r) {
+            const __m256i d = _mm256_madd_epi16(
+                _mm256_add_epi16(_mm256_maddubs_epi16(wl[r], xa), _mm256_maddubs_epi16(wh[r], xb)), ones);
+            acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_permutevar8x32_ps(C[r][m], idx), acc[r][m]);
+          }
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MB; ++m) {
+        __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc[r][m]), _mm256_extractf128_ps(acc[r][m], 1));
+        s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        y[m * N + r] = _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+      }
+  }
+};
+
+template <template <int, int> class Tile, int R, int MB>
 void int4_rows(const uint8_t* w, const uint32_t* sz, const int8_t* xq, const float* dx, const float* xs,
                int64_t K, int64_t N, int64_t n0, int64_t n1, float* y) {
   const int64_t G = K / 32;
   int64_t n = n0;
-  for (; n + R <= n1; n += R) Int4Tile<R, MB>::run(w + n * (K / 2), sz + n * G, xq, dx, xs, K, N, y + n);
-  for (; n < n1; ++n) Int4Tile<1, MB>::run(w + n * (K / 2), sz + n * G, xq, dx, xs, K, N, y + n);
+  for (; n + R <= n1; n += R) Tile<R, MB>::run(w + n * (K / 2), sz + n * G, xq, dx, xs, K, N, y + n);
+  for (; n < n1; ++n) Tile<1, MB>::run(w + n * (K / 2), sz + n * G, xq, dx, xs, K, N, y + n);
 }
 
 at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sz,
                        const c10::optional<at::Tensor>& bias) {
   const int64_t N = codes.size(0), K = codes.size(1) * 2, G = K / 32;
   check(x, codes, x.size(-1), bias);
-  TORCH_CHECK(g_isa == 2, "linear_int4: AVX-512 with VNNI only");
   TORCH_CHECK(codes.scalar_type() == at::kByte && x.size(-1) == K && K % 64 == 0,
               "linear_int4: uint8 codes [N, K / 2] for x [..., K], K a multiple of 64");
   TORCH_CHECK(sz.scalar_type() == at::kBFloat16 && sz.dim() == 3 && sz.size(0) == N && sz.size(1) == G && sz.size(2) == 2,
@@ -720,9 +854,13 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& codes, const at::T
   const int64_t M = x2.size(0);
   std::vector<int8_t> xq(M * K);
   std::vector<float> dx(M * G), xs(M * G);
-  if (st == at::kBFloat16) quantize_groups_x(x2.data_ptr<at::BFloat16>(), M, K, xq.data(), dx.data(), xs.data());
-  else if (st == at::kHalf) quantize_groups_x(x2.data_ptr<at::Half>(), M, K, xq.data(), dx.data(), xs.data());
-  else quantize_groups_x(x2.data_ptr<float>(), M, K, xq.data(), dx.data(), xs.data());
+  auto quantize = [&](auto* p) {
+    if (g_isa == 2) quantize_groups_x(p, M, K, xq.data(), dx.data(), xs.data());
+    else quantize_groups_x_avx2(p, M, K, xq.data(), dx.data(), xs.data());
+  };
+  if (st == at::kBFloat16) quantize(x2.data_ptr<at::BFloat16>());
+  else if (st == at::kHalf) quantize(x2.data_ptr<at::Half>());
+  else quantize(x2.data_ptr<float>());
   Out out(x, M, N, at::kFloat, bias);
   const uint8_t* W = cc.data_ptr<uint8_t>();
   const uint32_t* SZ = reinterpret_cast<const uint32_t*>(szc.data_ptr<at::BFloat16>());
@@ -732,11 +870,17 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& codes, const at::T
       const int8_t* xm = xq.data() + m0 * K;
       const float *dm = dx.data() + m0 * G, *sm = xs.data() + m0 * G;
       float* ym = Y + m0 * N;
-      switch (std::min<int64_t>(4, M - m0)) {
-        case 1: int4_rows<4, 1>(W, SZ, xm, dm, sm, K, N, n0, n1, ym); break;
-        case 2: int4_rows<4, 2>(W, SZ, xm, dm, sm, K, N, n0, n1, ym); break;
-        case 3: int4_rows<2, 3>(W, SZ, xm, dm, sm, K, N, n0, n1, ym); break;
-        default: int4_rows<2, 4>(W, SZ, xm, dm, sm, K, N, n0, n1, ym);
+      const int64_t mb = std::min<int64_t>(4, M - m0);
+      if (g_isa == 2) switch (mb) {
+        case 1: int4_rows<Int4Tile, 4, 1>(W, SZ, xm, dm, sm, K, N, n0, n1, ym); break;
+        case 2: int4_rows<Int4Tile, 4, 2>(W, SZ, xm, dm, sm, K, N, n0, n1, ym); break;
+        case 3: int4_rows<Int4Tile, 2, 3>(W, SZ, xm, dm, sm, K, N, n0, n1, ym); break;
+        default: int4_rows<Int4Tile, 2, 4>(W, SZ, xm, dm, sm, K, N, n0, n1, ym);
+      } else switch (mb) {  // AVX2's 16 registers: fewer sums a tile
+        case 1: int4_rows<Int4Avx2Tile, 2, 1>(W, SZ, xm, dm, sm, K, N, n0, n1, ym); break;
+        case 2: int4_rows<Int4Avx2Tile, 2, 2>(W, SZ, xm, dm, sm, K, N, n0, n1, ym); break;
+        case 3: int4_rows<Int4Avx2Tile, 1, 3>(W, SZ, xm, dm, sm, K, N, n0, n1, ym); break;
+        default: int4_rows<Int4Avx2Tile, 1, 4>(W, SZ, xm, dm, sm, K, N, n0, n1, ym);
       }
     }
     out.store_rows<float>(M, N, n0, n1, nullptr, nullptr);
@@ -993,9 +1137,8 @@ def _takes(x: torch.Tensor, k: int) -> bool:
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, through `linear_bf16` for a few bf16 rows on an AVX-512 BF16 CPU."""
-    if (x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16 and _S.isa == "avx512-bf16"
-            and _takes(x, w.shape[1])):
+    """F.linear, through `linear_bf16` for a few bf16 rows where the kernels are loaded."""
+    if x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16 and _takes(x, w.shape[1]):
         return torch.ops.layerline_cpu.linear_bf16(x, w, bias)
     return F.linear(x, w, bias)
 
@@ -1012,14 +1155,14 @@ def linear_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
 def int4_ready() -> bool:
     """Whether int4 matrices are held in layerline's layout and run by `linear_int4` (kernels loaded
     with AVX-512 VNNI). Loads the kernels (once) if nothing has yet."""
-    return load() and _S.isa == "avx512-bf16"
+    return load() and enabled()
 
 
 def linear_int4(x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor,
                 bias: torch.Tensor | None = None) -> torch.Tensor | None:
     """`linear_int4` of any number of rows (it beats torch's int4 kernel at 128 rows too), or None
     where it does not apply (the caller dequantizes)."""
-    if _S.isa == "avx512-bf16" and x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float32, torch.float16):
+    if _S.isa is not None and x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float32, torch.float16):
         return torch.ops.layerline_cpu.linear_int4(x, codes, sz, bias)
     return None
 

@@ -16,7 +16,7 @@ code q = round((w - min) / s) in 0..15, so w ≈ (q - 8) s + z (torch's "tinygem
 codes a byte, in one of two layouts, chosen per matrix by `int4_rows` (one place):
 - layerline's (`rows`): codes uint8 [N, K / 2] with each 32-weight group's 16 bytes as GGUF's Q4_0 /
   Q4_1 blocks hold them (byte j: code j low, code j + 16 high), and each row's (s, z) pairs in bf16
-  [N, K / 32, 2], run by `cpu_kernels.linear_int4` (AVX-512 VNNI; faster than torch's kernel, see
+  [N, K / 32, 2], run by `cpu_kernels.linear_int4` (AVX-512 VNNI or AVX2; faster than torch's kernel, see
   there). Used where that kernel is loaded, for groups of 32 and K a multiple of 64.
 - torch's otherwise: packed by `torch._convert_weight_to_int4pack_for_cpu`, (s, z) [K / group, N, 2]
   in the compute dtype, run by `torch._weight_int4pack_mm_for_cpu`. It takes groups of 32, 64, 128
@@ -270,7 +270,7 @@ class Int4Linear(nn.Module):
         if not int4_fits(in_features, out_features, group):
             raise ValueError(f"Int4Linear [{out_features}, {in_features}] in groups of {group}: torch's CPU "
                              "kernel wants in % group == 0, out % 16 == 0 and group in 32, 64, 128, 256 "
-                             "(layerline's: groups of 32 and in % 64 == 0, on AVX-512 VNNI)")
+                             "(layerline's: groups of 32 and in % 64 == 0, where its CPU kernels load)")
         self.in_features, self.out_features, self.group = in_features, out_features, group
         self.rows = int4_rows(in_features, group)
         self.register_buffer("weight", torch.zeros(out_features, in_features // 2, dtype=torch.uint8))
