@@ -530,9 +530,9 @@ void attend_task_512(const T* q, int64_t qs, const T* knew, const T* vnew, T* kc
   }
 }
 
-// the AVX2 task: the AVX-512 task's steps in 8 lanes. Keys and values are widened to fp32 once
-// per block of 8 (keys) or per row (values) for all g query heads; 8 keys scored at a time, summed
-// across lanes together (hsum8); one query head's sums over the values in registers up to hd 64
+// the AVX2 task: the AVX-512 task's steps in 8 lanes. Each block of 8 keys is widened to fp32 once
+// for all g query heads and scored 8 at a time, summed across lanes together (hsum8); one query
+// head's sums over the values in registers up to hd 64
 #define LL_AVX2 __attribute__((target("avx2,fma,f16c"), always_inline)) inline
 LL_AVX2 __m256 load8w(const float* p) { return _mm256_loadu_ps(p); }
 LL_AVX2 __m256 load8w(const at::BFloat16* p) { return bf16x8(reinterpret_cast<const uint16_t*>(p)); }
