@@ -85,25 +85,35 @@ def ours_one_stage(ckpt: str, prompt: torch.Tensor, new: int, precision: str,
     return best, warm
 
 
+def hf_decode_rate(model, prompt: torch.Tensor, new: int) -> float:
+    """Decode tokens/s of one transformers generate (greedy, `new` steps after the first token),
+    as `decode_rate` counts layerline's: each step timed as it ends (a StoppingCriteria that stops
+    nothing), so the prefill is not in it. Subtracting a prefill-only run instead let one noisy
+    prefill (seconds on an AVX2 machine) shrink the difference: (q)'s best of four rounds read
+    transformers at 40.4 tokens/s in the hour (a) read 22.1 (2026-12-03, Zen 3)."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+    ends: list[float] = []
+
+    class StepEnds(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            ends.append(time.perf_counter())
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    with torch.inference_mode():
+        model.generate(prompt, max_new_tokens=new + 1, min_new_tokens=new + 1, do_sample=False,
+                       eos_token_id=None, pad_token_id=0, stopping_criteria=StoppingCriteriaList([StepEnds()]))
+    if len(ends) != new + 1:
+        raise RuntimeError(f"transformers generate took {len(ends)} steps, not {new + 1}")
+    return new / max(1e-9, ends[-1] - ends[0])
+
+
 def transformers_generate(ckpt: str, prompt: torch.Tensor, new: int, dtype: torch.dtype) -> float:
-    """Decode tokens/s of transformers generate (greedy, static length), prefill time taken out."""
+    """Decode tokens/s of transformers generate (greedy, static length): the best of three runs."""
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype)
     model.eval()
-
-    def run(n):
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            model.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                           eos_token_id=None, pad_token_id=0)
-        return time.perf_counter() - t0
-    run(2)
-    # the fastest of three of each: its prefill alone (one new token) and with `new` more. Not the
-    # best of the three differences: one slow prefill-only run (its 128-token prefill takes 2-3 s
-    # here) made a difference small and the rate up to 1.7x too high
-    t1 = min(run(1) for _ in range(3))
-    tn = min(run(new + 1) for _ in range(3))
-    return new / max(1e-9, tn - t1)
+    hf_decode_rate(model, prompt, 2)  # warm
+    return max(hf_decode_rate(model, prompt, new) for _ in range(3))
 
 
 def pipelines(ckpt: str, prompt: list[int], new: int, precision: str, compile: str = "off",
@@ -505,16 +515,6 @@ def _part_q(a, ckpt: str, prompt: torch.Tensor, dtype: torch.dtype, out: dict) -
     new = a.new
     hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype).eval()
 
-    def hf_rate():
-        def run(k):
-            t0 = time.perf_counter()
-            with torch.inference_mode():
-                hf.generate(prompt, max_new_tokens=k, min_new_tokens=k, do_sample=False,
-                            eos_token_id=None, pad_token_id=0)
-            return time.perf_counter() - t0
-        t1, tn = run(1), run(new + 1)
-        return new / max(1e-9, tn - t1)
-
     precs = [a.precision, "int8"] + (["int4"] if int4_kernel_error() is None else [])
     layers = read_index(ckpt).num_layers
     stages = {}
@@ -525,10 +525,10 @@ def _part_q(a, ckpt: str, prompt: torch.Tensor, dtype: torch.dtype, out: dict) -
     for st in stages.values():
         decode_rate(st, prompt, new)  # warm: compiles when compiling
     warm = time.perf_counter() - t0
-    hf_rate()
+    hf_decode_rate(hf, prompt, 2)  # warm
     best = dict.fromkeys(["transformers", *precs], 0.0)
     for _ in range(a.rounds):
-        best["transformers"] = max(best["transformers"], hf_rate())
+        best["transformers"] = max(best["transformers"], hf_decode_rate(hf, prompt, new))
         for p, st in stages.items():
             best[p] = max(best[p], decode_rate(st, prompt, new))
     h = best["transformers"]
