@@ -104,22 +104,24 @@ void tile_rows(const W* w, const X* x, int64_t K, int64_t N, int64_t n0, int64_t
   for (; n < n1; ++n) Tile<1, MB>::run(w + n * K, x, K, N, y + n);
 }
 
-// x in chunks of up to 8 rows; 4 rows of W a tile up to 3 rows of x, R4 at 4, then 2 (16 sums at
-// most). bf16 takes R4 = 2: its 4 x 4 tile read 0.9x as fast (demo shapes, in turns), int8's not
-template <template <int, int> class Tile, int R4 = 4, typename W, typename X, typename Y>
+// x in chunks of up to 8 rows; R1 rows of W a tile for 1 row of x, R3 for 2-3, R4 for 4, R8 for 5-8.
+// AVX-512 (32 registers): 4, 4, 4, 2 (16 sums at most); bf16 takes R4 = 2: its 4 x 4 tile read 0.9x
+// as fast (demo shapes, in turns), int8's not. AVX2 (16 registers): 4, 2, 2, 1, so the sums and
+// W's and x's vectors stay in registers
+template <template <int, int> class Tile, int R1, int R3, int R4, int R8, typename W, typename X, typename Y>
 void tiles(const W* w, const X* x, int64_t K, int64_t M, int64_t N, int64_t n0, int64_t n1, Y* y) {
   for (int64_t m0 = 0; m0 < M; m0 += 8) {
     const X* xm = x + m0 * K;
     Y* ym = y + m0 * N;
     switch (std::min<int64_t>(8, M - m0)) {
-      case 1: tile_rows<Tile, 4, 1>(w, xm, K, N, n0, n1, ym); break;
-      case 2: tile_rows<Tile, 4, 2>(w, xm, K, N, n0, n1, ym); break;
-      case 3: tile_rows<Tile, 4, 3>(w, xm, K, N, n0, n1, ym); break;
+      case 1: tile_rows<Tile, R1, 1>(w, xm, K, N, n0, n1, ym); break;
+      case 2: tile_rows<Tile, R3, 2>(w, xm, K, N, n0, n1, ym); break;
+      case 3: tile_rows<Tile, R3, 3>(w, xm, K, N, n0, n1, ym); break;
       case 4: tile_rows<Tile, R4, 4>(w, xm, K, N, n0, n1, ym); break;
-      case 5: tile_rows<Tile, 2, 5>(w, xm, K, N, n0, n1, ym); break;
-      case 6: tile_rows<Tile, 2, 6>(w, xm, K, N, n0, n1, ym); break;
-      case 7: tile_rows<Tile, 2, 7>(w, xm, K, N, n0, n1, ym); break;
-      default: tile_rows<Tile, 2, 8>(w, xm, K, N, n0, n1, ym);
+      case 5: tile_rows<Tile, R8, 5>(w, xm, K, N, n0, n1, ym); break;
+      case 6: tile_rows<Tile, R8, 6>(w, xm, K, N, n0, n1, ym); break;
+      case 7: tile_rows<Tile, R8, 7>(w, xm, K, N, n0, n1, ym); break;
+      default: tile_rows<Tile, R8, 8>(w, xm, K, N, n0, n1, ym);
     }
   }
 }
@@ -210,26 +212,6 @@ struct Bf16Avx2Tile {
       }
   }
 };
-
-// AVX2 tiles: x in chunks of up to 8 rows; fewer rows of W a tile as x has more, so the sums and
-// W's and x's vectors stay in AVX2's 16 registers
-template <template <int, int> class Tile, typename W, typename X, typename Y>
-void avx2_tiles(const W* w, const X* x, int64_t K, int64_t M, int64_t N, int64_t n0, int64_t n1, Y* y) {
-  for (int64_t m0 = 0; m0 < M; m0 += 8) {
-    const X* xm = x + m0 * K;
-    Y* ym = y + m0 * N;
-    switch (std::min<int64_t>(8, M - m0)) {
-      case 1: tile_rows<Tile, 4, 1>(w, xm, K, N, n0, n1, ym); break;
-      case 2: tile_rows<Tile, 2, 2>(w, xm, K, N, n0, n1, ym); break;
-      case 3: tile_rows<Tile, 2, 3>(w, xm, K, N, n0, n1, ym); break;
-      case 4: tile_rows<Tile, 2, 4>(w, xm, K, N, n0, n1, ym); break;
-      case 5: tile_rows<Tile, 1, 5>(w, xm, K, N, n0, n1, ym); break;
-      case 6: tile_rows<Tile, 1, 6>(w, xm, K, N, n0, n1, ym); break;
-      case 7: tile_rows<Tile, 1, 7>(w, xm, K, N, n0, n1, ym); break;
-      default: tile_rows<Tile, 1, 8>(w, xm, K, N, n0, n1, ym);
-    }
-  }
-}
 
 __attribute__((target("avx2,fma"))) inline __m256 bf16x8(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
@@ -366,8 +348,8 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::opti
   auto X = reinterpret_cast<const uint16_t*>(x2.data_ptr<at::BFloat16>());
   float* Y = out.sums.data_ptr<float>();
   over_rows(N, K, [&](int64_t n0, int64_t n1) {
-    if (g_isa == 2) tiles<Bf16Tile, 2>(W, X, K, M, N, n0, n1, Y);
-    else avx2_tiles<Bf16Avx2Tile>(W, X, K, M, N, n0, n1, Y);
+    if (g_isa == 2) tiles<Bf16Tile, 4, 4, 2, 2>(W, X, K, M, N, n0, n1, Y);
+    else tiles<Bf16Avx2Tile, 4, 2, 2, 1>(W, X, K, M, N, n0, n1, Y);
     out.store_rows<float>(M, N, n0, n1, nullptr, nullptr);
   });
   return out.y;
@@ -396,8 +378,8 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   int32_t* Y = out.sums.data_ptr<int32_t>();
   const float* S = sc.data_ptr<float>();
   over_rows(N, K, [&](int64_t n0, int64_t n1) {
-    if (g_isa == 2) tiles<Int8Tile>(W, X, K, M, N, n0, n1, Y);
-    else avx2_tiles<Int8Avx2Tile>(W, X, K, M, N, n0, n1, Y);
+    if (g_isa == 2) tiles<Int8Tile, 4, 4, 4, 2>(W, X, K, M, N, n0, n1, Y);
+    else tiles<Int8Avx2Tile, 4, 2, 2, 1>(W, X, K, M, N, n0, n1, Y);
     out.store_rows<int32_t>(M, N, n0, n1, xs.data(), S);
   });
   return out.y;
