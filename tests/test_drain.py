@@ -50,6 +50,9 @@ def deployed(tmp_path_factory):
           "layerline_policy": "uniform", "layerline_precision": "fp32", "layerline_port_base": PORT_BASE,
           "layerline_prompt": "", "layerline_seq": 8, "layerline_generate": 4,
           "layerline_serve_restart_wait": 10, "layerline_serve_on_stage_lost": drain,
+          # niced workers on two cores shared with the load, the plays and another test file can take
+          # over 2 s to answer a health check: a stage taken for dead there would be failed over
+          "layerline_serve_health_deadline": 4,
           # the workers yield the CPU to the plays beside them; the load takes what is left
           "layerline_nice": 10}
     (home / "vars.json").write_text(json.dumps(ev))
@@ -172,7 +175,7 @@ def test_drain_and_rejoin_under_load_lose_nothing(deployed):
     assert metric("layerline_replays_total") > replays, "the switch landed while requests were running"
 
     # under load, w3's worker is SIGKILLed while its supervisor is held (so it is not back before the
-    # monitor looks): the standby w4 is promoted; then w1's worker stops answering for 5 s (SIGSTOP,
+    # monitor looks): the standby w4 is promoted; then w1's worker stops answering for 7 s (SIGSTOP,
     # no standby): the server waits for it. Only what w4 lacks is replayed (the stall replays
     # nothing); nothing is lost.
     promoted = metric("layerline_failovers_total")
@@ -193,7 +196,7 @@ def test_drain_and_rejoin_under_load_lose_nothing(deployed):
     with Load() as load:
         pid = ready(home, "w1", 1)["pid"]
         os.kill(pid, signal.SIGSTOP)
-        time.sleep(5)
+        time.sleep(7)   # past the 4 s health deadline: the server takes w1 for down
         os.kill(pid, signal.SIGCONT)
         wait_for(lambda: httpx.get(URL + "/health", timeout=10).status_code == 200 and
                  metric("layerline_failovers_total") >= promoted + 2, timeout=60,

@@ -4,7 +4,8 @@ scripts/testhosts.py makes three hosts (own hostname, own /tmp, own address on a
 bridge, own sshd with its own host key; host key checking on). deploy.yml runs against its
 inventory as against any remote machines; the checks are that each worker runs inside its
 host's namespace and binds that host's address, that activations cross from host to host,
-that the drive matches a one-process forward, that a re-run changes nothing, and teardown.
+that the drive matches a one-process forward, that a re-run changes nothing, that a drain under
+load loses no request, and teardown.
 Needs root (namespaces, a bridge); installs openssh-server with apt-get when sshd is missing.
 """
 from __future__ import annotations
@@ -221,15 +222,18 @@ def test_deploy_across_hosts_idempotent_teardown(cluster):
         assert ready["pid"] == pid, f"{h}: worker restarted on a re-run with nothing changed"
     print(f"\n[multihost] deploy.yml over ssh, 3 hosts: first {first_s:.1f} s, re-run {again_s:.1f} s")
 
-    # operations over ssh, under load: h2 drained (h1 and h3 re-planned in the other slot), h3's worker
-    # SIGKILLed (its supervisor restarts it, the server waits), h2 rejoins; every streamed request
-    # equals the undisturbed run
+    # a drain over ssh, under load: h2 drained, h1 and h3 re-planned in the other slot on their hosts;
+    # every request equals the undisturbed run (tests/test_drain.py runs the rest of the operations:
+    # rejoin, standby promotion, SIGSTOP, a dead host re-planned around, on the embedded inventory)
     operations_under_load(info, inv, home, extra)
+    slot1 = {h: json.loads((host_root(info, h) / "tmp" / "layerline" / "state.1" / "ready.json").read_text())["pid"]
+             for h in ("h1", "h3")}
 
-    # teardown stops every worker, in every namespace
+    # teardown stops every worker, in every namespace and slot
     playbook("teardown.yml", "-i", inv, *extra, timeout=300)
-    for h, pid in pids.items():
-        assert not (host_root(info, h) / "tmp" / "layerline" / "state" / "ready.json").exists()
+    for h, pid in [*pids.items(), *slot1.items()]:
+        for state in ("state", "state.1"):
+            assert not (host_root(info, h) / "tmp" / "layerline" / state / "ready.json").exists()
         assert pid not in netns_pids(f"{PREFIX}-{h}")
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
@@ -309,7 +313,6 @@ def server_needs_a_key(info: dict, home: Path, cluster: dict) -> None:
 
 
 def operations_under_load(info: dict, inv: str, home: Path, extra: list[str]) -> None:
-    import signal
     import threading
 
     import httpx
@@ -338,23 +341,12 @@ def operations_under_load(info: dict, inv: str, home: Path, extra: list[str]) ->
     try:
         r = playbook("drain.yml", "-i", inv, *extra, "-e", "layerline_drain=h2", timeout=900)
         assert "through h1, h3" in " ".join(r.stdout.split()), r.stdout[-3000:]
-        pid = json.loads((host_root(info, "h3") / "tmp" / "layerline" / "state.1" / "ready.json").read_text())["pid"]
-        os.kill(pid, signal.SIGKILL)
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            ready = host_root(info, "h3") / "tmp" / "layerline" / "state.1" / "ready.json"
-            if ready.exists() and json.loads(ready.read_text())["pid"] != pid and \
-                    httpx.get(url.replace("/v1/completions", "/health"), timeout=10).status_code == 200:
-                break
-            time.sleep(0.5)
-        else:
-            raise AssertionError("h3's worker was not back and serving within 120 s")
-        r = playbook("deploy.yml", "-i", inv, *extra, "-e", "layerline_rejoin=h2", timeout=900)
-        assert [s["host"] for s in json.loads((home / "plan.json").read_text())["stages"]] == list(HOSTS)
+        assert [s["host"] for s in json.loads((home / "plan.json").read_text())["stages"]] == ["h1", "h3"]
+        time.sleep(1.0)   # requests that start on the new route, too
     finally:
         stop.set()
         for t in threads:
             t.join(150)
     bad = [(i, got) for i, got in results if got != reference[i]]
     assert results and not bad, f"{len(bad)} of {len(results)} requests failed or differ: {bad[:3]}"
-    print(f"\n[multihost] {len(results)} requests through a drain, a SIGKILL and a rejoin over ssh: all equal")
+    print(f"\n[multihost] {len(results)} requests through a drain over ssh: all equal")
