@@ -92,8 +92,14 @@ def test_a_host_whose_python_lacks_torch(home, tmp_path):
     assert "lacks layerline's dependencies" in out and "torch" in out and "pip install" in out
 
 
-def test_unknown_precision(home):
-    _fails(home, says="int3", layerline_precision="int3")
+@pytest.mark.parametrize("bad, says", [
+    ({"layerline_precision": "int3"}, "w1: layerline_precision 'int3' is not one of fp32, bf16, fp16, int8, int4"),
+    ({"layerline_objective": {"optimize": "fastest"}}, "layerline_objective.optimize: 'fastest' is not one of"),
+    ({"layerline_compile": "turbo"}, "w1: layerline_compile 'turbo' must be one of"),
+])
+def test_a_bad_variable_fails_before_anything_is_measured(home, bad, says):
+    out = _fails(home, says=says, **bad)
+    assert "TASK [Probe]" not in out and "TASK [Read the tensor index" not in out, "checked first"
 
 
 def test_an_unreachable_host(home):

@@ -1,6 +1,8 @@
 """layerline.deploy: inventory variables -> planner nodes -> each host's worker argv (DESIGN's flags)."""
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from layerline.cost import KV_DTYPE_BYTES, ModelCost
@@ -317,3 +319,21 @@ def test_hosts_sharing_a_kernel_share_cores_whatever_their_names():
     st = {s["host"]: s for s in plan_for_hosts(inv, COST, OBJ)["stages"]}
     assert [st[h]["shares_cores_with"] for h in ("n1", "n2", "n3")] == [1, 1, 0]
     assert st["n1"]["spin"] == st["n2"]["spin"] < st["n3"]["spin"]
+
+
+def test_check_vars_names_what_no_plan_takes_without_facts_or_model():
+    """deploy.yml's first check: the plan's own checks that need neither probes nor the model."""
+    loc = {"ansible_connection": "local"}
+    good = {"w1": {**loc, "layerline_port": 9100}, "w2": {**loc, "layerline_port": 9110, "layerline_precision": "int8"}}
+    deploy.check_vars(good, {"optimize": "latency"}, "uniform", 1)
+    for host_vars, objective, policy, says in (
+            ({**good, "w2": {**loc, "layerline_port": 9110, "layerline_precision": "int3"}}, None, None,
+             "w2: layerline_precision 'int3' is not one of"),
+            ({**good, "w2": {**loc, "layerline_port": 9101}}, None, None, "w2: layerline_port 9101 on 127.0.0.1 collides"),
+            ({**good, "w1": {**loc, "layerline_port": 9100, "layerline_threads": 0}}, None, None, "w1: layerline_threads 0"),
+            ({**good, "w1": {**loc, "layerline_port": 9100, "layerline_role": "spare"}}, None, None, "w1: layerline_role 'spare'"),
+            (good, {"context": 0}, None, "layerline_objective.context: 0 must be a positive integer"),
+            (good, None, "fastest", "layerline_policy: 'fastest' is not one of"),
+            ({}, None, None, "inventory: no hosts to plan for")):
+        with pytest.raises(LayerlineError, match=re.escape(says)):
+            deploy.check_vars(host_vars, objective, policy)

@@ -17,7 +17,7 @@ from ansible.errors import AnsibleFilterError
 
 try:
     from layerline import LayerlineError
-    from layerline.deploy import drive_argv, load_plan, peers_of, plan_for_hosts
+    from layerline.deploy import check_vars, drive_argv, load_plan, peers_of, plan_for_hosts
     from layerline.planner import plan_table
     from layerline.routes import host_order, load_route, next_route, promote_in_place
     from layerline.spec import stage_checkpoint_argv, stage_dir, state_dir, worker_spec
@@ -53,6 +53,17 @@ def layerline_plan(hostvars, hosts, cost, objective=None, policy=None, reserve_r
                               _plain(policy), _plain(reserve_ram_gb)).to_dict()
     except LayerlineError as e:
         raise AnsibleFilterError(f"layerline_plan: {e}") from None
+
+
+def layerline_check_vars(hostvars, hosts, objective=None, policy=None, reserve_ram_gb=None):
+    """True, or the first layerline_* variable no plan can take (checked before anything is measured)."""
+    _need_runtime()
+    try:
+        check_vars({h: _host_vars(hostvars, h) for h in hosts}, _plain(objective), _plain(policy),
+                   _plain(reserve_ram_gb))
+    except LayerlineError as e:
+        raise AnsibleFilterError(f"layerline_check_vars: {e}") from None
+    return True
 
 
 def layerline_worker_spec(plan, host, hvars, python="python3", ready_timeout=None):
@@ -154,7 +165,8 @@ def layerline_drive_report(result):
 
 class FilterModule:
     def filters(self):
-        return {"layerline_plan": layerline_plan, "layerline_argv": layerline_argv,
+        return {"layerline_plan": layerline_plan, "layerline_check_vars": layerline_check_vars,
+                "layerline_argv": layerline_argv,
                 "layerline_worker_spec": layerline_worker_spec,
                 "layerline_plan_table": layerline_plan_table,
                 "layerline_drive_argv": layerline_drive_argv, "layerline_peers": layerline_peers,

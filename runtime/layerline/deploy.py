@@ -11,9 +11,10 @@ import json
 import os
 from dataclasses import replace
 
+from .caps import NodeCaps
 from .cost import CostOptions, ModelCost
 from .errors import LayerlineError
-from .planner import Node, Plan, PlanError, make_plan, parse_layers
+from .planner import Node, Plan, PlanError, check_nodes, make_plan, parse_layers
 from .spec import SLOT_PORT_STEP, host_addr, slot_of, truthy
 
 DEFAULT_PORT = 9100
@@ -78,7 +79,7 @@ def _threads(hvars: dict, host: str) -> int | None:
 
 
 def node_from_vars(host: str, hvars: dict, caps: dict | None) -> Node:
-    if not isinstance(caps, dict):
+    if not isinstance(caps, (dict, NodeCaps)):
         raise LayerlineError(f"{host}: no layerline_caps facts; run the probe play (playbooks/probe.yml) first")
     device = str(hvars.get("layerline_device") or "cpu")
     if device == "cuda+cpu":
@@ -97,9 +98,25 @@ def node_from_vars(host: str, hvars: dict, caps: dict | None) -> Node:
 def plan_for_hosts(host_vars: dict[str, dict], cost: dict | ModelCost, objective: dict | None = None,
                    policy: str | None = None, reserve_ram_gb: float | None = None) -> Plan:
     """The plan for a play's hosts (in pipeline order); caps come from each one's layerline_caps."""
+    nodes = _nodes(host_vars, lambda v: v.get("layerline_caps"))
+    mc = cost if isinstance(cost, ModelCost) else ModelCost.from_dict(cost)
+    return make_plan(nodes, mc, CostOptions.from_vars(objective, reserve_ram_gb), policy or "auto")
+
+
+def check_vars(host_vars: dict[str, dict], objective: dict | None = None, policy: str | None = None,
+               reserve_ram_gb: float | None = None) -> None:
+    """LayerlineError naming the first variable no plan can take: what plan_for_hosts checks before it
+    needs the probes' facts and the model, so a typo fails in seconds, before anything is measured."""
+    nodes = _nodes(host_vars, lambda v: NodeCaps())   # not measured yet
+    check_nodes(nodes, policy or "auto")
+    CostOptions.from_vars(objective, reserve_ram_gb)
+
+
+def _nodes(host_vars: dict[str, dict], caps_of) -> list[Node]:
+    """The planner's nodes for a play's hosts, in pipeline order; each worker's two ports its own."""
     if not host_vars:
         raise PlanError("inventory: no hosts to plan for (put the workers in group layerline)")
-    nodes = [node_from_vars(h, v, v.get("layerline_caps")) for h, v in host_vars.items()]
+    nodes = [node_from_vars(h, v, caps_of(v)) for h, v in host_vars.items()]
     drained = {n.host for n in nodes if n.role == "draining"}
     # a standby whose principal is drained serves in its own right (drain.yml promoted it, or a re-plan does)
     nodes = [replace(n, role="active", standby_for=None) if n.role == "standby" and n.standby_for in drained else n
@@ -113,8 +130,7 @@ def plan_for_hosts(host_vars: dict[str, dict], cost: dict | ModelCost, objective
                 raise PlanError(f"{n.host}: layerline_port {port} on {addr[6:]} collides with {other}'s ports; "
                                 "give each worker on one address its own port, at least 2 apart")
             taken[(addr, p)] = n.host
-    mc = cost if isinstance(cost, ModelCost) else ModelCost.from_dict(cost)
-    return make_plan(nodes, mc, CostOptions.from_vars(objective, reserve_ram_gb), policy or "auto")
+    return nodes
 
 
 def peers_of(host_vars: dict[str, dict], me: str) -> list[str]:

@@ -523,12 +523,9 @@ def _shortfall(cost: ModelCost, opts: CostOptions, rung: str, actives: list[_Hos
             f"or lower layerline_objective.context")
 
 
-def make_plan(nodes: list[Node], cost: ModelCost, opts: CostOptions, policy: str = "auto") -> Plan:
-    """The plan for these nodes, or PlanError naming what to change. Its inputs are left as they were.
-
-    Ties between placements of equal bottleneck go to fewer hops (each host in pipeline order
-    takes as many layers as fit), then to the hosts that come first in pipeline order.
-    """
+def check_nodes(nodes: list[Node], policy: str = "auto", num_layers: int | None = None) -> None:
+    """PlanError naming the first host setting (or the policy) no plan can take; what needs no
+    measurement, so deploy.yml checks it before probing (num_layers None: layer pins unchecked)."""
     if policy not in POLICIES:
         raise PlanError(f"layerline_policy: {policy!r} is not one of {', '.join(POLICIES)}")
     for n in nodes:
@@ -536,13 +533,22 @@ def make_plan(nodes: list[Node], cost: ModelCost, opts: CostOptions, policy: str
             raise PlanError(f"{n.host}: layerline_role {n.role!r} is not one of {', '.join(ROLES)}")
         if n.precision is not None and n.precision not in PRECISION_BYTES:
             raise PlanError(f"{n.host}: layerline_precision {n.precision!r} is not one of {', '.join(PRECISION_BYTES)}")
-        if n.layers and n.layers[1] > cost.num_layers:
+        if n.layers and num_layers is not None and n.layers[1] > num_layers:
             raise PlanError(f"{n.host}: layerline_layers {n.layers[0]}:{n.layers[1]} is past the model's "
-                            f"{cost.num_layers} layers")
+                            f"{num_layers} layers")
         if n.compile not in COMPILE_MODES:
             raise PlanError(f"{n.host}: layerline_compile {n.compile!r} must be one of {', '.join(COMPILE_MODES)}")
         if n.threads is not None and (not isinstance(n.threads, int) or isinstance(n.threads, bool) or n.threads < 1):
             raise PlanError(f"{n.host}: layerline_threads {n.threads!r} must be a positive integer")
+
+
+def make_plan(nodes: list[Node], cost: ModelCost, opts: CostOptions, policy: str = "auto") -> Plan:
+    """The plan for these nodes, or PlanError naming what to change. Its inputs are left as they were.
+
+    Ties between placements of equal bottleneck go to fewer hops (each host in pipeline order
+    takes as many layers as fit), then to the hosts that come first in pipeline order.
+    """
+    check_nodes(nodes, policy, cost.num_layers)
     hosts = _hosts([n for n in nodes if n.role != "draining"], opts)
     actives = _order([h for h in hosts if h.node.role == "active"])
     if not actives:
