@@ -225,7 +225,7 @@ def test_deploy_across_hosts_idempotent_teardown(cluster):
     # a drain over ssh, under load: h2 drained, h1 and h3 re-planned in the other slot on their hosts;
     # every request equals the undisturbed run (tests/test_drain.py runs the rest of the operations:
     # rejoin, standby promotion, SIGSTOP, a dead host re-planned around, on the embedded inventory)
-    operations_under_load(info, inv, home, extra)
+    drain_under_load(inv, home, extra)
     slot1 = {h: json.loads((host_root(info, h) / "tmp" / "layerline" / "state.1" / "ready.json").read_text())["pid"]
              for h in ("h1", "h3")}
 
@@ -312,7 +312,7 @@ def server_needs_a_key(info: dict, home: Path, cluster: dict) -> None:
         p.wait(30)
 
 
-def operations_under_load(info: dict, inv: str, home: Path, extra: list[str]) -> None:
+def drain_under_load(inv: str, home: Path, extra: list[str]) -> None:
     import threading
 
     import httpx

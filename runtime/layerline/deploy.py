@@ -78,7 +78,7 @@ def _threads(hvars: dict, host: str) -> int | None:
     return v
 
 
-def node_from_vars(host: str, hvars: dict, caps: dict | None) -> Node:
+def node_from_vars(host: str, hvars: dict, caps: dict | NodeCaps | None) -> Node:
     if not isinstance(caps, (dict, NodeCaps)):
         raise LayerlineError(f"{host}: no layerline_caps facts; run the probe play (playbooks/probe.yml) first")
     device = str(hvars.get("layerline_device") or "cpu")
