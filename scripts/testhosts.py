@@ -2,6 +2,7 @@
 """Test hosts on one machine: one network namespace per host, each with its own sshd.
 
     scripts/testhosts.py up N [--prefix llt] [--subnet 10.77.0.0/24] [--out DIR] [--python PY]
+                              [--mem-limit SIZE[,SIZE...]]
     scripts/testhosts.py down [--prefix llt] [--out DIR]
     scripts/testhosts.py ping [--out DIR]          # ansible -m ping over the hosts, timed
 
@@ -13,6 +14,11 @@ through ssh inherits both. Each sshd has its own host key, pidfile and ListenAdd
 PAM, key authentication only (root with a key made here). Into --out go the client key,
 known_hosts (host key checking stays on), an ssh_config and inventory.yml, an inventory
 in the shape of inventory/hosts.yml (group layerline, hosts h1..hN).
+
+With --mem-limit (bytes, or K/M/G suffixes; one size for every host or one per host) each host's
+sshd starts inside a memory cgroup of its own, a child of this process's memory cgroup (v2 where
+the unified tree holds the memory controller, else v1), so every ssh login and every worker it
+starts is held to that limit by the kernel, and the probe reads it as the host's RAM.
 
 Traffic goes only to the bridge and the namespaces: no route leaves them, no forwarding,
 no NAT, iptables untouched. `down` kills every process in the namespaces (sshd, workers),
@@ -123,6 +129,63 @@ class Lock:
     def __exit__(self, *exc):
         fcntl.flock(self.f, fcntl.LOCK_UN)
         self.f.close()
+
+
+# --- memory caps -----------------------------------------------------------------------------
+
+def parse_size(text: str) -> int:
+    """'700M' -> bytes (K, M, G are powers of 1024; a plain number is bytes)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]?)i?B?\s*", text, re.I)
+    if not m:
+        raise SystemExit(f"testhosts: --mem-limit {text!r}: give bytes or a size like 700M or 1.5G")
+    n = float(m.group(1)) * 1024 ** " KMG".index(m.group(2).upper() or " ")
+    if n < 64 << 20:
+        raise SystemExit(f"testhosts: --mem-limit {text!r} is under 64M: sshd and python need more")
+    return int(n)
+
+
+def memory_cgroup_root() -> tuple[Path, str]:
+    """This process's memory cgroup dir and its version ('v2' or 'v1'): caps are made below it."""
+    entries = [line.split(":", 2) for line in Path("/proc/self/cgroup").read_text().splitlines()]
+    unified = Path("/sys/fs/cgroup/cgroup.controllers")
+    v2_memory = unified.exists() and "memory" in unified.read_text().split()
+    for _, ctrls, path in entries:
+        if ctrls == "" and v2_memory:  # v2 (not exercised here: these machines mount v1's memory controller)
+            return Path("/sys/fs/cgroup") / path.lstrip("/"), "v2"
+        if "memory" in ctrls.split(","):
+            return Path("/sys/fs/cgroup/memory") / path.lstrip("/"), "v1"
+    raise SystemExit("testhosts: --mem-limit needs the memory cgroup controller (v1 or v2), and none is mounted")
+
+
+def make_cap(lay: "Layout", k: int, limit: int) -> Path:
+    """A memory cgroup for host k holding `limit` bytes (no swap beyond it where swap is accounted)."""
+    root, version = memory_cgroup_root()
+    cg = root / f"{lay.prefix}-h{k}"
+    cg.mkdir(exist_ok=True)
+    if version == "v2":
+        (cg / "memory.max").write_text(str(limit))
+        if (cg / "memory.swap.max").exists():
+            (cg / "memory.swap.max").write_text("0")
+    else:
+        (cg / "memory.limit_in_bytes").write_text(str(limit))
+        if (cg / "memory.memsw.limit_in_bytes").exists():
+            (cg / "memory.memsw.limit_in_bytes").write_text(str(limit))
+    return cg
+
+
+def remove_caps(lay: "Layout") -> None:
+    """rmdir the prefix's host cgroups (their processes are gone by now)."""
+    try:
+        root, _ = memory_cgroup_root()
+    except (SystemExit, OSError):
+        return
+    for cg in root.glob(f"{lay.prefix}-h*"):
+        try:
+            for pid in (cg / "cgroup.procs").read_text().split():
+                _kill_pids([int(pid)], cg.name)
+            cg.rmdir()
+        except OSError as e:
+            log(f"cgroup {cg}: not removed ({e})")
 
 
 # --- sshd -----------------------------------------------------------------------------------
@@ -241,6 +304,7 @@ def down(lay: Layout, out: Path | None) -> None:
             run("ip", "link", "del", link, check=False)
     if lay.bridge in lay.links():
         run("ip", "link", "del", lay.bridge, check=False)
+    remove_caps(lay)
 
 
 def _wait_for(pred, timeout: float, what: str) -> None:
@@ -261,9 +325,14 @@ def _port_open(addr: str) -> bool:
         return False
 
 
-def up(lay: Layout, n: int, out: Path, python: str, port: int) -> dict:
+def up(lay: Layout, n: int, out: Path, python: str, port: int, mem_limits: list[int] | None = None) -> dict:
     if n < 1:
         raise SystemExit("testhosts: up N needs N >= 1")
+    if mem_limits is not None:
+        if len(mem_limits) == 1:
+            mem_limits = mem_limits * n
+        if len(mem_limits) != n:
+            raise SystemExit(f"testhosts: --mem-limit gives {len(mem_limits)} sizes for {n} hosts; give one or {n}")
     out = out.resolve()
     if out == Path("/tmp") or Path("/tmp") in out.parents:
         raise SystemExit(f"testhosts: --out {out} is under /tmp, which each host replaces with its own; "
@@ -318,14 +387,27 @@ def up(lay: Layout, n: int, out: Path, python: str, port: int) -> dict:
         old_tmp.mkdir(exist_ok=True)
         rebind = "".join(f" && mkdir -p {shlex.quote(p)} && mount --bind {shlex.quote(str(old_tmp) + p[4:])} "
                          f"{shlex.quote(p)}" for p in sorted(keep))
-        script = (f"hostname {ns} && mount --bind /tmp {shlex.quote(str(old_tmp))} && "
+        cap = make_cap(lay, k, mem_limits[k - 1]) if mem_limits else None
+        # ip netns exec mounts a fresh /sys without cgroups: mount the memory hierarchy again so the
+        # host's processes (the probe) can read their cap
+        cgmount = ""
+        if cap:
+            cgmount = ("mount -t cgroup2 none /sys/fs/cgroup && " if memory_cgroup_root()[1] == "v2" else
+                       "mount -t tmpfs -o mode=755 cgroup /sys/fs/cgroup && mkdir /sys/fs/cgroup/memory && "
+                       "mount -t cgroup -o memory memory /sys/fs/cgroup/memory && ")
+        script = (f"hostname {ns} && {cgmount}mount --bind /tmp {shlex.quote(str(old_tmp))} && "
                   f"mount -t tmpfs -o mode=1777,nosuid,nodev tmpfs /tmp{rebind} && "
                   f"exec {SSHD} -f {cfg} -E {hdir / 'sshd.log'}")
-        run("ip", "netns", "exec", ns, "unshare", "--uts", "--mount", "--propagation", "private",
-            "sh", "-c", script)
+        start = ["ip", "netns", "exec", ns, "unshare", "--uts", "--mount", "--propagation", "private",
+                 "sh", "-c", script]
+        if cap:  # join the host's cgroup first (ip netns exec remounts /sys): every login and worker inherits it
+            start = ["sh", "-c", f"echo $$ > {shlex.quote(str(cap / 'cgroup.procs'))} && exec {shlex.join(start)}"]
+        run(*start)
         kind, key = Path(f"{hostkey}.pub").read_text().split()[:2]
         known.append(f"{addr} {kind} {key}")
         hosts[f"h{k}"] = {"namespace": ns, "addr": addr, "hostname": ns}
+        if cap:
+            hosts[f"h{k}"].update(mem_limit_bytes=mem_limits[k - 1], cgroup=str(cap))
 
     kh = out / "known_hosts"
     kh.write_text("\n".join(known) + "\n")
@@ -413,6 +495,9 @@ def main(argv: list[str] | None = None) -> int:
     u.add_argument("--python", default=default_python(), help="host interpreter (default: the repo's venv)")
     u.add_argument("--port", type=int, default=DEFAULT_PORT, help="layerline_port of every host")
     u.add_argument("--json", action="store_true", help="print what was made as JSON")
+    u.add_argument("--mem-limit", default=None,
+                   help="memory cap enforced by a cgroup: one size for every host or one per host, "
+                        "comma-separated (e.g. 700M or 700M,700M,900M)")
     a = p.parse_args(argv)
     if a.cmd == "install":
         ensure_sshd()
@@ -429,7 +514,8 @@ def main(argv: list[str] | None = None) -> int:
             down(lay, out)
             return 0
         try:
-            info = up(lay, a.n, out, a.python, a.port)
+            limits = [parse_size(x) for x in a.mem_limit.split(",")] if a.mem_limit else None
+            info = up(lay, a.n, out, a.python, a.port, limits)
             check(info)
         except BaseException:
             down(lay, out)
@@ -438,7 +524,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(info, indent=2))
     else:
         for name, h in info["hosts"].items():
-            print(f"{name}  {h['namespace']}  {h['addr']}")
+            cap = f"  cap {h['mem_limit_bytes'] / 2**20:.0f} MiB" if "mem_limit_bytes" in h else ""
+            print(f"{name}  {h['namespace']}  {h['addr']}{cap}")
         print(f"inventory: {info['inventory']}")
     return 0
 
