@@ -86,7 +86,8 @@ def sources(root: Traversable | None = None) -> dict[str, str]:
     files = {f.name: f.read_text(encoding="utf-8") for f in d.iterdir()
              if f.is_file() and f.name.endswith(SOURCE_SUFFIXES)}
     if MAIN not in files:
-        raise RuntimeError(f"{d}: no {MAIN}; the layerline package lacks its kernel sources (reinstall it)")
+        fix = "; this layerline install lacks its package data, reinstall it" if root is None else ""
+        raise RuntimeError(f"{d}: no {MAIN} (the kernels' C++){fix}")
     return dict(sorted(files.items()))
 
 
