@@ -1,28 +1,24 @@
-"""Variants of the decode kernels (`layerline.model.cpu_kernels.SOURCE`) against each other, in one
-process, taking turns: a kernel change of 5-10% is lost in this machine's drift between separate
-runs (one row's GEMVs moved 9.3-13.7 ms between processes minutes apart), not between calls
-milliseconds apart.
+"""Variants of the decode kernels (the C++ in `runtime/layerline/model/csrc/`) against each other, in
+one process, taking turns: a kernel change of 5-10% is lost in a machine's drift between separate
+runs, not between calls milliseconds apart.
 
-Each VARIANT is NAME=PATH, PATH a copy of cpu_kernels.py holding a changed SOURCE; each is built
+Each VARIANT is NAME=PATH, PATH a copy of the csrc/ directory with its files changed; each is built
 under its own op namespace (torch.ops.llv_NAME), so all load into one process. NAME=torch times
 torch's own kernel for the same product instead (`F.linear`, `_weight_int8pack_mm`,
 `_weight_int4pack_mm_for_cpu` on torch's int4 packing), the path a host without the kernels takes. Every round times
 each variant (in shuffled order) over the demo model's decode matrices at 1, 4 and 8 rows of x,
 best of 3 passes; the table gives each variant's median time and its median ratio to the first
-variant over the rounds.
+variant over the rounds. docs/kernels.md keeps the results that shaped the kernels.
 
-    cp runtime/layerline/model/cpu_kernels.py /tmp/v.py   # then edit /tmp/v.py's SOURCE
-    .venv/bin/python bench/bench_kernel_variants.py bf16 main=runtime/layerline/model/cpu_kernels.py v=/tmp/v.py
-    .venv/bin/python bench/bench_kernel_variants.py int4 torch=torch main=runtime/layerline/model/cpu_kernels.py
+    cp -r runtime/layerline/model/csrc /tmp/v   # then edit /tmp/v's files
+    .venv/bin/python bench/bench_kernel_variants.py bf16 main=runtime/layerline/model/csrc v=/tmp/v
+    .venv/bin/python bench/bench_kernel_variants.py int4 torch=torch main=runtime/layerline/model/csrc
 """
 from __future__ import annotations
 
 import argparse
-import ast
-import hashlib
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -39,29 +35,27 @@ from layerline.model import cpu_kernels, quant  # noqa: E402
 DEMO_SHAPES = [(1536, 1024), (1024, 1024), (5632, 1024), (1024, 2816)] * 16 + [(32000, 1024)]
 
 
-def source_of(path: Path) -> str:
-    """The SOURCE string a copy of cpu_kernels.py assigns (read, never imported)."""
+def sources_of(name: str, path: Path) -> dict[str, str]:
+    """The C++ files of a copy of csrc/, their op namespace renamed to llv_NAME."""
+    if not path.is_dir():
+        raise SystemExit(f"{name}={path}: not a directory; give a copy of runtime/layerline/model/csrc")
     try:
-        tree = ast.parse(path.read_text())
-    except (OSError, SyntaxError, UnicodeDecodeError) as e:
-        raise SystemExit(f"{path}: not a readable copy of cpu_kernels.py ({e.__class__.__name__}: {e})") from None
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "SOURCE" for t in node.targets):
-            return ast.literal_eval(node.value)
-    raise SystemExit(f"{path}: no SOURCE = ... assignment; give a copy of cpu_kernels.py")
+        srcs = cpu_kernels.sources(path)
+    except (OSError, RuntimeError, UnicodeDecodeError) as e:
+        raise SystemExit(f"{name}={path}: {e}") from None
+    return {f: text.replace("layerline_cpu", f"llv_{name}") for f, text in srcs.items()}
 
 
 def load_variant(name: str, path: Path, build_dir: Path):
-    """torch.ops.llv_NAME: the variant's SOURCE built under that namespace and loaded."""
-    src = source_of(path).replace("layerline_cpu", f"llv_{name}")
+    """torch.ops.llv_NAME: the variant's sources built under that namespace and loaded."""
+    srcs = sources_of(name, path)
     cxx, flags = cpu_kernels.compiler()
-    lib = build_dir / f"{name}-{hashlib.sha256(src.encode()).hexdigest()[:12]}.so"
+    lib = build_dir / f"{name}-{cpu_kernels.build_key(srcs, cxx, flags)}.so"
     if not lib.exists():
-        cpp = lib.with_suffix(".cpp")
-        cpp.write_text(src)
-        r = subprocess.run([cxx, str(cpp), "-o", str(lib), *flags], capture_output=True, text=True)
-        if r.returncode != 0:
-            raise SystemExit(f"{name} ({path}): {cxx} failed: {r.stderr.strip().splitlines()[:3]}")
+        try:
+            cpu_kernels.compile_library(srcs, lib)
+        except RuntimeError as e:
+            raise SystemExit(f"{name} ({path}): {e}") from None
     torch.ops.load_library(str(lib))
     ops = getattr(torch.ops, f"llv_{name}")
     ops.use_isa(cpu_kernels.ISAS["avx512-bf16"])

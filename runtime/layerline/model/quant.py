@@ -17,7 +17,7 @@ codes a byte, in one of two layouts, chosen per matrix by `int4_rows` (one place
 - layerline's (`rows`): codes uint8 [N, K / 2] with each 32-weight group's 16 bytes as GGUF's Q4_0 /
   Q4_1 blocks hold them (byte j: code j low, code j + 16 high), and each row's (s, z) pairs in bf16
   [N, K / 32, 2], run by `cpu_kernels.linear_int4` (AVX-512 VNNI or AVX2; faster than torch's kernel, see
-  there). Used where that kernel is loaded, for groups of 32 and K a multiple of 64.
+  docs/kernels.md). Used where that kernel is loaded, for groups of 32 and K a multiple of 64.
 - torch's otherwise: packed by `torch._convert_weight_to_int4pack_for_cpu`, (s, z) [K / group, N, 2]
   in the compute dtype, run by `torch._weight_int4pack_mm_for_cpu`. It takes groups of 32, 64, 128
   or 256 and output widths divisible by 16.

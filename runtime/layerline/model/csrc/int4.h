@@ -1,0 +1,233 @@
+// int4 weights in groups of 32 (layerline's layout, `quant.Int4Linear` with rows=True): codes
+// uint8 [N, K / 2], 16 bytes a group (byte j: code j in its low nibble, code j + 16 in its high one,
+// as GGUF's Q4_0 / Q4_1 blocks), and sz [N, K / 32] pairs of bf16 (s, z): w = (code - 8) * s + z.
+// x is quantized per group of 32 to int8 (one scale a group, as llama.cpp's q8_0), so a group's
+// sum of code * x is exact in int32 (vpdpbusd); it is scaled by s * dx in fp32, and the zeros add
+// (z - 8 s) * (the group's sum of x). The x codes are laid out per pair of groups as two groups'
+// nibbles unpack into one vector: [g0 0..15, g1 0..15, g0 16..31, g1 16..31].
+#pragma once
+
+#include "common.h"
+#include "simd.h"
+
+namespace {
+
+constexpr int64_t PF4 = 8192;  // the same for int4's codes (their scales: a quarter of it); 4096 was slower
+#define LL_VNNI __attribute__((target("avx512f,avx512bw,avx512bf16,avx512vl,avx512vnni,avx512dq")))
+
+template <typename T>
+LL_VNNI void quantize_groups_x(const T* x, int64_t M, int64_t K, int8_t* xq, float* dx, float* xsum) {
+  const int64_t G = K / 32;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < G; ++g) {
+      const T* p = x + m * K + g * 32;
+      const __m512 a = load16(p), b = load16(p + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+      const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+      const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv)), qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
+      int8_t* out = xq + m * K + (g / 2) * 64 + (g % 2) * 16;
+      _mm_storeu_si128((__m128i*)out, _mm512_cvtsepi32_epi8(qa));
+      _mm_storeu_si128((__m128i*)(out + 32), _mm512_cvtsepi32_epi8(qb));
+      dx[m * G + g] = amax / 127.f;
+      xsum[m * G + g] = amax / 127.f * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+    }
+}
+
+// R rows of W against MB rows of x, 16 groups at a time: their (s, z) in one load, then each pair
+// of groups' 32 code bytes as one vector. The scale rows are a stream of their own, asked for early
+// as the codes are (without it the kernel read memory slower than torch's int4 kernel).
+template <int R, int MB>
+struct Int4Tile {
+  LL_VNNI static void run(const uint8_t* w, const uint32_t* sz, const int8_t* xq, const float* dx,
+                          const float* xsum, int64_t K, int64_t N, float* y) {
+    const int64_t G = K / 32, KB = K / 2;
+    __m512 acc[R][MB];
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_setzero_ps();
+    const __m256i lo4 = _mm256_set1_epi8(0x0F);
+    const __m512i zmask = _mm512_set1_epi32((int)0xFFFF0000u);
+    const __m512i pair = _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0);  // lane -> group of 2
+    for (int64_t g0 = 0; g0 < G; g0 += 16) {
+      const int ng = (int)std::min<int64_t>(16, G - g0);
+      const __mmask16 mk = (__mmask16)(ng == 16 ? 0xFFFFu : (1u << ng) - 1);
+      __m512 C[R][MB];  // s * dx of each of the 16 groups
+      for (int r = 0; r < R; ++r) {
+        _mm_prefetch((const char*)(sz + r * G + g0) + PF4 / 4, _MM_HINT_T0);
+        const __m512i v = _mm512_maskz_loadu_epi32(mk, sz + r * G + g0);
+        const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+        const __m512 z8 = _mm512_fmadd_ps(s, _mm512_set1_ps(-8.f), _mm512_castsi512_ps(_mm512_and_si512(v, zmask)));
+        for (int m = 0; m < MB; ++m) {
+          C[r][m] = _mm512_mul_ps(s, _mm512_maskz_loadu_ps(mk, dx + m * G + g0));
+          acc[r][m] = _mm512_fmadd_ps(z8, _mm512_maskz_loadu_ps(mk, xsum + m * G + g0), acc[r][m]);
+        }
+      }
+      for (int p = 0; p < ng / 2; ++p) {
+        const __m512i idx = _mm512_add_epi32(pair, _mm512_set1_epi32(2 * p));
+        const int64_t off = (g0 + 2 * p) * 16;
+        __m512i wv[R];
+        for (int r = 0; r < R; ++r) {
+          if ((off & 63) == 0) _mm_prefetch((const char*)(w + r * KB + off) + PF4, _MM_HINT_T0);
+          const __m256i v = _mm256_loadu_si256((const __m256i*)(w + r * KB + off));
+          wv[r] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, lo4)),
+                                     _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4), 1);
+        }
+        for (int m = 0; m < MB; ++m) {
+          const __m512i xv = _mm512_loadu_si512(xq + m * K + off * 2);
+          for (int r = 0; r < R; ++r) {
+            const __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[r], xv);
+            acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_permutexvar_ps(idx, C[r][m]), acc[r][m]);
+          }
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MB; ++m) y[m * N + r] = _mm512_reduce_add_ps(acc[r][m]);
+  }
+};
+
+// AVX2: the same x codes, layout and sums. A group's 16 code bytes times its x codes by vpmaddubsw
+// (unsigned codes 0..15 times signed x: each int16 pair sum at most 2 * 15 * 127, never saturating),
+// then vpmaddwd into int32 lanes, four a group; each pair of groups' eight lanes scaled in fp32.
+template <typename T>
+__attribute__((target("avx2,fma,f16c")))
+void quantize_groups_x_avx2(const T* x, int64_t M, int64_t K, int8_t* xq, float* dx, float* xsum) {
+  const int64_t G = K / 32;
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // packs' lane-wise order undone
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < G; ++g) {
+      const T* p = x + m * K + g * 32;
+      const __m256 a = load8(p), b = load8(p + 8), c = load8(p + 16), d = load8(p + 24);
+      __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, a), _mm256_andnot_ps(sign, b)),
+                                _mm256_max_ps(_mm256_andnot_ps(sign, c), _mm256_andnot_ps(sign, d)));
+      __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+      h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+      const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+      const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+      const __m256i qa = _mm256_cvtps_epi32(_mm256_mul_ps(a, inv)), qb = _mm256_cvtps_epi32(_mm256_mul_ps(b, inv)),
+                    qc = _mm256_cvtps_epi32(_mm256_mul_ps(c, inv)), qd = _mm256_cvtps_epi32(_mm256_mul_ps(d, inv));
+      const __m256i q = _mm256_permutevar8x32_epi32(
+          _mm256_packs_epi16(_mm256_packs_epi32(qa, qb), _mm256_packs_epi32(qc, qd)), order);
+      int8_t* out = xq + m * K + (g / 2) * 64 + (g % 2) * 16;
+      _mm_storeu_si128((__m128i*)out, _mm256_castsi256_si128(q));
+      _mm_storeu_si128((__m128i*)(out + 32), _mm256_extracti128_si256(q, 1));
+      dx[m * G + g] = amax / 127.f;
+      xsum[m * G + g] = amax / 127.f * (float)hsum256i(_mm256_add_epi32(_mm256_add_epi32(qa, qb), _mm256_add_epi32(qc, qd)));
+    }
+}
+
+template <int R, int MB>
+struct Int4Avx2Tile {
+  __attribute__((target("avx2,fma")))
+  static void run(const uint8_t* w, const uint32_t* sz, const int8_t* xq, const float* dx,
+                  const float* xsum, int64_t K, int64_t N, float* y) {
+    const int64_t G = K / 32, KB = K / 2;
+    __m256 acc[R][MB];
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MB; ++m) acc[r][m] = _mm256_setzero_ps();
+    const __m256i lo4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const __m256i zmask = _mm256_set1_epi32((int)0xFFFF0000u);
+    for (int64_t g0 = 0; g0 < G; g0 += 8) {
+      const int ng = (int)std::min<int64_t>(8, G - g0);  // even: K is a multiple of 64
+      const __m256i mk = _mm256_cmpgt_epi32(_mm256_set1_epi32(ng), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+      __m256 C[R][MB];  // s * dx of each of the 8 groups
+      for (int r = 0; r < R; ++r) {
+        _mm_prefetch((const char*)(sz + r * G + g0) + PF4 / 4, _MM_HINT_T0);
+        const __m256i v = _mm256_maskload_epi32((const int*)(sz + r * G + g0), mk);
+        const __m256 s = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+        const __m256 z8 = _mm256_fmadd_ps(s, _mm256_set1_ps(-8.f), _mm256_castsi256_ps(_mm256_and_si256(v, zmask)));
+        for (int m = 0; m < MB; ++m) {
+          C[r][m] = _mm256_mul_ps(s, _mm256_maskload_ps(dx + m * G + g0, mk));
+          acc[r][m] = _mm256_fmadd_ps(z8, _mm256_maskload_ps(xsum + m * G + g0, mk), acc[r][m]);
+        }
+      }
+      for (int p = 0; p < ng / 2; ++p) {
+        const __m256i idx = _mm256_setr_epi32(2 * p, 2 * p, 2 * p, 2 * p, 2 * p + 1, 2 * p + 1, 2 * p + 1, 2 * p + 1);
+        const int64_t off = (g0 + 2 * p) * 16;
+        __m256i wl[R], wh[R];
+        for (int r = 0; r < R; ++r) {
+          if ((off & 63) == 0) _mm_prefetch((const char*)(w + r * KB + off) + PF4, _MM_HINT_T0);
+          const __m256i v = _mm256_loadu_si256((const __m256i*)(w + r * KB + off));
+          wl[r] = _mm256_and_si256(v, lo4);
+          wh[r] = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
+        }
+        for (int m = 0; m < MB; ++m) {
+          const __m256i xa = _mm256_loadu_si256((const __m256i*)(xq + m * K + off * 2));
+          const __m256i xb = _mm256_loadu_si256((const __m256i*)(xq + m * K + off * 2 + 32));
+          for (int r = 0; r < R; ++r) {
+            const __m256i d = _mm256_madd_epi16(
+                _mm256_add_epi16(_mm256_maddubs_epi16(wl[r], xa), _mm256_maddubs_epi16(wh[r], xb)), ones);
+            acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_permutevar8x32_ps(C[r][m], idx), acc[r][m]);
+          }
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MB; ++m) {
+        __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc[r][m]), _mm256_extractf128_ps(acc[r][m], 1));
+        s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        y[m * N + r] = _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+      }
+  }
+};
+
+template <template <int, int> class Tile, int R, int MB>
+void int4_rows(const uint8_t* w, const uint32_t* sz, const int8_t* xq, const float* dx, const float* xs,
+               int64_t K, int64_t N, int64_t n0, int64_t n1, float* y) {
+  const int64_t G = K / 32;
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) Tile<R, MB>::run(w + n * (K / 2), sz + n * G, xq, dx, xs, K, N, y + n);
+  for (; n < n1; ++n) Tile<1, MB>::run(w + n * (K / 2), sz + n * G, xq, dx, xs, K, N, y + n);
+}
+
+at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sz,
+                       const c10::optional<at::Tensor>& bias) {
+  const int64_t N = codes.size(0), K = codes.size(1) * 2, G = K / 32;
+  check(x, codes, x.size(-1), bias);
+  TORCH_CHECK(codes.scalar_type() == at::kByte && x.size(-1) == K && K % 64 == 0,
+              "linear_int4: uint8 codes [N, K / 2] for x [..., K], K a multiple of 64");
+  TORCH_CHECK(sz.scalar_type() == at::kBFloat16 && sz.dim() == 3 && sz.size(0) == N && sz.size(1) == G && sz.size(2) == 2,
+              "linear_int4: bf16 scales and zeros [N, K / 32, 2]");
+  const auto st = x.scalar_type();
+  TORCH_CHECK(st == at::kFloat || st == at::kBFloat16 || st == at::kHalf, "linear_int4: x fp32, bf16 or fp16");
+  auto cc = codes.contiguous();
+  auto szc = sz.contiguous();
+  auto x2 = x.reshape({-1, K}).contiguous();
+  const int64_t M = x2.size(0);
+  std::vector<int8_t> xq(M * K);
+  std::vector<float> dx(M * G), xs(M * G);
+  auto quantize = [&](auto* p) {
+    if (g_isa == 2) quantize_groups_x(p, M, K, xq.data(), dx.data(), xs.data());
+    else quantize_groups_x_avx2(p, M, K, xq.data(), dx.data(), xs.data());
+  };
+  if (st == at::kBFloat16) quantize(x2.data_ptr<at::BFloat16>());
+  else if (st == at::kHalf) quantize(x2.data_ptr<at::Half>());
+  else quantize(x2.data_ptr<float>());
+  Out out(x, M, N, at::kFloat, bias);
+  const uint8_t* W = cc.data_ptr<uint8_t>();
+  const uint32_t* SZ = reinterpret_cast<const uint32_t*>(szc.data_ptr<at::BFloat16>());
+  float* Y = out.sums.data_ptr<float>();
+  over_rows(N, K, [&](int64_t n0, int64_t n1) {
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {  // x in chunks of up to 4 rows
+      const int8_t* xm = xq.data() + m0 * K;
+      const float *dm = dx.data() + m0 * G, *sm = xs.data() + m0 * G;
+      float* ym = Y + m0 * N;
+      const int64_t mb = std::min<int64_t>(4, M - m0);
+      if (g_isa == 2) switch (mb) {
+        case 1: int4_rows<Int4Tile, 4, 1>(W, SZ, xm, dm, sm, K, N, n0, n1, ym); break;
+        case 2: int4_rows<Int4Tile, 4, 2>(W, SZ, xm, dm, sm, K, N, n0, n1, ym); break;
+        case 3: int4_rows<Int4Tile, 2, 3>(W, SZ, xm, dm, sm, K, N, n0, n1, ym); break;
+        default: int4_rows<Int4Tile, 2, 4>(W, SZ, xm, dm, sm, K, N, n0, n1, ym);
+      } else switch (mb) {  // AVX2's 16 registers: fewer sums a tile
+        case 1: int4_rows<Int4Avx2Tile, 2, 1>(W, SZ, xm, dm, sm, K, N, n0, n1, ym); break;
+        case 2: int4_rows<Int4Avx2Tile, 2, 2>(W, SZ, xm, dm, sm, K, N, n0, n1, ym); break;
+        case 3: int4_rows<Int4Avx2Tile, 1, 3>(W, SZ, xm, dm, sm, K, N, n0, n1, ym); break;
+        default: int4_rows<Int4Avx2Tile, 1, 4>(W, SZ, xm, dm, sm, K, N, n0, n1, ym);
+      }
+    }
+    out.store_rows<float>(M, N, n0, n1, nullptr, nullptr);
+  });
+  return out.y;
+}
+
+}  // namespace
