@@ -179,7 +179,7 @@ def load_stage(ckpt_dir: str, start: int, end: int, first: bool, last: bool,
         stage.tie_head()
     stage.inv_freq = stage.inv_freq.to(dev)
     if paged:
-        stage.expert_store = LRUExpertStore(ckpt_dir, index, dtype, quant, expert_cache_bytes, dev,
+        stage.expert_store = LRUExpertStore(ck, index, dtype, quant, expert_cache_bytes, dev,
                                             layers=range(start, end), num_experts=args.num_experts)
         stage.set_expert_store(stage.expert_store)
     return stage.eval()
