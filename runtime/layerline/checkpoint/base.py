@@ -132,6 +132,9 @@ class Checkpoint(ABC):
     def tensor(self, name: str, device: str = "cpu") -> "torch.Tensor":
         return next(iter(self.tensors([name], device)))[1]
 
+    def close(self) -> None:
+        """Let go of the files held open for reading tensors (they reopen when asked again)."""
+
     @abstractmethod
     def row_blocks(self, name: str, max_bytes: int = ROW_CHUNK_BYTES) -> Iterator[tuple[int, "torch.Tensor"]]:
         """(first row, float32 rows [r, K]) of matrix `name` in Hugging Face layout, at most `max_bytes`

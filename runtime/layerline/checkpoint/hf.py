@@ -195,6 +195,9 @@ class HFCheckpoint(Checkpoint):
             f = self._handles[key] = safe_open(str(self.file_path(entry)), framework="pt", device=device)
         return f
 
+    def close(self) -> None:
+        self._handles.clear()  # safe_open handles unmap when dropped
+
     def tensors(self, names: Iterable[str], device: str = "cpu", planned: bool = False) -> Iterator[tuple[str, object]]:
         for name in names:  # safetensors tensors are at their planned dtype already
             yield name, self._open(self.entry(name), device).get_tensor(name)

@@ -167,12 +167,7 @@ class LRUExpertStore:
 
     def close(self) -> None:
         self.clear()
-        for f in self._files.values():
-            try:
-                f.__exit__(None, None, None)  # type: ignore[attr-defined]
-            except Exception:  # noqa: BLE001 - closing is best effort
-                pass
-        self._files.clear()
+        self.checkpoint.close()
 
 
 class SparseMoE(nn.Module):
