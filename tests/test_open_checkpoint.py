@@ -119,7 +119,7 @@ def test_same_config_and_index(pair):
         assert gg.config[k] == hf.config[k], k
     a, b = hf.index, gg.index
     assert list(a.tensors) != [] and set(a.tensors) == set(b.tensors)
-    assert a.num_layers == b.num_layers == 3 and a.total_bytes == b.total_bytes
+    assert a.num_layers == b.num_layers == 3 and a.total_bytes == b.total_bytes == a.stored_bytes == b.stored_bytes
     for name, e in a.tensors.items():
         g = b.tensors[name]
         assert (e.shape, e.dtype, e.nbytes) == (g.shape, g.dtype, g.nbytes), name
