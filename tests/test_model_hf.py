@@ -11,8 +11,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from layerline.checkpoint import CheckpointError, read_index, write_demo_checkpoint  # noqa: E402
+from layerline.checkpoint import hf as hf_format  # noqa: E402
 from layerline.errors import LayerlineError  # noqa: E402
-from layerline.model import loader  # noqa: E402
 from layerline.model.llama import ModelArgs, Stage  # noqa: E402
 from layerline.model.loader import load_stage, stage_tensor_names  # noqa: E402
 
@@ -231,7 +231,7 @@ def test_loader_reads_only_its_tensors(ckpt, monkeypatch):
     assert {"model.norm.weight", "lm_head.weight"} <= set(last) and "model.embed_tokens.weight" not in last
 
     read: list[str] = []
-    real = loader.safe_open
+    real = hf_format.safe_open
 
     class Recording:
         def __init__(self, *a, **kw):
@@ -248,7 +248,7 @@ def test_loader_reads_only_its_tensors(ckpt, monkeypatch):
             read.append(name)
             return self.f.get_tensor(name)
 
-    monkeypatch.setattr(loader, "safe_open", Recording)
+    monkeypatch.setattr(hf_format, "safe_open", Recording)
     mid = load_stage(str(ckpt), 1, 3, False, False)
     assert sorted(read) == sorted(names)
     assert not hasattr(mid, "embed_tokens") and not hasattr(mid, "lm_head") and not hasattr(mid, "norm")

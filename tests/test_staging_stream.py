@@ -67,7 +67,7 @@ def _big_checkpoint(root: Path, layers: int, hidden: int, shards: int = 2) -> Pa
 
 _STAGE_AND_MEASURE = r"""
 import json, sys, time
-import layerline.staging, layerline.model.loader, layerline.gguf_checkpoint, safetensors  # the imports staging needs
+import layerline.staging, layerline.model.loader, layerline.checkpoint, safetensors  # the imports staging needs
 def status(key):
     for line in open("/proc/self/status"):
         if line.startswith(key + ":"):

@@ -55,9 +55,9 @@ def cmd_demo_checkpoint(a) -> int:
 
 
 def cmd_index(a) -> int:
-    from .checkpoint import read_index
+    from .checkpoint import open_checkpoint
     from .cost import model_cost
-    idx = read_index(a.checkpoint)
+    idx = open_checkpoint(a.checkpoint).index
     cost = model_cost(idx)
     if a.json:
         print(json.dumps({"path": idx.path, "num_layers": idx.num_layers, "total_bytes": idx.total_bytes,
@@ -108,7 +108,7 @@ def _load_vars(path: str | None, hosts: list[str]) -> dict[str, dict]:
 
 
 def cmd_plan(a) -> int:
-    from .checkpoint import read_index
+    from .checkpoint import open_checkpoint
     from .cost import model_cost
     from .deploy import plan_for_hosts
     from .planner import plan_table
@@ -129,7 +129,7 @@ def cmd_plan(a) -> int:
                  "precision_ladder": a.precision_ladder.split(",") if a.precision_ladder else []}
     if a.hop_secs is not None:
         objective["hop_secs"] = a.hop_secs
-    plan = plan_for_hosts(hvars, model_cost(read_index(a.checkpoint)), objective, a.policy, a.reserve_ram_gb)
+    plan = plan_for_hosts(hvars, model_cost(open_checkpoint(a.checkpoint).index), objective, a.policy, a.reserve_ram_gb)
     print(json.dumps(plan.to_dict(), indent=2) if a.json else plan_table(plan))
     return 0
 
@@ -142,8 +142,8 @@ def cmd_drive(a) -> int:
     if a.input_ids or a.prompt or a.chat:
         prompts, tok = _prompts(a)
     else:  # random prompts of --seq tokens, one per --sequences
-        from .checkpoint import read_config
-        cfg = read_config(a.checkpoint)
+        from .checkpoint import open_checkpoint
+        cfg = open_checkpoint(a.checkpoint).config
         g = torch.Generator().manual_seed(a.seed)
         prompts = [torch.randint(0, int(cfg["vocab_size"]), (a.seq,), generator=g).tolist()
                    for _ in range(max(1, a.sequences))]
@@ -168,8 +168,8 @@ def _prompts(a) -> tuple[list[list[int]], object | None]:
             return [side.encode(t) for t in chats], side.tokenizer
         return [side.chat_ids([{"role": "user", "content": t}]) for t in chats], side.tokenizer
     if a.prompt:
-        from .gguf_checkpoint import tokenizer_for
-        tok = tokenizer_for(a.checkpoint)
+        from .checkpoint import open_checkpoint
+        tok = open_checkpoint(a.checkpoint).require_tokenizer()
         return [tok.encode(t).ids for t in a.prompt], tok
     out = []
     for spec in a.input_ids or []:
@@ -189,13 +189,13 @@ def _eos(checkpoint: str, ignore: bool) -> list[int] | None:
     """The checkpoint's stop tokens (generation_config, config, tokenizer_config; GGUF metadata)."""
     if ignore:
         return None
-    from .gguf_checkpoint import special_tokens_for
-    return special_tokens_for(checkpoint)["eos_ids"] or None
+    from .checkpoint import open_checkpoint
+    return open_checkpoint(checkpoint).special_tokens["eos_ids"] or None
 
 
 def _check_generate(a, prompts: list[list[int]]) -> None:
     """Everything that can be checked before a worker starts."""
-    from .checkpoint import read_config
+    from .checkpoint import open_checkpoint
     from .precision import precision
     if a.local_stages < 1:
         raise LayerlineError(f"--local-stages {a.local_stages}: must be at least 1")
@@ -204,7 +204,7 @@ def _check_generate(a, prompts: list[list[int]]) -> None:
     if a.threads is not None and a.threads < 1:
         raise LayerlineError(f"--threads {a.threads}: must be at least 1")
     precision(a.precision)
-    vocab = read_config(a.checkpoint).get("vocab_size")
+    vocab = open_checkpoint(a.checkpoint).config.get("vocab_size")
     for p in prompts:
         bad = [t for t in p if not 0 <= t < (vocab or 1 << 62)]
         if bad:

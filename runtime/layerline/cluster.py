@@ -762,8 +762,8 @@ class Cluster:
             return int(self._index["cost"]["vocab_size"])
         ckpt = rep.get("checkpoint")
         try:
-            from .checkpoint import read_config
-            return int(read_config(ckpt)["vocab_size"]) if ckpt else None
+            from .checkpoint import open_checkpoint
+            return int(open_checkpoint(ckpt).config["vocab_size"]) if ckpt else None
         except (OSError, ValueError, KeyError, TypeError, LayerlineError):
             return None
 

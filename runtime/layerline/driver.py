@@ -96,10 +96,11 @@ def drive(pipe: Pipeline, prompts: list[list[int]], options: DriveOptions | None
         if o.questions:
             res.generate["questions"] = list(o.questions)
     if o.reference:
-        from .checkpoint import read_index
+        from .checkpoint import open_checkpoint
         from .model.loader import load_stage
         with torch.no_grad():
-            full = load_stage(o.reference, 0, read_index(o.reference).num_layers, True, True, precision=o.precision)
+            layers = open_checkpoint(o.reference).index.num_layers
+            full = load_stage(o.reference, 0, layers, True, True, precision=o.precision)
             ref = full(ids)
         diff = float((ref.float() - r.logits.float()).abs().max())
         tol = tolerance(o.precision, ref)

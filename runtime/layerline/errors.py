@@ -10,3 +10,8 @@ class LayerlineError(Exception):
     def __init__(self, message: str = "", code: str | None = None):
         super().__init__(message)
         self.code = code
+
+
+class CheckpointError(LayerlineError):
+    """A checkpoint is missing, malformed or of an unsupported kind (here, below both
+    layerline.checkpoint and layerline.text, so neither imports the other for it)."""

@@ -85,11 +85,11 @@ def controller_keys(tmp: str) -> str:
 def local_plan(checkpoint: str, n: int, precision: str, host_vars: dict[str, dict], kv_context: int = 4096,
                policy: str = "uniform") -> Plan:
     """The planner's split of the checkpoint over n stages on this machine (hosts stage0..)."""
-    from .checkpoint import read_index
+    from .checkpoint import open_checkpoint
     from .cost import model_cost
     from .deploy import plan_for_hosts
     from .probe import probe
-    cost = model_cost(read_index(checkpoint))
+    cost = model_cost(open_checkpoint(checkpoint).index)
     if not 1 <= n <= cost.num_layers:
         raise LayerlineError(f"--local-stages {n}: must be 1..{cost.num_layers} (the model's layers)")
     caps = probe(checkpoint, budget_s=0.05, measure_disk=False)  # one machine: every stage sees the same

@@ -12,7 +12,6 @@ the machine this process may use.
 from __future__ import annotations
 
 import errno
-import glob
 import ipaddress
 import math
 import mmap
@@ -519,20 +518,20 @@ def _disk_free(path: str) -> int | None:
 
 
 def _checkpoint_sample_file(checkpoint: str) -> str | None:
-    """The checkpoint's biggest *.safetensors (or the file itself), None when there is none."""
-    path = os.path.abspath(os.path.expanduser(checkpoint))
-    if os.path.isfile(path):
-        return path if os.path.getsize(path) > 0 else None
-    if not os.path.isdir(path):
+    """The checkpoint's biggest weights file (a GGUF: the file itself), None when there is none."""
+    from .checkpoint import CheckpointError, open_checkpoint
+    try:
+        files = open_checkpoint(os.path.abspath(os.path.expanduser(checkpoint))).source_files()
+    except CheckpointError:
         return None
     best, best_size = None, 0
-    for candidate in glob.glob(os.path.join(glob.escape(path), "*.safetensors")):
+    for candidate in files:
         try:
             size = os.path.getsize(candidate)
         except OSError:
             continue
         if size > best_size and os.path.isfile(candidate):
-            best, best_size = candidate, size
+            best, best_size = str(candidate), size
     return best
 
 

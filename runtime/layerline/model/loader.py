@@ -1,34 +1,30 @@
-"""Load one pipeline stage from a Hugging Face checkpoint: only the tensors that stage needs.
+"""Load one pipeline stage from a checkpoint (layerline.checkpoint, any format): only the tensors
+that stage needs.
 
-The stage is built on the meta device (no memory), its tensors are read file by file with
-safetensors.safe_open, cast to the precision's dtype one at a time, and assigned in place
+The stage is built on the meta device (no memory), its tensors are read one at a time through
+the checkpoint object (`Checkpoint.tensor`), cast to the precision's dtype, and assigned in place
 (load_state_dict(assign=True)), so peak memory is the stage's weights plus one tensor.
 
-Precision int8 quantizes each Linear weight (and the embedding / LM head) right after reading
-it, so the float copy of only one tensor exists at a time; int4 the same, into the int4 layers'
-packed weights and group scales (embedding and LM head int8). From a GGUF file, int8 reads a
-quantized matrix a block of rows at a time (no float copy of the whole matrix), and int4 takes
-Q4_0 / Q4_1 / Q4_K codes as they are stored (`_gguf_int8`, `_gguf_int4`). Mixtral's experts are
+Precision int8 quantizes each Linear weight (and the embedding / LM head) a block of rows at a
+time as it is read (`Checkpoint.row_blocks`), so no float copy of a whole matrix is made; int4
+quantizes into the int4 layers' packed weights and group scales (embedding and LM head int8),
+taking 4-bit codes as the file stores them where it does (`Checkpoint.int4_codes`: a GGUF's
+Q4_0 / Q4_1 / Q4_K blocks). Mixtral's experts are
 either loaded with the stage (default) or, given `expert_cache_bytes`, left on disk and served by an
 `LRUExpertStore` that reads them when routed to.
 """
 from __future__ import annotations
 
-from collections import defaultdict
-from pathlib import Path
-
 import torch
-from safetensors import safe_open
 
-from ..checkpoint import CheckpointError, CheckpointIndex, read_index
+from ..checkpoint import Checkpoint, CheckpointError, CheckpointIndex, open_checkpoint
 from ..errors import LayerlineError
-from ..gguf_checkpoint import GGUFTensors, is_gguf, read_int4_codes, read_row_blocks
 from ..precision import precision as precision_row
 from ..precision import INT4_GROUP, torch_dtype
 from . import cpu_kernels
 from .llama import ModelArgs, Stage, hf_name
 from .moe import LRUExpertStore
-from .quant import Int4Linear, pack_int4_codes, quantize_row_blocks, quantize_rows, require_int4
+from .quant import Int4Linear, pack_int4_codes, quantize_row_blocks, require_int4
 
 _FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
 
@@ -82,18 +78,18 @@ def stage_tensor_names(index: CheckpointIndex, start: int, end: int, first: bool
     return names
 
 
-def _gguf_int8(path: str, name: str, shape: tuple, device: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """`quantize_rows` of a GGUF matrix, made a block of rows at a time."""
-    q, scale = quantize_row_blocks(read_row_blocks(path, name), *shape)
+def _int8(ck: Checkpoint, name: str, shape: tuple, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_rows` of a matrix, made a block of rows at a time (each row's scale is its own)."""
+    q, scale = quantize_row_blocks(ck.row_blocks(name), *shape)
     return q.to(device), scale.to(device)
 
 
-def _gguf_int4(f: GGUFTensors, path: str, name: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Int4Linear's weight and group scales of a GGUF matrix: Q4_0 / Q4_1 / Q4_K codes as stored,
-    any other type dequantized and quantized."""
-    codes = read_int4_codes(path, name) if INT4_GROUP == 32 else None
+def _int4(ck: Checkpoint, name: str, device: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Int4Linear's weight and group scales of a matrix: 4-bit codes as the file stores them where it
+    does, anything else quantized from its float values."""
+    codes = ck.int4_codes(name) if INT4_GROUP == 32 else None
     if codes is None:
-        return Int4Linear.pack(f.get_tensor(name), dtype)
+        return Int4Linear.pack(ck.tensor(name, device), dtype)
     return pack_int4_codes(*codes, dtype)
 
 
@@ -125,7 +121,8 @@ def load_stage(ckpt_dir: str, start: int, end: int, first: bool, last: bool,
     if quant == "int4":
         require_int4(dev)
 
-    index = read_index(ckpt_dir, check=False)  # this stage's tensors are checked below, one by one
+    ck = open_checkpoint(ckpt_dir, check=False)  # this stage's tensors are checked below, one by one
+    index = ck.index
     args = ModelArgs.from_config(index.config)
     _check_range(args, start, end, first, last)
     paged = expert_cache_bytes is not None and args.num_experts > 0
@@ -140,7 +137,7 @@ def load_stage(ckpt_dir: str, start: int, end: int, first: bool, last: bool,
     quantized = {expected[k][0] for k, t in meta_state.items() if t.dtype == torch.int8}
     int4 = {expected[k][0] for k, t in meta_state.items() if t.dtype == torch.uint8}
 
-    by_file: dict[str, list[str]] = defaultdict(list)
+    names: list[str] = []
     for key, (name, shape) in expected.items():
         entry = index.tensors.get(name)
         if entry is None:
@@ -152,31 +149,24 @@ def load_stage(ckpt_dir: str, start: int, end: int, first: bool, last: bool,
         if entry.dtype not in _FLOAT_DTYPES:
             raise CheckpointError(f"{ckpt_dir}: tensor {name} is {entry.dtype}; quantized checkpoints are not "
                                   "supported, use a float (bf16/fp16/fp32) checkpoint")
-        if name not in by_file[entry.file]:
-            by_file[entry.file].append(name)
+        if name not in names:
+            names.append(name)
 
     loaded: dict[str, torch.Tensor] = {}
     scales: dict[str, torch.Tensor] = {}
     load_dev = "cpu" if dev.type == "cpu" else str(dev)
-    gguf = is_gguf(ckpt_dir)
-    for fname, names in by_file.items():
-        path = Path(ckpt_dir) / fname
+    for name in names:
+        entry = index.tensors[name]
         try:
-            with (GGUFTensors(ckpt_dir, load_dev) if gguf  # a .gguf: dequantized, HF layout
-                  else safe_open(str(path), framework="pt", device=load_dev)) as f:
-                for name in names:
-                    if name in quantized:
-                        loaded[name], scales[name] = (
-                            _gguf_int8(ckpt_dir, name, index.tensors[name].shape, load_dev) if gguf
-                            else quantize_rows(f.get_tensor(name)))
-                    elif name in int4:
-                        loaded[name], scales[name] = (_gguf_int4(f, ckpt_dir, name, dtype) if gguf
-                                                      else Int4Linear.pack(f.get_tensor(name), dtype))
-                    else:
-                        loaded[name] = f.get_tensor(name).to(dtype)
+            if name in quantized:
+                loaded[name], scales[name] = _int8(ck, name, entry.shape, load_dev)
+            elif name in int4:
+                loaded[name], scales[name] = _int4(ck, name, load_dev, dtype)
+            else:
+                loaded[name] = ck.tensor(name, load_dev).to(dtype)
         except (OSError, RuntimeError, ValueError) as e:
             msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise CheckpointError(f"{path}: cannot read tensors ({msg}); the file may be truncated, "
+            raise CheckpointError(f"{ck.file_path(entry)}: cannot read tensors ({msg}); the file may be truncated, "
                                   "re-download it") from e
 
     state = {}
@@ -189,7 +179,7 @@ def load_stage(ckpt_dir: str, start: int, end: int, first: bool, last: bool,
         stage.tie_head()
     stage.inv_freq = stage.inv_freq.to(dev)
     if paged:
-        stage.expert_store = LRUExpertStore(ckpt_dir, index, dtype, quant, expert_cache_bytes, dev,
+        stage.expert_store = LRUExpertStore(ck, index, dtype, quant, expert_cache_bytes, dev,
                                             layers=range(start, end), num_experts=args.num_experts)
         stage.set_expert_store(stage.expert_store)
     return stage.eval()

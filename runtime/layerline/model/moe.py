@@ -10,8 +10,8 @@ returns the three projections (w1 = gate, w2 = down, w3 = up) as callables x -> 
 
 - `ResidentExperts`: a layer's experts as submodules (`experts.E.w1` ...), loaded with the stage,
   state_dict names equal to the Hugging Face checkpoint's;
-- `LRUExpertStore`: one per stage, reads an expert's tensors from the safetensors files when first
-  asked (safe_open per file, memory-mapped) and keeps the most recently used ones up to a byte
+- `LRUExpertStore`: one per stage, reads an expert's tensors from the checkpoint when first
+  asked (`Checkpoint.tensor`, memory-mapped) and keeps the most recently used ones up to a byte
   budget, counting hits, misses, bytes read and evictions.
 """
 from __future__ import annotations
@@ -19,14 +19,13 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..checkpoint import CheckpointError, CheckpointIndex
+from ..checkpoint import Checkpoint, CheckpointError, CheckpointIndex, open_checkpoint
 from .quant import Int4Linear, Int8Linear, int4_fits, make_linear, quant_name
 
 Proj = Callable[[torch.Tensor], torch.Tensor]
@@ -82,18 +81,18 @@ class LRUExpertStore:
     expert bigger than the budget is still served (and dropped at the next miss).
     """
 
-    def __init__(self, ckpt_dir: str, index: CheckpointIndex, dtype: torch.dtype, quant,
+    def __init__(self, ckpt: str | Checkpoint, index: CheckpointIndex, dtype: torch.dtype, quant,
                  budget_bytes: int, device: str | torch.device = "cpu", layers: range | None = None,
                  num_experts: int | None = None):
         if budget_bytes < 0:
             raise ValueError(f"expert cache budget {budget_bytes} bytes: must not be negative")
-        self.root = Path(ckpt_dir)
+        self.checkpoint = ckpt if isinstance(ckpt, Checkpoint) else open_checkpoint(ckpt, check=False)
+        self.root = self.checkpoint.path
         self.index, self.dtype, self.quant = index, dtype, quant_name(quant)
         self.budget = int(budget_bytes)
         self.device = torch.device(device)
         self.stats = ExpertStoreStats()
         self._cache: OrderedDict[tuple[int, int], tuple[tuple[nn.Module, ...], int]] = OrderedDict()
-        self._files: dict[str, object] = {}
         self._lock = threading.Lock()
         self.layers, self.num_experts = layers, num_experts
         if layers is not None and num_experts is not None:  # fail at load time, not mid-generation
@@ -110,15 +109,10 @@ class LRUExpertStore:
         return entry
 
     def _read(self, name: str) -> torch.Tensor:
-        from safetensors import safe_open
-
         entry = self._entry(name)
-        f = self._files.get(entry.file)
-        path = self.root / entry.file
+        path = self.checkpoint.file_path(entry)
         try:
-            if f is None:
-                f = self._files[entry.file] = safe_open(str(path), framework="pt", device="cpu")
-            t = f.get_tensor(name)
+            t = self.checkpoint.tensor(name)
         except (OSError, RuntimeError, ValueError) as e:
             msg = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise CheckpointError(f"{path}: cannot read {name} ({msg}); the file may be truncated, "
@@ -173,12 +167,7 @@ class LRUExpertStore:
 
     def close(self) -> None:
         self.clear()
-        for f in self._files.values():
-            try:
-                f.__exit__(None, None, None)  # type: ignore[attr-defined]
-            except Exception:  # noqa: BLE001 - closing is best effort
-                pass
-        self._files.clear()
+        self.checkpoint.close()
 
 
 class SparseMoE(nn.Module):

@@ -30,24 +30,24 @@ class TextSide:
 
     @classmethod
     def load(cls, checkpoint: str | None) -> "TextSide":
-        """From a Hugging Face dir or a .gguf file (layerline.gguf_checkpoint reads both alike)."""
+        """From a Hugging Face dir or a .gguf file (layerline.checkpoint opens both alike)."""
         if not checkpoint:
             return cls()
-        from ..checkpoint import CheckpointError, read_config
-        from ..gguf_checkpoint import chat_template_for, special_tokens_for, tokenizer_for
+        from ..checkpoint import CheckpointError, open_checkpoint
         if not os.path.exists(checkpoint):
             raise LayerlineError(f"--checkpoint {checkpoint}: no such directory or .gguf file")
+        ck = open_checkpoint(checkpoint)
         try:
-            cfg = read_config(checkpoint)
+            cfg = ck.config
         except CheckpointError:
             cfg = {}
         try:
-            tok = tokenizer_for(checkpoint)
+            tok = ck.tokenizer
         except CheckpointError:
             tok = None  # prompts must then come as token ids
-        sp = special_tokens_for(checkpoint)
+        sp = ck.special_tokens
         ctx, vocab = cfg.get("max_position_embeddings"), cfg.get("vocab_size")
-        return cls(tok, chat_template_for(checkpoint), sp["bos"]["text"], sp["eos"]["text"], frozenset(sp["eos_ids"]),
+        return cls(tok, ck.chat_template, sp["bos"]["text"], sp["eos"]["text"], frozenset(sp["eos_ids"]),
                    ctx if isinstance(ctx, int) else None, vocab if isinstance(vocab, int) else None)
 
     # -- prompts

@@ -1,0 +1,64 @@
+"""Checkpoints, opened in one place: `open_checkpoint(path)` decides the format once and returns a
+`Checkpoint` with `config`, `index`, `tensors(names)`, `tokenizer`, `chat_template`,
+`special_tokens` and `write_stage` (what weight staging ships). Nothing else asks which format a
+path is.
+
+- hf: a Hugging Face model dir (config.json + *.safetensors, sharded or not).
+- gguf: a .gguf file (llama.cpp's format), read with the `gguf` package.
+- demo: deterministic random-init demo checkpoints (Hugging Face layout).
+- stagefile: a stage's safetensors file written from index entries, streamed.
+A new format is a module here with a `Checkpoint` subclass and a branch in `open_checkpoint`; the
+text side of every format lives in layerline.text.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ..errors import CheckpointError
+from .base import (DTYPE_BYTES, LAYER_RE, ROW_CHUNK_BYTES, STAGE_MANIFEST, SUPPORTED_MODEL_TYPES, Checkpoint,
+                   CheckpointIndex, TensorEntry)
+from .demo import DEMO_ARCHS, DEMO_DEFAULTS, demo_config, demo_tensor_shapes, write_demo_checkpoint
+from .gguf import GGUFCheckpoint, has_gguf_magic
+from .hf import MAX_HEADER_BYTES, HFCheckpoint, check_index, read_safetensors_header
+
+
+def open_checkpoint(path: str | os.PathLike, *, check: bool = True) -> Checkpoint:
+    """The checkpoint at `path`: a Hugging Face model dir or a GGUF file (known by its magic bytes).
+    Nothing is read beyond that until asked for. check (a dir): its index also refuses files cut
+    short and a config that disagrees with the weights."""
+    p = Path(path)
+    if p.is_dir():
+        return HFCheckpoint(p, check)
+    if p.is_file():
+        if has_gguf_magic(p):
+            return GGUFCheckpoint(p)
+        if p.suffix.lower() == ".safetensors":
+            raise CheckpointError(f"{p}: one file of a Hugging Face checkpoint; set layerline_checkpoint to the dir "
+                                  "that holds it with its config.json")
+        raise CheckpointError(f"{p}: not a checkpoint: a file that is not GGUF (it does not start with b'GGUF'); "
+                              "set layerline_checkpoint to a .gguf file or to a Hugging Face model dir "
+                              "(config.json and *.safetensors)")
+    if p.suffix.lower() == ".gguf":
+        raise CheckpointError(f"{p}: no such GGUF file; set layerline_checkpoint to a .gguf file or "
+                              "a Hugging Face model dir")
+    raise CheckpointError(f"{p}: no such checkpoint directory; set layerline_checkpoint to a model dir "
+                          "or a .gguf file, or make one with `layerline demo-checkpoint DIR`")
+
+
+def read_index(ckpt: str | os.PathLike, check: bool = True) -> CheckpointIndex:
+    """`open_checkpoint(ckpt).index`: the tensor index, from headers only."""
+    return open_checkpoint(ckpt, check=check).index
+
+
+def read_config(ckpt: str | os.PathLike) -> dict:
+    """`open_checkpoint(ckpt).config`: the model's config.json keys (a GGUF: derived from its metadata)."""
+    return open_checkpoint(ckpt).config
+
+
+__all__ = [
+    "open_checkpoint", "read_index", "read_config", "Checkpoint", "HFCheckpoint", "GGUFCheckpoint",
+    "CheckpointError", "CheckpointIndex", "TensorEntry", "check_index", "read_safetensors_header",
+    "DTYPE_BYTES", "LAYER_RE", "MAX_HEADER_BYTES", "ROW_CHUNK_BYTES", "STAGE_MANIFEST", "SUPPORTED_MODEL_TYPES",
+    "DEMO_ARCHS", "DEMO_DEFAULTS", "demo_config", "demo_tensor_shapes", "write_demo_checkpoint",
+]
