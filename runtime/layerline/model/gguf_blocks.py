@@ -1,0 +1,270 @@
+"""Linear layers over GGUF's own quantized blocks, run as stored by ggml's CPU kernels.
+
+`BlockLinear(raw, ggml_type, out_features, in_features)` holds a matrix as the file stores it (rows
+of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K blocks, uint8) and computes x @ W.T for a few
+rows of x without ever making W in floats. The arithmetic is ggml's: each x row is quantized by
+ggml's `quantize_row_q8_{0,1,K}` (the type's `vec_dot_type`), and each (weight row, x row) product
+is ggml's `ggml_vec_dot_<type>_q8_<...>`, the functions llama.cpp's CPU backend runs for the same
+file, so a row's result is llama.cpp's for that row.
+
+ggml's functions come from a shared library: `LAYERLINE_GGML_LIB` (a directory holding
+libggml-base.so and libggml-cpu.so, e.g. a `GGML_NATIVE=ON` build for an AVX-512 host), else the
+`libggml-python` wheel's prebuilt one (AVX2 + FMA + F16C). ggml's own graph and thread pool are not
+used: a small C++ op (built at first use with the host's compiler, as `cpu_kernels` builds its own)
+takes the two function pointers and splits the weight's rows over torch's intra-op threads, so
+torch.get_num_threads() holds and no second pool spins beside torch's. A call costs one torch op.
+
+`status()` says whether the kernels are in use and why not; `BlockLinear` raises a one-line error
+where they are not (the caller chooses another layout then).
+"""
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from . import cpu_kernels
+
+# GGUF/ggml type ids (gguf.GGMLQuantizationType's values) the kernels take, with their block shapes
+# (weights a block, bytes a block) and the ggml names of their functions
+@dataclass(frozen=True)
+class BlockType:
+    name: str
+    id: int
+    block: int        # weights a block
+    block_bytes: int  # bytes a block
+    dot_with: str     # the activations' block type (ggml's vec_dot_type)
+
+
+BLOCK_TYPES: dict[str, BlockType] = {t.name: t for t in (
+    BlockType("q4_0", 2, 32, 18, "q8_0"),
+    BlockType("q4_1", 3, 32, 20, "q8_1"),
+    BlockType("q5_0", 6, 32, 22, "q8_0"),
+    BlockType("q5_1", 7, 32, 24, "q8_1"),
+    BlockType("q8_0", 8, 32, 34, "q8_0"),
+    BlockType("q4_K", 12, 256, 144, "q8_K"),
+    BlockType("q5_K", 13, 256, 176, "q8_K"),
+    BlockType("q6_K", 14, 256, 210, "q8_K"),
+)}
+BY_ID = {t.id: t for t in BLOCK_TYPES.values()}
+# bytes a block of the activations' types: q8_0 (fp16 d, 32 int8), q8_1 (+ fp16 s), q8_K (fp32 d,
+# 256 int8, 16 int16 sums)
+DOT_BLOCK = {"q8_0": (32, 34), "q8_1": (32, 36), "q8_K": (256, 292)}
+GRAIN_ROWS = 16  # weight rows a thread's share is cut into at least
+BUILD_TIMEOUT_S = 300
+
+SOURCE = r"""
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <cstdint>
+
+namespace {
+
+typedef void (*vec_dot_t)(int n, float* s, size_t bs, const void* x, size_t bx, const void* y, size_t by,
+                          int nrc);
+typedef void (*from_float_t)(const float* x, void* y, int64_t k);
+
+// y [M, N] = x [M, K] @ W.T, W's N rows of `row_bytes` stored blocks each: x's rows quantized once by
+// ggml's from_float into its vec_dot_type, then each weight row dotted with every x row while its
+// blocks are in L1 (one pass over W for all M rows); rows split over torch's threads.
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, int64_t N, int64_t K, int64_t row_bytes,
+                  int64_t xrow_bytes, int64_t vec_dot, int64_t from_float, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.size(-1) == K, "gguf_blocks.linear: x's last dimension must be K");
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.numel() == N * row_bytes,
+              "gguf_blocks.linear: w must be contiguous uint8 [N, row_bytes]");
+  auto lead = x.sizes().vec();
+  lead.pop_back();
+  at::Tensor xf = x.reshape({-1, K}).to(at::kFloat).contiguous();
+  const int64_t M = xf.size(0);
+  at::Tensor xq = at::empty({M * xrow_bytes}, at::kByte);
+  reinterpret_cast<from_float_t>(from_float)(xf.data_ptr<float>(), xq.data_ptr(), M * K);
+  at::Tensor y = at::empty({M, N}, at::kFloat);
+  const vec_dot_t dot = reinterpret_cast<vec_dot_t>(vec_dot);
+  const uint8_t* W = w.data_ptr<uint8_t>();
+  const uint8_t* X = xq.data_ptr<uint8_t>();
+  float* Y = y.data_ptr<float>();
+  const int64_t grain = std::max<int64_t>(GRAIN, N / std::max<int64_t>(1, at::get_num_threads()));
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t m = 0; m < M; ++m)
+        dot((int)K, Y + m * N + n, 0, W + n * row_bytes, 0, X + m * xrow_bytes, 0, 1);
+  });
+  if (bias.has_value() && bias->defined()) y.add_(bias->to(at::kFloat));
+  lead.push_back(N);
+  return y.view(lead);
+}
+
+}  // namespace
+
+TORCH_LIBRARY(layerline_gguf, m) {
+  m.def("linear(Tensor x, Tensor w, int N, int K, int row_bytes, int xrow_bytes, int vec_dot, int from_float, "
+        "Tensor? bias=None) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(layerline_gguf, CPU, m) { m.impl("linear", linear); }
+"""
+
+
+class _State:
+    tried = False
+    lib_dir: Path | None = None
+    cpu: ctypes.CDLL | None = None
+    why_off: str | None = None
+
+
+_S = _State()
+
+
+def ggml_lib_dir() -> Path:
+    """Where libggml-base.so and libggml-cpu.so are: LAYERLINE_GGML_LIB, else the libggml-python wheel's."""
+    d = os.environ.get("LAYERLINE_GGML_LIB")
+    if d:
+        return Path(d)
+    try:
+        import libggml  # the libggml-python wheel: prebuilt ggml
+    except ImportError as e:
+        raise RuntimeError("no ggml library: pip install libggml-python, or set LAYERLINE_GGML_LIB to a "
+                           "directory with libggml-base.so and libggml-cpu.so") from e
+    return Path(libggml.__file__).parent / "lib64"
+
+
+def _build() -> Path:
+    """The C++ op's library, built into cpu_kernels' cache unless already there (one builder at a time)."""
+    cxx, flags = cpu_kernels.compiler()
+    src = SOURCE.replace("GRAIN", str(GRAIN_ROWS))
+    key = hashlib.sha256("\0".join([src, torch.__version__, cxx, *flags]).encode()).hexdigest()[:16]
+    d = cpu_kernels.cache_dir()
+    d.mkdir(parents=True, exist_ok=True)
+    lib = d / f"layerline_gguf-{key}.so"
+    if lib.exists():
+        return lib
+    with open(d / ".lock-gguf", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if lib.exists():
+            return lib
+        print(f"layerline: building the GGUF block op into {d} (once)", file=sys.stderr, flush=True)
+        with tempfile.TemporaryDirectory(dir=d) as tmp:
+            s, out = Path(tmp) / "layerline_gguf.cpp", Path(tmp) / "layerline_gguf.so"
+            s.write_text(src)
+            r = subprocess.run([cxx, str(s), "-o", str(out), *flags], capture_output=True, text=True,
+                               timeout=BUILD_TIMEOUT_S)
+            if r.returncode != 0:
+                lines = r.stderr.strip().splitlines()
+                first = next((ln for ln in lines if "error" in ln), lines[-1] if lines else f"rc {r.returncode}")
+                raise RuntimeError(f"{cxx} failed: {first.strip()}")
+            os.replace(out, lib)
+    return lib
+
+
+def load() -> bool:
+    """Load ggml's CPU library and build/load the op (once); whether they are in use. Never raises."""
+    if _S.tried:
+        return _S.cpu is not None
+    _S.tried = True
+    if os.environ.get("LAYERLINE_CPU_KERNELS", "auto").strip().lower() == "off":
+        _S.why_off = "LAYERLINE_CPU_KERNELS=off"
+        return False
+    try:
+        d = ggml_lib_dir()
+        # RTLD_GLOBAL: libggml-cpu finds libggml-base's symbols whatever its rpath says
+        ctypes.CDLL(str(d / "libggml-base.so"), mode=ctypes.RTLD_GLOBAL)
+        cpu = ctypes.CDLL(str(d / "libggml-cpu.so"), mode=ctypes.RTLD_GLOBAL)
+        cpu.ggml_cpu_init()  # fp16 tables, CPU feature state
+        torch.ops.load_library(str(_build()))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        _S.why_off = str(e).splitlines()[0] if str(e) else type(e).__name__
+        return False
+    _S.lib_dir, _S.cpu = d, cpu
+    return True
+
+
+def status() -> str:
+    """"ggml <dir> (<features>)" when in use, else "off: why"."""
+    if not load():
+        return f"off: {_S.why_off}"
+    feats = [f for f in ("avx2", "fma", "f16c", "avx512", "avx512_vnni", "avx512_bf16")
+             if getattr(_S.cpu, f"ggml_cpu_has_{f}")()]
+    return f"ggml {_S.lib_dir} ({', '.join(feats)})"
+
+
+def block_type(t: object) -> BlockType:
+    """A BlockType from a name ("q4_K", "Q4_K"), a ggml type id, or a gguf.GGMLQuantizationType."""
+    if isinstance(t, BlockType):
+        return t
+    name = getattr(t, "name", None)
+    value = getattr(t, "value", t)
+    if isinstance(value, int) and value in BY_ID:
+        return BY_ID[value]
+    key = str(name if name is not None else t)
+    for n, bt in BLOCK_TYPES.items():
+        if n.lower() == key.lower():
+            return bt
+    raise ValueError(f"GGUF block type {t!r} has no kernel here; known: {', '.join(BLOCK_TYPES)}")
+
+
+def _fn(name: str) -> int:
+    return ctypes.cast(getattr(_S.cpu, name), ctypes.c_void_p).value
+
+
+class BlockLinear:
+    """x @ W.T over W's stored GGUF blocks: raw uint8 [out_features * row_bytes] (any shape with
+    that many bytes, rows in file order), computed in float32 by ggml's kernels."""
+
+    def __init__(self, raw: torch.Tensor, ggml_type: object, out_features: int, in_features: int,
+                 bias: torch.Tensor | None = None):
+        bt = block_type(ggml_type)
+        if in_features % bt.block:
+            raise ValueError(f"BlockLinear: in_features {in_features} is not a multiple of {bt.name}'s "
+                             f"block of {bt.block} weights")
+        self.type, self.out_features, self.in_features = bt, out_features, in_features
+        self.row_bytes = in_features // bt.block * bt.block_bytes
+        if raw.dtype != torch.uint8 or raw.numel() != out_features * self.row_bytes:
+            raise ValueError(f"BlockLinear: raw must be uint8 with {out_features * self.row_bytes} bytes "
+                             f"({out_features} rows of {self.row_bytes} {bt.name} bytes), got "
+                             f"{raw.dtype} with {raw.numel()}")
+        if not load():
+            raise RuntimeError(f"GGUF block kernels unavailable ({_S.why_off})")
+        self.raw = raw.reshape(out_features, self.row_bytes).contiguous()
+        self.bias = bias
+        dot_block, dot_bytes = DOT_BLOCK[bt.dot_with]
+        self.xrow_bytes = in_features // dot_block * dot_bytes
+        self._vec_dot = _fn(f"ggml_vec_dot_{bt.name}_{bt.dot_with}")
+        self._from_float = _fn(f"quantize_row_{bt.dot_with}")
+        self._dequant = getattr(_S.cpu, f"dequantize_row_{bt.name}")
+        self._op = torch.ops.layerline_gguf.linear
+
+    @property
+    def stored_bytes(self) -> int:
+        return self.raw.numel()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., in_features] float32/bf16/fp16 -> [..., out_features] float32."""
+        return self._op(x, self.raw, self.out_features, self.in_features, self.row_bytes, self.xrow_bytes,
+                        self._vec_dot, self._from_float, self.bias)
+
+    def quantize_activations(self, x: torch.Tensor) -> torch.Tensor:
+        """x [rows, in_features] as the call quantizes it: uint8 [rows, xrow_bytes] of `type.dot_with`
+        blocks (ggml's quantize_row_q8_*), for tests that check the products exactly."""
+        xf = x.reshape(-1, self.in_features).float().contiguous()
+        out = torch.empty(xf.shape[0], self.xrow_bytes, dtype=torch.uint8)
+        ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)(self._from_float)(
+            xf.data_ptr(), out.data_ptr(), xf.numel())
+        return out
+
+    def dequantize(self) -> torch.Tensor:
+        """W as float32 [out_features, in_features], by ggml's dequantize_row_<type> (tests, fallbacks)."""
+        out = torch.empty(self.out_features, self.in_features, dtype=torch.float32)
+        self._dequant(ctypes.c_void_p(self.raw.data_ptr()), ctypes.c_void_p(out.data_ptr()),
+                      ctypes.c_int64(out.numel()))
+        return out
+
+    def __repr__(self) -> str:
+        return f"BlockLinear({self.type.name}, out={self.out_features}, in={self.in_features})"

@@ -1,0 +1,154 @@
+"""gguf_blocks.BlockLinear against gguf.quants, the GGUF package's numpy reference, for every block type.
+
+BlockLinear quantizes x's rows to 8 bits (q8_0 / q8_1 / q8_K blocks, as llama.cpp does) and sums
+each block's integer products exactly before scaling them, so its result is checked against the
+float64 product of the blocks it actually multiplied: x as ggml quantized it (decoded here) and W as
+gguf.quants dequantizes it. Tolerance: |y - ref| <= 1e-5 * (|x_q| @ |W|.T) + 1e-6 elementwise, a
+float32 summation's error over a few thousand terms. Against unquantized x the result is within the
+8-bit rounding of x (checked loosely, 2% of the same magnitude).
+"""
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+from gguf import GGMLQuantizationType, quants  # noqa: E402
+
+from layerline.model import gguf_blocks  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not gguf_blocks.load(), reason=f"GGUF block kernels: {gguf_blocks.status()}")
+
+TYPES = list(gguf_blocks.BLOCK_TYPES)
+# gguf.quants quantizes these; the K types it only dequantizes, so their blocks come from ggml's
+# reference quantizer (quantize_row_<type>_ref), the one llama.cpp's converter runs
+GGUF_QUANTIZES = {"q4_0", "q4_1", "q5_0", "q5_1", "q8_0"}
+# byte offsets of each block's fp16 fields (d, and m / dmin where there is one)
+HALF_FIELDS = {"q4_0": (0,), "q4_1": (0, 2), "q5_0": (0,), "q5_1": (0, 2), "q8_0": (0,),
+               "q4_K": (0, 2), "q5_K": (0, 2), "q6_K": (208,)}
+
+
+def qtype(name: str) -> GGMLQuantizationType:
+    return GGMLQuantizationType[name.upper()]
+
+
+def make_blocks(name: str, w: np.ndarray) -> np.ndarray:
+    """w [N, K] float32 quantized into `name` blocks, uint8 [N, row_bytes]."""
+    if name in GGUF_QUANTIZES:
+        return quants.quantize(w, qtype(name))
+    bt = gguf_blocks.BLOCK_TYPES[name]
+    out = np.empty((w.shape[0], w.shape[1] // bt.block * bt.block_bytes), dtype=np.uint8)
+    fn = getattr(gguf_blocks._S.cpu, f"quantize_row_{name}_ref")
+    src = np.ascontiguousarray(w, dtype=np.float32)
+    fn(ctypes.c_void_p(src.ctypes.data), ctypes.c_void_p(out.ctypes.data), ctypes.c_int64(src.size))
+    return out
+
+
+def random_blocks(name: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """Blocks of random bytes (every code pattern) with finite, small fp16 scales."""
+    bt = gguf_blocks.BLOCK_TYPES[name]
+    raw = rng.integers(0, 256, size=(n * k // bt.block, bt.block_bytes), dtype=np.uint8)
+    for off in HALF_FIELDS[name]:
+        halves = rng.uniform(-0.05, 0.05, size=raw.shape[0]).astype(np.float16)
+        raw[:, off:off + 2] = halves.view(np.uint8).reshape(-1, 2)
+    if name == "q8_0":  # ggml's q8_0 codes are -127..127 (its AVX2 dot product takes |q|)
+        codes = raw[:, 2:].view(np.int8)
+        codes[codes == -128] = -127
+    return raw.reshape(n, -1)
+
+
+def decode_x(xq: np.ndarray, dot_with: str, k: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """ggml's activation blocks as float64 [rows, k], and q8_1's stored sums s [rows, k / 32]."""
+    block, nbytes = gguf_blocks.DOT_BLOCK[dot_with]
+    b = xq.reshape(xq.shape[0], k // block, nbytes)
+    if dot_with == "q8_K":
+        d = b[..., :4].copy().view(np.float32).astype(np.float64)
+        q = b[..., 4:4 + 256].copy().view(np.int8).astype(np.float64)
+        return (d * q).reshape(xq.shape[0], k), None
+    head = 4 if dot_with == "q8_1" else 2
+    d = b[..., :2].copy().view(np.float16).astype(np.float64)
+    q = b[..., head:].copy().view(np.int8).astype(np.float64)
+    s = b[..., 2:4].copy().view(np.float16).astype(np.float64)[..., 0] if dot_with == "q8_1" else None
+    return (d * q).reshape(xq.shape[0], k), s
+
+
+def reference(bl: gguf_blocks.BlockLinear, raw: np.ndarray, x: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """The float64 product ggml computes (its quantized x, gguf's dequantized W) and its magnitude."""
+    name, k = bl.type.name, bl.in_features
+    w = quants.dequantize(raw, qtype(name)).astype(np.float64)
+    xd, s = decode_x(bl.quantize_activations(x).numpy(), bl.type.dot_with, k)
+    ref = xd @ w.T
+    if s is not None:
+        # q4_1 / q5_1: ggml adds each block's m times x's stored sum s (fp16), not m * sum(x_q)
+        m = raw.reshape(raw.shape[0], k // 32, -1)[..., 2:4].copy().view(np.float16).astype(np.float64)[..., 0]
+        ref += (s - xd.reshape(xd.shape[0], k // 32, 32).sum(-1)) @ m.T
+    return ref, np.abs(xd) @ np.abs(w).T
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_dequantize_equals_gguf(name: str) -> None:
+    rng = np.random.default_rng(1)
+    n, k = 8, 512
+    for raw in (make_blocks(name, rng.standard_normal((n, k)).astype(np.float32)),
+                random_blocks(name, n, k, rng)):
+        bl = gguf_blocks.BlockLinear(torch.from_numpy(raw.copy()), qtype(name), n, k)
+        got = bl.dequantize().numpy()
+        want = quants.dequantize(raw, qtype(name))
+        assert got.shape == want.shape
+        assert np.array_equal(got, want), f"{name}: {np.abs(got - want).max()}"
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("name", TYPES)
+def test_linear_equals_product_of_blocks(name: str, rows: int) -> None:
+    rng = np.random.default_rng(2)
+    n, k = 48, 1024
+    raw = make_blocks(name, rng.standard_normal((n, k)).astype(np.float32))
+    bl = gguf_blocks.BlockLinear(torch.from_numpy(raw.copy()), qtype(name), n, k)
+    x = torch.from_numpy(rng.standard_normal((rows, k)).astype(np.float32))
+    y = bl(x)
+    assert y.dtype == torch.float32 and y.shape == (rows, n)
+    ref, mag = reference(bl, raw, x)
+    err = np.abs(y.numpy().astype(np.float64) - ref)
+    assert (err <= 1e-5 * mag + 1e-6).all(), f"{name}: worst {err.max()} at magnitude {mag.max()}"
+    # against x itself: within x's 8-bit rounding
+    exact = x.double().numpy() @ bl.dequantize().double().numpy().T
+    assert (np.abs(y.numpy() - exact) <= 0.02 * mag + 1e-4).all()
+
+
+@pytest.mark.parametrize("name", ["q4_K", "q6_K", "q8_0"])
+def test_rows_independent_of_batch_bf16_and_threads(name: str) -> None:
+    rng = np.random.default_rng(3)
+    n, k = 40, 512
+    raw = make_blocks(name, rng.standard_normal((n, k)).astype(np.float32))
+    bl = gguf_blocks.BlockLinear(torch.from_numpy(raw.copy()), qtype(name), n, k)
+    x = torch.from_numpy(rng.standard_normal((5, k)).astype(np.float32)).to(torch.bfloat16)
+    y = bl(x)
+    assert torch.equal(y[2:3], bl(x[2:3])), "a row's result depends on the rows beside it"
+    assert torch.equal(y, bl(x.float())), "bf16 x is not the same as its float32 values"
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(y, bl(x))
+    finally:
+        torch.set_num_threads(threads)
+    assert bl(x.view(1, 5, k)).shape == (1, 5, n)
+
+
+def test_bias_and_errors() -> None:
+    rng = np.random.default_rng(4)
+    raw = make_blocks("q8_0", rng.standard_normal((4, 64)).astype(np.float32))
+    bias = torch.arange(4, dtype=torch.float32)
+    x = torch.ones(2, 64)
+    plain = gguf_blocks.BlockLinear(torch.from_numpy(raw.copy()), "Q8_0", 4, 64)
+    biased = gguf_blocks.BlockLinear(torch.from_numpy(raw.copy()), 8, 4, 64, bias=bias)
+    assert torch.equal(biased(x), plain(x) + bias)
+    with pytest.raises(ValueError, match="not a multiple of q4_K"):
+        gguf_blocks.BlockLinear(torch.zeros(4 * 144, dtype=torch.uint8), "q4_K", 4, 128)
+    with pytest.raises(ValueError, match="bytes"):
+        gguf_blocks.BlockLinear(torch.zeros(10, dtype=torch.uint8), "q4_0", 4, 64)
+    with pytest.raises(ValueError, match="no kernel"):
+        gguf_blocks.block_type("q3_K")
