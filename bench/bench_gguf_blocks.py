@@ -7,12 +7,15 @@ has today, on decode shapes.
 For each block type, shape (out x in; shapes whose `in` is not a multiple of the type's block are
 skipped) and number of rows, timed in turns (each round runs every candidate once over its own set of
 copies, so a noisy spell hits all alike):
-- gguf: BlockLinear over the type's blocks (made from the same random weight);
+- gguf: BlockLinear over the type's blocks (made from the same random weight), repacked for ggml's
+  GEMV/GEMM where it does that (q4_0, q4_K: "rp" in the table);
 - bf16: torch's F.linear of the dequantized weight in bf16 (oneDNN);
 - int4: layerline's int4 kernel (`cpu_kernels.linear_int4`) on the weight requantized to groups of 32.
 Each candidate cycles through enough copies of its weight to pass 2x the L3 cache, so weights stream
-from memory as in a model's decode step. Printed: microseconds per call (median of rounds), the
+from memory as in a model's decode step. Printed: microseconds per call, the
 ratios gguf / bf16 and gguf / int4 (below 1: gguf is faster), and GB/s of the stored bytes gguf read.
+A figure is the lower quartile of single calls' times over all rounds: on a machine shared with other
+work a preempted call lands above it, and every candidate is measured the same way.
 Machines differ: read the ratios.
 """
 from __future__ import annotations
@@ -50,12 +53,19 @@ def copies(nbytes: int, stream: int) -> int:
     return max(2, -(-stream // nbytes))
 
 
-def timed(fn, x: torch.Tensor, n: int) -> float:
-    """Seconds per call of fn(i, x) over i in range(n), one pass through the copies."""
-    t0 = time.perf_counter()
+def timed(fn, x: torch.Tensor, n: int) -> list[float]:
+    """Seconds of each call fn(i, x), i in range(n): one pass through the copies."""
+    out = []
     for i in range(n):
+        t0 = time.perf_counter()
         fn(i, x)
-    return (time.perf_counter() - t0) / n
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def lower_quartile(v: list[float]) -> float:
+    """A call's time with the machine's other work mostly out of it (calls preempted land above)."""
+    return statistics.quantiles(v, n=4)[0]
 
 
 def make_blocks(name: str, w: np.ndarray) -> np.ndarray:
@@ -92,7 +102,7 @@ def main(argv=None) -> list[dict]:
     print(f"gguf: {gguf_blocks.status()}; layerline kernels: {cpu_kernels.status()}; "
           f"threads {torch.get_num_threads()}; weights streamed over {stream >> 20} MiB a candidate")
     print(f"{'type':5} {'shape':>10} {'rows':>4} {'gguf us':>8} {'bf16 us':>8} {'int4 us':>8} "
-          f"{'gguf/bf16':>9} {'gguf/int4':>9} {'GB/s':>6}")
+          f"{'gguf/bf16':>9} {'gguf/int4':>9} {'GB/s':>6} rp")
     rng = np.random.default_rng(0)
     results = []
     shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
@@ -121,8 +131,8 @@ def main(argv=None) -> list[dict]:
                     timed(fn, x, reps[c])
                 for _ in range(a.rounds):
                     for c, fn in cands.items():
-                        t[c].append(timed(fn, x, reps[c]))
-                med = {c: statistics.median(v) for c, v in t.items()}
+                        t[c] += timed(fn, x, reps[c])
+                med = {c: lower_quartile(v) for c, v in t.items()}
                 r = {"type": bt.name, "out": n, "in": k, "rows": rows, **{f"{c}_us": med[c] * 1e6 for c in med},
                      "gguf_over_bf16": med["gguf"] / med["bf16"],
                      "gguf_over_int4": med["gguf"] / med["int4"] if "int4" in med else None,
@@ -131,7 +141,8 @@ def main(argv=None) -> list[dict]:
                 i4 = f"{r['int4_us']:8.1f}" if "int4" in med else f"{'-':>8}"
                 r4 = f"{r['gguf_over_int4']:9.2f}" if "int4" in med else f"{'-':>9}"
                 print(f"{bt.name:5} {f'{n}x{k}':>10} {rows:>4} {r['gguf_us']:8.1f} {r['bf16_us']:8.1f} {i4} "
-                      f"{r['gguf_over_bf16']:9.2f} {r4} {r['gguf_gb_s']:6.1f}", flush=True)
+                      f"{r['gguf_over_bf16']:9.2f} {r4} {r['gguf_gb_s']:6.1f} {'rp' if gl[0].repacked else ''}",
+                      flush=True)
             del gl, wb
             if int4:
                 del q4

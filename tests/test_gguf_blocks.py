@@ -152,3 +152,29 @@ def test_bias_and_errors() -> None:
         gguf_blocks.BlockLinear(torch.zeros(10, dtype=torch.uint8), "q4_0", 4, 64)
     with pytest.raises(ValueError, match="no kernel"):
         gguf_blocks.block_type("q3_K")
+
+
+@pytest.mark.parametrize("name", sorted(gguf_blocks.REPACKED))
+def test_repack_is_lossless_and_computes_the_same(name: str) -> None:
+    if not gguf_blocks.repack_works(name):
+        pytest.skip(f"this ggml's repacked {name} kernels are not in use")
+    rng = np.random.default_rng(5)
+    n, k = 32, 512
+    for raw in (make_blocks(name, rng.standard_normal((n, k)).astype(np.float32)), random_blocks(name, n, k, rng)):
+        packed = gguf_blocks.BlockLinear(torch.from_numpy(raw.copy()), name, n, k, repack=True)
+        assert packed.repacked and packed.stored_bytes == raw.size
+        assert not np.array_equal(packed.raw.numpy(), raw)
+        assert np.array_equal(packed.stored().numpy(), raw), "repacking lost or moved bits"
+        assert np.array_equal(packed.dequantize().numpy(), quants.dequantize(raw, qtype(name)))
+        for invariant in (True, False):
+            bl = gguf_blocks.BlockLinear(torch.from_numpy(raw.copy()), name, n, k, repack=True,
+                                         batch_invariant=invariant)
+            for rows in (1, 4, 7):
+                x = torch.from_numpy(rng.standard_normal((rows, k)).astype(np.float32))
+                ref, mag = reference(bl, raw, x)
+                err = np.abs(bl(x).numpy().astype(np.float64) - ref)
+                assert (err <= 1e-5 * mag + 1e-6).all(), f"{name} rows {rows}: worst {err.max()}"
+            if invariant:
+                assert torch.equal(bl(x)[3:4], bl(x[3:4]))
+    with pytest.raises(ValueError, match="no repacked kernel"):
+        gguf_blocks.BlockLinear(torch.zeros(12 * 144, dtype=torch.uint8), "q4_K", 12, 256, repack=True)

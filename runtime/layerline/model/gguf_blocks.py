@@ -29,6 +29,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from . import cpu_kernels
@@ -58,14 +59,16 @@ BY_ID = {t.id: t for t in BLOCK_TYPES.values()}
 # bytes a block of the activations' types: q8_0 (fp16 d, 32 int8), q8_1 (+ fp16 s), q8_K (fp32 d,
 # 256 int8, 16 int16 sums)
 DOT_BLOCK = {"q8_0": (32, 34), "q8_1": (32, 36), "q8_K": (256, 292)}
-GRAIN_ROWS = 16  # weight rows a thread's share is cut into at least
+MIN_BYTES = 32 << 10  # of W a thread's share at least: below it one thread does the call
 BUILD_TIMEOUT_S = 300
 
 SOURCE = r"""
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
 
 namespace {
 
@@ -92,11 +95,103 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, int64_t N, int64_t K
   const uint8_t* W = w.data_ptr<uint8_t>();
   const uint8_t* X = xq.data_ptr<uint8_t>();
   float* Y = y.data_ptr<float>();
-  const int64_t grain = std::max<int64_t>(GRAIN, N / std::max<int64_t>(1, at::get_num_threads()));
+  // at least MIN_BYTES of W a thread (smaller shares cost more to hand out than they take)
+  const int64_t grain = std::max<int64_t>(std::max<int64_t>(1, MIN_BYTES / (row_bytes * std::max<int64_t>(1, M))),
+                                          N / std::max<int64_t>(1, at::get_num_threads()));
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n)
       for (int64_t m = 0; m < M; ++m)
         dot((int)K, Y + m * N + n, 0, W + n * row_bytes, 0, X + m * xrow_bytes, 0, 1);
+  });
+  if (bias.has_value() && bias->defined()) y.add_(bias->to(at::kFloat));
+  lead.push_back(N);
+  return y.view(lead);
+}
+
+typedef void (*gemx_t)(int n, float* s, size_t bs, const void* vx, const void* vy, int nr, int nc);
+
+// ggml's repacked layout for x86's q4_0 / q4_K GEMV and GEMM (ggml-cpu/repack.cpp, interleave 8):
+// each run of 8 rows becomes, block column by block column, one 8-row block: the 8 blocks' fp16
+// scales side by side, then their quant bytes interleaved 8 at a time (q4_0's nibbles xor 0x88), and
+// q4_K's 6-bit scales and mins regrouped by sub-block. Same size, every bit kept.
+at::Tensor repack_x8(const at::Tensor& raw, int64_t type, int64_t N, int64_t K) {
+  TORCH_CHECK(type == 2 || type == 12, "repack_x8: q4_0 (2) or q4_K (12)");
+  TORCH_CHECK(N % 8 == 0, "repack_x8: rows must be a multiple of 8");
+  const int64_t QK = type == 2 ? 32 : 256, BB = type == 2 ? 18 : 144, nb = K / QK;
+  TORCH_CHECK(raw.scalar_type() == at::kByte && raw.is_contiguous() && raw.numel() == N * nb * BB, "repack_x8: bytes");
+  at::Tensor out = at::empty({N, nb * BB}, at::kByte);
+  const uint8_t* src = raw.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, N / 8, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t x = 0; x < nb; ++x) {
+        const uint8_t* in[8];
+        for (int i = 0; i < 8; ++i) in[i] = src + ((g * 8 + i) * nb + x) * BB;
+        uint8_t* o = dst + (g * nb + x) * 8 * BB;
+        if (type == 2) {
+          for (int i = 0; i < 8; ++i) std::memcpy(o + 2 * i, in[i], 2);
+          for (int i = 0; i < 16; ++i) {  // 128 quant bytes, 8 at a time from each block in turn
+            uint64_t e;
+            std::memcpy(&e, in[i % 8] + 2 + (i / 8) * 8, 8);
+            e ^= 0x8888888888888888ULL;
+            std::memcpy(o + 16 + i * 8, &e, 8);
+          }
+        } else {
+          for (int i = 0; i < 8; ++i) std::memcpy(o + 2 * i, in[i], 2);       // d
+          for (int i = 0; i < 8; ++i) std::memcpy(o + 16 + 2 * i, in[i] + 2, 2);  // dmin
+          uint8_t* sc = o + 32;
+          uint8_t* qs = o + 128;
+          for (int i = 0; i < 128; ++i) std::memcpy(qs + i * 8, in[i % 8] + 16 + (i / 8) * 8, 8);
+          for (int half = 0; half < 2; ++half)
+            for (int i = 0; i < 4; ++i) {
+              uint8_t s[8], m[8];
+              for (int j = 0; j < 8; ++j) {
+                const uint8_t* q = in[j] + 4;  // the block's 12 scale bytes
+                if (half == 0) { s[j] = q[i] & 63; m[j] = q[i + 4] & 63; }
+                else { s[j] = ((q[i] & 192) >> 2) | (q[i + 8] & 15); m[j] = ((q[i + 4] & 192) >> 2) | ((q[i + 8] & 240) >> 4); }
+              }
+              uint8_t* b = sc + half * 48 + i * 12;
+              for (int j = 0; j < 4; ++j) {
+                b[j] = (s[j] & 63) + ((s[j + 4] & 48) << 2);
+                b[j + 4] = (m[j] & 63) + ((m[j + 4] & 48) << 2);
+                b[j + 8] = (s[j + 4] & 15) + ((m[j + 4] & 15) << 4);
+              }
+            }
+        }
+      }
+  });
+  return out;
+}
+
+// y [M, N] = x [M, K] @ W.T over W in repack_x8's layout, by ggml's GEMM (4 rows of x at a time,
+// quantized together by quant4; gemm 0: none) and GEMV (the rest); W's 8-row groups split over
+// torch's threads
+at::Tensor linear_x8(const at::Tensor& x, const at::Tensor& w, int64_t N, int64_t K, int64_t row_bytes,
+                     int64_t xrow_bytes, int64_t gemv, int64_t gemm, int64_t quant4, int64_t from_float,
+                     const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.size(-1) == K && N % 8 == 0, "gguf_blocks.linear_x8: shapes");
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.numel() == N * row_bytes,
+              "gguf_blocks.linear_x8: w must be contiguous uint8 [N, row_bytes]");
+  auto lead = x.sizes().vec();
+  lead.pop_back();
+  at::Tensor xf = x.reshape({-1, K}).to(at::kFloat).contiguous();
+  const int64_t M = xf.size(0), M4 = gemm ? M - M % 4 : 0;
+  at::Tensor xq = at::empty({M * xrow_bytes}, at::kByte);
+  const float* XF = xf.data_ptr<float>();
+  uint8_t* XQ = xq.data_ptr<uint8_t>();
+  for (int64_t m = 0; m < M4; m += 4) reinterpret_cast<from_float_t>(quant4)(XF + m * K, XQ + m * xrow_bytes, K);
+  if (M > M4) reinterpret_cast<from_float_t>(from_float)(XF + M4 * K, XQ + M4 * xrow_bytes, (M - M4) * K);
+  at::Tensor y = at::empty({M, N}, at::kFloat);
+  float* Y = y.data_ptr<float>();
+  const uint8_t* W = w.data_ptr<uint8_t>();
+  const int64_t groups = N / 8;
+  const int64_t grain = std::max<int64_t>(std::max<int64_t>(1, MIN_BYTES / (8 * row_bytes)),
+                                          groups / std::max<int64_t>(1, at::get_num_threads()));
+  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
+    const int64_t n0 = g0 * 8, nc = (g1 - g0) * 8;
+    if (M4) reinterpret_cast<gemx_t>(gemm)((int)K, Y + n0, N, W + n0 * row_bytes, XQ, (int)M4, (int)nc);
+    for (int64_t m = M4; m < M; ++m)
+      reinterpret_cast<gemx_t>(gemv)((int)K, Y + m * N + n0, N, W + n0 * row_bytes, XQ + m * xrow_bytes, 1, (int)nc);
   });
   if (bias.has_value() && bias->defined()) y.add_(bias->to(at::kFloat));
   lead.push_back(N);
@@ -108,8 +203,15 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, int64_t N, int64_t K
 TORCH_LIBRARY(layerline_gguf, m) {
   m.def("linear(Tensor x, Tensor w, int N, int K, int row_bytes, int xrow_bytes, int vec_dot, int from_float, "
         "Tensor? bias=None) -> Tensor");
+  m.def("linear_x8(Tensor x, Tensor w, int N, int K, int row_bytes, int xrow_bytes, int gemv, int gemm, "
+        "int quant4, int from_float, Tensor? bias=None) -> Tensor");
+  m.def("repack_x8(Tensor raw, int type, int N, int K) -> Tensor");
 }
-TORCH_LIBRARY_IMPL(layerline_gguf, CPU, m) { m.impl("linear", linear); }
+TORCH_LIBRARY_IMPL(layerline_gguf, CPU, m) {
+  m.impl("linear", linear);
+  m.impl("linear_x8", linear_x8);
+  m.impl("repack_x8", repack_x8);
+}
 """
 
 
@@ -139,7 +241,7 @@ def ggml_lib_dir() -> Path:
 def _build() -> Path:
     """The C++ op's library, built into cpu_kernels' cache unless already there (one builder at a time)."""
     cxx, flags = cpu_kernels.compiler()
-    src = SOURCE.replace("GRAIN", str(GRAIN_ROWS))
+    src = SOURCE.replace("MIN_BYTES", str(MIN_BYTES))
     key = hashlib.sha256("\0".join([src, torch.__version__, cxx, *flags]).encode()).hexdigest()[:16]
     d = cpu_kernels.cache_dir()
     d.mkdir(parents=True, exist_ok=True)
@@ -214,12 +316,77 @@ def _fn(name: str) -> int:
     return ctypes.cast(getattr(_S.cpu, name), ctypes.c_void_p).value
 
 
+# ggml's repacked GEMV/GEMM on x86 (AVX2 code in ggml-cpu/arch/x86/repack.cpp); its other types'
+# repacked kernels there are the scalar fallbacks, so they stay on vec_dot
+REPACKED = {"q4_0": ("ggml_gemv_q4_0_8x8_q8_0", "ggml_gemm_q4_0_8x8_q8_0", "ggml_quantize_mat_q8_0_4x8"),
+            "q4_K": ("ggml_gemv_q4_K_8x8_q8_K", "ggml_gemm_q4_K_8x8_q8_K", "ggml_quantize_mat_q8_K_4x8")}
+_repack_ok: dict[str, bool] = {}
+
+
+def unrepack_x8(packed: np.ndarray, name: str, n: int, k: int) -> np.ndarray:
+    """The stored blocks back from `repack_x8`'s layout (uint8 [n, row_bytes]): its exact inverse."""
+    bt = BLOCK_TYPES[name]
+    nb, bb = k // bt.block, bt.block_bytes
+    p = packed.reshape(n // 8, nb, 8 * bb)
+    out = np.empty((n // 8, 8, nb, bb), dtype=np.uint8)  # [group, row in group, block, byte]
+    if name == "q4_0":
+        out[..., :2] = p[..., :16].reshape(n // 8, nb, 8, 2).transpose(0, 2, 1, 3)
+        chunks = (p[..., 16:].reshape(n // 8, nb, 2, 8, 8) ^ 0x88).transpose(0, 3, 1, 2, 4)
+        out[..., 2:] = chunks.reshape(n // 8, 8, nb, 16)
+        return out.reshape(n, nb * bb)
+    out[..., 0:2] = p[..., 0:16].reshape(n // 8, nb, 8, 2).transpose(0, 2, 1, 3)
+    out[..., 2:4] = p[..., 16:32].reshape(n // 8, nb, 8, 2).transpose(0, 2, 1, 3)
+    out[..., 16:] = p[..., 128:].reshape(n // 8, nb, 16, 8, 8).transpose(0, 3, 1, 2, 4).reshape(n // 8, 8, nb, 128)
+    b = p[..., 32:128].reshape(n // 8, nb, 8, 12).astype(np.int32)  # [.., sub-block t, 12 bytes]
+    sc = np.empty((n // 8, nb, 8, 8), dtype=np.int32)  # [.., sub-block t, row j]
+    mn = np.empty_like(sc)
+    for j in range(8):
+        if j < 4:
+            sc[..., j], mn[..., j] = b[..., j] & 63, b[..., j + 4] & 63
+        else:
+            sc[..., j] = (b[..., j + 4] & 15) | ((b[..., j - 4] >> 6) << 4)
+            mn[..., j] = (b[..., j + 4] >> 4) | ((b[..., j] >> 6) << 4)
+    sc, mn = sc.transpose(0, 3, 1, 2), mn.transpose(0, 3, 1, 2)  # [group, row, block, t]
+    q = np.empty(sc.shape[:3] + (12,), dtype=np.int32)
+    for t in range(4):
+        q[..., t] = sc[..., t] | ((sc[..., t + 4] >> 4) << 6)
+        q[..., t + 4] = mn[..., t] | ((mn[..., t + 4] >> 4) << 6)
+        q[..., t + 8] = (sc[..., t + 4] & 15) | ((mn[..., t + 4] & 15) << 4)
+    out[..., 4:16] = q.astype(np.uint8)
+    return out.reshape(n, nb * bb)
+
+
+def repack_works(name: str) -> bool:
+    """Whether this ggml's repacked kernels for `name` agree with its vec_dot ones on a small random
+    matrix (the repacked layout is ggml's internal one, not a file format: checked once a process)."""
+    if name not in _repack_ok:
+        ok = False
+        if name in REPACKED and load() and _S.cpu.ggml_cpu_has_avx2():
+            g = torch.Generator().manual_seed(0)
+            bt = BLOCK_TYPES[name]
+            n, k = 16, 512
+            raw = torch.randint(0, 256, (n, k // bt.block, bt.block_bytes), dtype=torch.uint8, generator=g)
+            scales = (torch.rand(n, k // bt.block, 2, generator=g) * 0.02).half().view(torch.uint8)
+            raw[..., :4] = scales.reshape(n, k // bt.block, 4)
+            x = torch.randn(5, k, generator=g)
+            plain = BlockLinear(raw, name, n, k, repack=False)
+            packed = BlockLinear(raw, name, n, k, repack=True)
+            ok = bool(torch.allclose(plain(x), packed(x), rtol=1e-4, atol=1e-3)) and np.array_equal(
+                unrepack_x8(packed.raw.numpy(), name, n, k), plain.raw.numpy())
+        _repack_ok[name] = ok
+    return _repack_ok[name]
+
+
 class BlockLinear:
     """x @ W.T over W's stored GGUF blocks: raw uint8 [out_features * row_bytes] (any shape with
-    that many bytes, rows in file order), computed in float32 by ggml's kernels."""
+    that many bytes, rows in file order), computed in float32 by ggml's kernels.
+
+    repack: None (default) repacks q4_0 / q4_K into ggml's 8-row layout for its x86 GEMV where that
+    passes `repack_works`; True / False force it. batch_invariant (default): each row's result has the
+    same bits whatever rows it is called with (False lets 4-row groups go through ggml's GEMM)."""
 
     def __init__(self, raw: torch.Tensor, ggml_type: object, out_features: int, in_features: int,
-                 bias: torch.Tensor | None = None):
+                 bias: torch.Tensor | None = None, repack: bool | None = None, batch_invariant: bool = True):
         bt = block_type(ggml_type)
         if in_features % bt.block:
             raise ValueError(f"BlockLinear: in_features {in_features} is not a multiple of {bt.name}'s "
@@ -232,14 +399,32 @@ class BlockLinear:
                              f"{raw.dtype} with {raw.numel()}")
         if not load():
             raise RuntimeError(f"GGUF block kernels unavailable ({_S.why_off})")
-        self.raw = raw.reshape(out_features, self.row_bytes).contiguous()
+        raw = raw.reshape(out_features, self.row_bytes).contiguous()
         self.bias = bias
         dot_block, dot_bytes = DOT_BLOCK[bt.dot_with]
         self.xrow_bytes = in_features // dot_block * dot_bytes
         self._vec_dot = _fn(f"ggml_vec_dot_{bt.name}_{bt.dot_with}")
         self._from_float = _fn(f"quantize_row_{bt.dot_with}")
         self._dequant = getattr(_S.cpu, f"dequantize_row_{bt.name}")
-        self._op = torch.ops.layerline_gguf.linear
+        can = bt.name in REPACKED and out_features % 8 == 0
+        if repack and not can:
+            raise ValueError(f"BlockLinear: no repacked kernel for {bt.name} with {out_features} rows "
+                             f"(types {', '.join(REPACKED)}, rows a multiple of 8)")
+        # repack=None: where ggml has x86 GEMV/GEMM for the type and they pass repack_works's check
+        self.repacked = bool(repack) if repack is not None else can and repack_works(bt.name)
+        if self.repacked:
+            gemv, gemm, quant4 = (_fn(f) for f in REPACKED[bt.name])
+            self.raw = torch.ops.layerline_gguf.repack_x8(raw, bt.id, out_features, in_features)
+            # ggml's GEMM takes 4 rows of x together, and its sums' order differs from its GEMV's: a
+            # row's bits would depend on the rows beside it, so it is used only when asked for
+            self._args = (out_features, in_features, self.row_bytes, self.xrow_bytes, gemv,
+                          0 if batch_invariant else gemm, quant4, self._from_float)
+            self._op = torch.ops.layerline_gguf.linear_x8
+        else:
+            self.raw = raw
+            self._args = (out_features, in_features, self.row_bytes, self.xrow_bytes, self._vec_dot,
+                          self._from_float)
+            self._op = torch.ops.layerline_gguf.linear
 
     @property
     def stored_bytes(self) -> int:
@@ -247,8 +432,7 @@ class BlockLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """[..., in_features] float32/bf16/fp16 -> [..., out_features] float32."""
-        return self._op(x, self.raw, self.out_features, self.in_features, self.row_bytes, self.xrow_bytes,
-                        self._vec_dot, self._from_float, self.bias)
+        return self._op(x, self.raw, *self._args, self.bias)
 
     def quantize_activations(self, x: torch.Tensor) -> torch.Tensor:
         """x [rows, in_features] as the call quantizes it: uint8 [rows, xrow_bytes] of `type.dot_with`
@@ -259,12 +443,20 @@ class BlockLinear:
             xf.data_ptr(), out.data_ptr(), xf.numel())
         return out
 
+    def stored(self) -> torch.Tensor:
+        """The blocks as the file stores them, uint8 [out_features, row_bytes] (un-repacked if need be)."""
+        if not self.repacked:
+            return self.raw
+        return torch.from_numpy(unrepack_x8(self.raw.numpy(), self.type.name, self.out_features, self.in_features))
+
     def dequantize(self) -> torch.Tensor:
         """W as float32 [out_features, in_features], by ggml's dequantize_row_<type> (tests, fallbacks)."""
+        blocks = self.stored()
         out = torch.empty(self.out_features, self.in_features, dtype=torch.float32)
-        self._dequant(ctypes.c_void_p(self.raw.data_ptr()), ctypes.c_void_p(out.data_ptr()),
+        self._dequant(ctypes.c_void_p(blocks.data_ptr()), ctypes.c_void_p(out.data_ptr()),
                       ctypes.c_int64(out.numel()))
         return out
 
     def __repr__(self) -> str:
-        return f"BlockLinear({self.type.name}, out={self.out_features}, in={self.in_features})"
+        return (f"BlockLinear({self.type.name}, out={self.out_features}, in={self.in_features}"
+                f"{', repacked' if self.repacked else ''})")
