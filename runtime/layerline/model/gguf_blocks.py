@@ -1,21 +1,25 @@
 """Linear layers over GGUF's own quantized blocks, run as stored by ggml's CPU kernels.
 
 `BlockLinear(raw, ggml_type, out_features, in_features)` holds a matrix as the file stores it (rows
-of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K blocks, uint8) and computes x @ W.T for a few
-rows of x without ever making W in floats. The arithmetic is ggml's: each x row is quantized by
-ggml's `quantize_row_q8_{0,1,K}` (the type's `vec_dot_type`), and each (weight row, x row) product
-is ggml's `ggml_vec_dot_<type>_q8_<...>`, the functions llama.cpp's CPU backend runs for the same
-file, so a row's result is llama.cpp's for that row.
+of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K blocks, uint8) and computes x @ W.T in float32
+for a few rows of x without ever making W in floats. The arithmetic is ggml's, as llama.cpp's CPU
+backend runs it for the same file: each x row is quantized to 8 bits by ggml's
+`quantize_row_q8_{0,1,K}` (the type's `vec_dot_type`), and each (weight row, x row) product is
+`ggml_vec_dot_<type>_q8_<...>`, integer sums a block, then scaled. Q4_0 and Q4_K (most of a
+Q4_K_M file) are repacked at construction, without loss and in place of the stored bytes, into
+ggml's 8-row interleaved layout for its x86 GEMV (`repack_x8`; `stored()` gives the file's blocks
+back). A row's result has the same bits whatever rows it is called with.
 
 ggml's functions come from a shared library: `LAYERLINE_GGML_LIB` (a directory holding
-libggml-base.so and libggml-cpu.so, e.g. a `GGML_NATIVE=ON` build for an AVX-512 host), else the
-`libggml-python` wheel's prebuilt one (AVX2 + FMA + F16C). ggml's own graph and thread pool are not
-used: a small C++ op (built at first use with the host's compiler, as `cpu_kernels` builds its own)
-takes the two function pointers and splits the weight's rows over torch's intra-op threads, so
-torch.get_num_threads() holds and no second pool spins beside torch's. A call costs one torch op.
+libggml-base.so and libggml-cpu.so, e.g. a `GGML_NATIVE=ON` build of the ggml in llama-cpp-python's
+sdist), else the `libggml-python` wheel's prebuilt one (x86: AVX2 + FMA + F16C). They are called
+by their C names, which the GGUF block formats fix. ggml's graph and thread pool are not used: a
+small C++ op (built at first use with the host's compiler into `cpu_kernels`' cache) takes the
+function pointers and splits W's rows over torch's intra-op threads, so torch.get_num_threads()
+holds and no second pool spins beside torch's; a call is one torch op.
 
 `status()` says whether the kernels are in use and why not; `BlockLinear` raises a one-line error
-where they are not (the caller chooses another layout then).
+where they are not (the caller picks another layout then).
 """
 from __future__ import annotations
 
@@ -34,8 +38,8 @@ import torch
 
 from . import cpu_kernels
 
-# GGUF/ggml type ids (gguf.GGMLQuantizationType's values) the kernels take, with their block shapes
-# (weights a block, bytes a block) and the ggml names of their functions
+# The block types the kernels take: ggml's names and type ids (gguf.GGMLQuantizationType's values),
+# their blocks' shapes, and the block type ggml quantizes x to for them
 @dataclass(frozen=True)
 class BlockType:
     name: str
@@ -81,7 +85,7 @@ typedef void (*from_float_t)(const float* x, void* y, int64_t k);
 // blocks are in L1 (one pass over W for all M rows); rows split over torch's threads.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, int64_t N, int64_t K, int64_t row_bytes,
                   int64_t xrow_bytes, int64_t vec_dot, int64_t from_float, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.size(-1) == K, "gguf_blocks.linear: x's last dimension must be K");
+  TORCH_CHECK(x.device().is_cpu() && x.size(-1) == K, "gguf_blocks.linear: x must be a CPU tensor [..., K]");
   TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.numel() == N * row_bytes,
               "gguf_blocks.linear: w must be contiguous uint8 [N, row_bytes]");
   auto lead = x.sizes().vec();
@@ -169,7 +173,7 @@ at::Tensor repack_x8(const at::Tensor& raw, int64_t type, int64_t N, int64_t K) 
 at::Tensor linear_x8(const at::Tensor& x, const at::Tensor& w, int64_t N, int64_t K, int64_t row_bytes,
                      int64_t xrow_bytes, int64_t gemv, int64_t gemm, int64_t quant4, int64_t from_float,
                      const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.size(-1) == K && N % 8 == 0, "gguf_blocks.linear_x8: shapes");
+  TORCH_CHECK(x.device().is_cpu() && x.size(-1) == K && N % 8 == 0, "gguf_blocks.linear_x8: x must be a CPU tensor [..., K]");
   TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.numel() == N * row_bytes,
               "gguf_blocks.linear_x8: w must be contiguous uint8 [N, row_bytes]");
   auto lead = x.sizes().vec();
