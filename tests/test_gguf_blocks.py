@@ -178,3 +178,11 @@ def test_repack_is_lossless_and_computes_the_same(name: str) -> None:
                 assert torch.equal(bl(x)[3:4], bl(x[3:4]))
     with pytest.raises(ValueError, match="no repacked kernel"):
         gguf_blocks.BlockLinear(torch.zeros(12 * 144, dtype=torch.uint8), "q4_K", 12, 256, repack=True)
+
+
+@pytest.mark.parametrize("name", ["q4_0", "q6_K"])
+def test_meta_shapes_for_torch_compile(name: str) -> None:
+    bt = gguf_blocks.BLOCK_TYPES[name]
+    bl = gguf_blocks.BlockLinear(torch.from_numpy(random_blocks(name, 16, 256, np.random.default_rng(6))), name, 16, 256)
+    out = bl._op(torch.empty(2, 3, 256, dtype=torch.bfloat16, device="meta"), bl.raw.to("meta"), *bl._args, None)
+    assert out.shape == (2, 3, 16) and out.dtype == torch.float32 and bt.block_bytes

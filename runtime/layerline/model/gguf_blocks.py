@@ -202,6 +202,18 @@ at::Tensor linear_x8(const at::Tensor& x, const at::Tensor& w, int64_t N, int64_
   return y.view(lead);
 }
 
+// shapes only (torch.compile traces through the op)
+at::Tensor linear_meta(const at::Tensor& x, const at::Tensor&, int64_t N, int64_t, int64_t, int64_t, int64_t,
+                       int64_t, const c10::optional<at::Tensor>&) {
+  auto shape = x.sizes().vec();
+  shape.back() = N;
+  return at::empty(shape, x.options().dtype(at::kFloat));
+}
+at::Tensor linear_x8_meta(const at::Tensor& x, const at::Tensor& w, int64_t N, int64_t K, int64_t rb, int64_t xb,
+                          int64_t, int64_t, int64_t, int64_t, const c10::optional<at::Tensor>& bias) {
+  return linear_meta(x, w, N, K, rb, xb, 0, 0, bias);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(layerline_gguf, m) {
@@ -215,6 +227,10 @@ TORCH_LIBRARY_IMPL(layerline_gguf, CPU, m) {
   m.impl("linear", linear);
   m.impl("linear_x8", linear_x8);
   m.impl("repack_x8", repack_x8);
+}
+TORCH_LIBRARY_IMPL(layerline_gguf, Meta, m) {
+  m.impl("linear", linear_meta);
+  m.impl("linear_x8", linear_x8_meta);
 }
 """
 
