@@ -255,7 +255,12 @@ def ggml_lib_dir() -> Path:
     except ImportError as e:
         raise RuntimeError("no ggml library: pip install libggml-python, or set LAYERLINE_GGML_LIB to a "
                            "directory with libggml-base.so and libggml-cpu.so") from e
-    return Path(libggml.__file__).parent / "lib64"
+    root = Path(libggml.__file__).parent
+    return next((d for d in (root / "lib64", root / "lib") if d.is_dir()), root / "lib64")
+
+
+def _lib_name(stem: str) -> str:
+    return f"{stem}.dylib" if sys.platform == "darwin" else f"{stem}.so"
 
 
 def _build() -> Path:
@@ -297,8 +302,8 @@ def load() -> bool:
     try:
         d = ggml_lib_dir()
         # RTLD_GLOBAL: libggml-cpu finds libggml-base's symbols whatever its rpath says
-        ctypes.CDLL(str(d / "libggml-base.so"), mode=ctypes.RTLD_GLOBAL)
-        cpu = ctypes.CDLL(str(d / "libggml-cpu.so"), mode=ctypes.RTLD_GLOBAL)
+        ctypes.CDLL(str(d / _lib_name("libggml-base")), mode=ctypes.RTLD_GLOBAL)
+        cpu = ctypes.CDLL(str(d / _lib_name("libggml-cpu")), mode=ctypes.RTLD_GLOBAL)
         cpu.ggml_cpu_init()  # fp16 tables, CPU feature state
         torch.ops.load_library(str(_build()))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
