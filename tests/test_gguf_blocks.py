@@ -6,6 +6,11 @@ float64 product of the blocks it actually multiplied: x as ggml quantized it (de
 gguf.quants dequantizes it. Tolerance: |y - ref| <= 1e-5 * (|x_q| @ |W|.T) + 1e-6 elementwise, a
 float32 summation's error over a few thousand terms. Against unquantized x the result is within the
 8-bit rounding of x (checked loosely, 2% of the same magnitude).
+
+Weights: random float matrices quantized by gguf.quants where it quantizes the type (q4_0, q4_1, q5_0,
+q5_1, q8_0) and by ggml's reference quantizer for the K types (gguf.quants only dequantizes those),
+plus blocks of random bytes (every code pattern). Q4_0 / Q4_K are also checked repacked: the file's
+bytes come back exactly and the products agree with the same reference.
 """
 from __future__ import annotations
 

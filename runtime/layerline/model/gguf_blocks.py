@@ -306,7 +306,7 @@ def load() -> bool:
         cpu = ctypes.CDLL(str(d / _lib_name("libggml-cpu")), mode=ctypes.RTLD_GLOBAL)
         cpu.ggml_cpu_init()  # fp16 tables, CPU feature state
         torch.ops.load_library(str(_build()))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+    except (OSError, AttributeError, RuntimeError, subprocess.SubprocessError) as e:
         _S.why_off = str(e).splitlines()[0] if str(e) else type(e).__name__
         return False
     _S.lib_dir, _S.cpu = d, cpu
@@ -386,7 +386,8 @@ def repack_works(name: str) -> bool:
     matrix (the repacked layout is ggml's internal one, not a file format: checked once a process)."""
     if name not in _repack_ok:
         ok = False
-        if name in REPACKED and load() and _S.cpu.ggml_cpu_has_avx2():
+        if (name in REPACKED and load() and all(hasattr(_S.cpu, f) for f in REPACKED[name])
+                and _S.cpu.ggml_cpu_has_avx2()):
             g = torch.Generator().manual_seed(0)
             bt = BLOCK_TYPES[name]
             n, k = 16, 512
