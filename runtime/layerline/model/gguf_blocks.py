@@ -13,10 +13,10 @@ back). A row's result has the same bits whatever rows it is called with.
 ggml's functions come from a shared library: `LAYERLINE_GGML_LIB` (a directory holding
 libggml-base.so and libggml-cpu.so, e.g. a `GGML_NATIVE=ON` build of the ggml in llama-cpp-python's
 sdist), else the `libggml-python` wheel's prebuilt one (x86: AVX2 + FMA + F16C). They are called
-by their C names, which the GGUF block formats fix. ggml's graph and thread pool are not used: a
-small C++ op (built at first use with the host's compiler into `cpu_kernels`' cache) takes the
-function pointers and splits W's rows over torch's intra-op threads, so torch.get_num_threads()
-holds and no second pool spins beside torch's; a call is one torch op.
+by their C names, which the GGUF block formats fix. ggml's graph and thread pool are not used:
+ops of layerline's CPU kernels (csrc/gguf_blocks.h, built with them) take the function pointers
+and split W's rows over torch's intra-op threads, so torch.get_num_threads() holds and no second
+pool spins beside torch's; a call is one torch op.
 
 `status()` says whether the kernels are in use and why not; `BlockLinear` raises a one-line error
 where they are not (the caller picks another layout then).
@@ -24,12 +24,8 @@ where they are not (the caller picks another layout then).
 from __future__ import annotations
 
 import ctypes
-import fcntl
-import hashlib
 import os
-import subprocess
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,176 +59,7 @@ BY_ID = {t.id: t for t in BLOCK_TYPES.values()}
 # bytes a block of the activations' types: q8_0 (fp16 d, 32 int8), q8_1 (+ fp16 s), q8_K (fp32 d,
 # 256 int8, 16 int16 sums)
 DOT_BLOCK = {"q8_0": (32, 34), "q8_1": (32, 36), "q8_K": (256, 292)}
-MIN_BYTES = 32 << 10  # of W a thread's share at least: below it one thread does the call
-BUILD_TIMEOUT_S = 300
 
-SOURCE = r"""
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
-#include <torch/library.h>
-#include <algorithm>
-#include <cstdint>
-#include <cstring>
-
-namespace {
-
-typedef void (*vec_dot_t)(int n, float* s, size_t bs, const void* x, size_t bx, const void* y, size_t by,
-                          int nrc);
-typedef void (*from_float_t)(const float* x, void* y, int64_t k);
-
-// y [M, N] = x [M, K] @ W.T, W's N rows of `row_bytes` stored blocks each: x's rows quantized once by
-// ggml's from_float into its vec_dot_type, then each weight row dotted with every x row while its
-// blocks are in L1 (one pass over W for all M rows); rows split over torch's threads.
-at::Tensor linear(const at::Tensor& x, const at::Tensor& w, int64_t N, int64_t K, int64_t row_bytes,
-                  int64_t xrow_bytes, int64_t vec_dot, int64_t from_float, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.device().is_cpu() && x.size(-1) == K, "gguf_blocks.linear: x must be a CPU tensor [..., K]");
-  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.numel() == N * row_bytes,
-              "gguf_blocks.linear: w must be contiguous uint8 [N, row_bytes]");
-  auto lead = x.sizes().vec();
-  lead.pop_back();
-  at::Tensor xf = x.reshape({-1, K}).to(at::kFloat).contiguous();
-  const int64_t M = xf.size(0);
-  at::Tensor xq = at::empty({M * xrow_bytes}, at::kByte);
-  reinterpret_cast<from_float_t>(from_float)(xf.data_ptr<float>(), xq.data_ptr(), M * K);
-  at::Tensor y = at::empty({M, N}, at::kFloat);
-  const vec_dot_t dot = reinterpret_cast<vec_dot_t>(vec_dot);
-  const uint8_t* W = w.data_ptr<uint8_t>();
-  const uint8_t* X = xq.data_ptr<uint8_t>();
-  float* Y = y.data_ptr<float>();
-  // at least MIN_BYTES of W a thread (smaller shares cost more to hand out than they take)
-  const int64_t grain = std::max<int64_t>(std::max<int64_t>(1, MIN_BYTES / (row_bytes * std::max<int64_t>(1, M))),
-                                          N / std::max<int64_t>(1, at::get_num_threads()));
-  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n)
-      for (int64_t m = 0; m < M; ++m)
-        dot((int)K, Y + m * N + n, 0, W + n * row_bytes, 0, X + m * xrow_bytes, 0, 1);
-  });
-  if (bias.has_value() && bias->defined()) y.add_(bias->to(at::kFloat));
-  lead.push_back(N);
-  return y.view(lead);
-}
-
-typedef void (*gemx_t)(int n, float* s, size_t bs, const void* vx, const void* vy, int nr, int nc);
-
-// ggml's repacked layout for x86's q4_0 / q4_K GEMV and GEMM (ggml-cpu/repack.cpp, interleave 8):
-// each run of 8 rows becomes, block column by block column, one 8-row block: the 8 blocks' fp16
-// scales side by side, then their quant bytes interleaved 8 at a time (q4_0's nibbles xor 0x88), and
-// q4_K's 6-bit scales and mins regrouped by sub-block. Same size, every bit kept.
-at::Tensor repack_x8(const at::Tensor& raw, int64_t type, int64_t N, int64_t K) {
-  TORCH_CHECK(type == 2 || type == 12, "repack_x8: q4_0 (2) or q4_K (12)");
-  TORCH_CHECK(N % 8 == 0, "repack_x8: rows must be a multiple of 8");
-  const int64_t QK = type == 2 ? 32 : 256, BB = type == 2 ? 18 : 144, nb = K / QK;
-  TORCH_CHECK(raw.scalar_type() == at::kByte && raw.is_contiguous() && raw.numel() == N * nb * BB, "repack_x8: bytes");
-  at::Tensor out = at::empty({N, nb * BB}, at::kByte);
-  const uint8_t* src = raw.data_ptr<uint8_t>();
-  uint8_t* dst = out.data_ptr<uint8_t>();
-  at::parallel_for(0, N / 8, 1, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g)
-      for (int64_t x = 0; x < nb; ++x) {
-        const uint8_t* in[8];
-        for (int i = 0; i < 8; ++i) in[i] = src + ((g * 8 + i) * nb + x) * BB;
-        uint8_t* o = dst + (g * nb + x) * 8 * BB;
-        if (type == 2) {
-          for (int i = 0; i < 8; ++i) std::memcpy(o + 2 * i, in[i], 2);
-          for (int i = 0; i < 16; ++i) {  // 128 quant bytes, 8 at a time from each block in turn
-            uint64_t e;
-            std::memcpy(&e, in[i % 8] + 2 + (i / 8) * 8, 8);
-            e ^= 0x8888888888888888ULL;
-            std::memcpy(o + 16 + i * 8, &e, 8);
-          }
-        } else {
-          for (int i = 0; i < 8; ++i) std::memcpy(o + 2 * i, in[i], 2);       // d
-          for (int i = 0; i < 8; ++i) std::memcpy(o + 16 + 2 * i, in[i] + 2, 2);  // dmin
-          uint8_t* sc = o + 32;
-          uint8_t* qs = o + 128;
-          for (int i = 0; i < 128; ++i) std::memcpy(qs + i * 8, in[i % 8] + 16 + (i / 8) * 8, 8);
-          for (int half = 0; half < 2; ++half)
-            for (int i = 0; i < 4; ++i) {
-              uint8_t s[8], m[8];
-              for (int j = 0; j < 8; ++j) {
-                const uint8_t* q = in[j] + 4;  // the block's 12 scale bytes
-                if (half == 0) { s[j] = q[i] & 63; m[j] = q[i + 4] & 63; }
-                else { s[j] = ((q[i] & 192) >> 2) | (q[i + 8] & 15); m[j] = ((q[i + 4] & 192) >> 2) | ((q[i + 8] & 240) >> 4); }
-              }
-              uint8_t* b = sc + half * 48 + i * 12;
-              for (int j = 0; j < 4; ++j) {
-                b[j] = (s[j] & 63) + ((s[j + 4] & 48) << 2);
-                b[j + 4] = (m[j] & 63) + ((m[j + 4] & 48) << 2);
-                b[j + 8] = (s[j + 4] & 15) + ((m[j + 4] & 15) << 4);
-              }
-            }
-        }
-      }
-  });
-  return out;
-}
-
-// y [M, N] = x [M, K] @ W.T over W in repack_x8's layout, by ggml's GEMM (4 rows of x at a time,
-// quantized together by quant4; gemm 0: none) and GEMV (the rest); W's 8-row groups split over
-// torch's threads
-at::Tensor linear_x8(const at::Tensor& x, const at::Tensor& w, int64_t N, int64_t K, int64_t row_bytes,
-                     int64_t xrow_bytes, int64_t gemv, int64_t gemm, int64_t quant4, int64_t from_float,
-                     const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.device().is_cpu() && x.size(-1) == K && N % 8 == 0, "gguf_blocks.linear_x8: x must be a CPU tensor [..., K]");
-  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.numel() == N * row_bytes,
-              "gguf_blocks.linear_x8: w must be contiguous uint8 [N, row_bytes]");
-  auto lead = x.sizes().vec();
-  lead.pop_back();
-  at::Tensor xf = x.reshape({-1, K}).to(at::kFloat).contiguous();
-  const int64_t M = xf.size(0), M4 = gemm ? M - M % 4 : 0;
-  at::Tensor xq = at::empty({M * xrow_bytes}, at::kByte);
-  const float* XF = xf.data_ptr<float>();
-  uint8_t* XQ = xq.data_ptr<uint8_t>();
-  for (int64_t m = 0; m < M4; m += 4) reinterpret_cast<from_float_t>(quant4)(XF + m * K, XQ + m * xrow_bytes, K);
-  if (M > M4) reinterpret_cast<from_float_t>(from_float)(XF + M4 * K, XQ + M4 * xrow_bytes, (M - M4) * K);
-  at::Tensor y = at::empty({M, N}, at::kFloat);
-  float* Y = y.data_ptr<float>();
-  const uint8_t* W = w.data_ptr<uint8_t>();
-  const int64_t groups = N / 8;
-  const int64_t grain = std::max<int64_t>(std::max<int64_t>(1, MIN_BYTES / (8 * row_bytes)),
-                                          groups / std::max<int64_t>(1, at::get_num_threads()));
-  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
-    const int64_t n0 = g0 * 8, nc = (g1 - g0) * 8;
-    if (M4) reinterpret_cast<gemx_t>(gemm)((int)K, Y + n0, N, W + n0 * row_bytes, XQ, (int)M4, (int)nc);
-    for (int64_t m = M4; m < M; ++m)
-      reinterpret_cast<gemx_t>(gemv)((int)K, Y + m * N + n0, N, W + n0 * row_bytes, XQ + m * xrow_bytes, 1, (int)nc);
-  });
-  if (bias.has_value() && bias->defined()) y.add_(bias->to(at::kFloat));
-  lead.push_back(N);
-  return y.view(lead);
-}
-
-// shapes only (torch.compile traces through the op)
-at::Tensor linear_meta(const at::Tensor& x, const at::Tensor&, int64_t N, int64_t, int64_t, int64_t, int64_t,
-                       int64_t, const c10::optional<at::Tensor>&) {
-  auto shape = x.sizes().vec();
-  shape.back() = N;
-  return at::empty(shape, x.options().dtype(at::kFloat));
-}
-at::Tensor linear_x8_meta(const at::Tensor& x, const at::Tensor& w, int64_t N, int64_t K, int64_t rb, int64_t xb,
-                          int64_t, int64_t, int64_t, int64_t, const c10::optional<at::Tensor>& bias) {
-  return linear_meta(x, w, N, K, rb, xb, 0, 0, bias);
-}
-
-}  // namespace
-
-TORCH_LIBRARY(layerline_gguf, m) {
-  m.def("linear(Tensor x, Tensor w, int N, int K, int row_bytes, int xrow_bytes, int vec_dot, int from_float, "
-        "Tensor? bias=None) -> Tensor");
-  m.def("linear_x8(Tensor x, Tensor w, int N, int K, int row_bytes, int xrow_bytes, int gemv, int gemm, "
-        "int quant4, int from_float, Tensor? bias=None) -> Tensor");
-  m.def("repack_x8(Tensor raw, int type, int N, int K) -> Tensor");
-}
-TORCH_LIBRARY_IMPL(layerline_gguf, CPU, m) {
-  m.impl("linear", linear);
-  m.impl("linear_x8", linear_x8);
-  m.impl("repack_x8", repack_x8);
-}
-TORCH_LIBRARY_IMPL(layerline_gguf, Meta, m) {
-  m.impl("linear", linear_meta);
-  m.impl("linear_x8", linear_x8_meta);
-}
-"""
 
 
 class _State:
@@ -263,41 +90,17 @@ def _lib_name(stem: str) -> str:
     return f"{stem}.dylib" if sys.platform == "darwin" else f"{stem}.so"
 
 
-def _build() -> Path:
-    """The C++ op's library, built into cpu_kernels' cache unless already there (one builder at a time)."""
-    cxx, flags = cpu_kernels.compiler()
-    src = SOURCE.replace("MIN_BYTES", str(MIN_BYTES))
-    key = hashlib.sha256("\0".join([src, torch.__version__, cxx, *flags]).encode()).hexdigest()[:16]
-    d = cpu_kernels.cache_dir()
-    d.mkdir(parents=True, exist_ok=True)
-    lib = d / f"layerline_gguf-{key}.so"
-    if lib.exists():
-        return lib
-    with open(d / ".lock-gguf", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if lib.exists():
-            return lib
-        print(f"layerline: building the GGUF block op into {d} (once)", file=sys.stderr, flush=True)
-        with tempfile.TemporaryDirectory(dir=d) as tmp:
-            s, out = Path(tmp) / "layerline_gguf.cpp", Path(tmp) / "layerline_gguf.so"
-            s.write_text(src)
-            r = subprocess.run([cxx, str(s), "-o", str(out), *flags], capture_output=True, text=True,
-                               timeout=BUILD_TIMEOUT_S)
-            if r.returncode != 0:
-                lines = r.stderr.strip().splitlines()
-                first = next((ln for ln in lines if "error" in ln), lines[-1] if lines else f"rc {r.returncode}")
-                raise RuntimeError(f"{cxx} failed: {first.strip()}")
-            os.replace(out, lib)
-    return lib
-
-
 def load() -> bool:
-    """Load ggml's CPU library and build/load the op (once); whether they are in use. Never raises."""
+    """Load layerline's CPU kernels (the ops) and ggml's CPU library (once); whether both are in use.
+    Never raises."""
     if _S.tried:
         return _S.cpu is not None
     _S.tried = True
     if os.environ.get("LAYERLINE_CPU_KERNELS", "auto").strip().lower() == "off":
         _S.why_off = "LAYERLINE_CPU_KERNELS=off"
+        return False
+    if not cpu_kernels.load():  # the ops are layerline_cpu's (csrc/gguf_blocks.h)
+        _S.why_off = f"layerline's CPU kernels are {cpu_kernels.status()}"
         return False
     try:
         d = ggml_lib_dir()
@@ -305,8 +108,7 @@ def load() -> bool:
         ctypes.CDLL(str(d / _lib_name("libggml-base")), mode=ctypes.RTLD_GLOBAL)
         cpu = ctypes.CDLL(str(d / _lib_name("libggml-cpu")), mode=ctypes.RTLD_GLOBAL)
         cpu.ggml_cpu_init()  # fp16 tables, CPU feature state
-        torch.ops.load_library(str(_build()))
-    except (OSError, AttributeError, RuntimeError, subprocess.SubprocessError) as e:
+    except (OSError, AttributeError, RuntimeError) as e:
         _S.why_off = str(e).splitlines()[0] if str(e) else type(e).__name__
         return False
     _S.lib_dir, _S.cpu = d, cpu
@@ -440,17 +242,17 @@ class BlockLinear:
         self.repacked = bool(repack) if repack is not None else can and repack_works(bt.name)
         if self.repacked:
             gemv, gemm, quant4 = (_fn(f) for f in REPACKED[bt.name])
-            self.raw = torch.ops.layerline_gguf.repack_x8(raw, bt.id, out_features, in_features)
+            self.raw = torch.ops.layerline_cpu.gguf_repack_x8(raw, bt.id, out_features, in_features)
             # ggml's GEMM takes 4 rows of x together, and its sums' order differs from its GEMV's: a
             # row's bits would depend on the rows beside it, so it is used only when asked for
             self._args = (out_features, in_features, self.row_bytes, self.xrow_bytes, gemv,
                           0 if batch_invariant else gemm, quant4, self._from_float)
-            self._op = torch.ops.layerline_gguf.linear_x8
+            self._op = torch.ops.layerline_cpu.gguf_linear_x8
         else:
             self.raw = raw
             self._args = (out_features, in_features, self.row_bytes, self.xrow_bytes, self._vec_dot,
                           self._from_float)
-            self._op = torch.ops.layerline_gguf.linear
+            self._op = torch.ops.layerline_cpu.gguf_linear
 
     @property
     def stored_bytes(self) -> int:

@@ -7,6 +7,7 @@
 #include "int4.h"
 #include "attention.h"
 #include "norm_rope.h"
+#include "gguf_blocks.h"
 
 namespace {
 
@@ -52,6 +53,11 @@ TORCH_LIBRARY(layerline_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor");
   m.def("use_isa(int cap) -> int", &use_isa);
+  m.def("gguf_linear(Tensor x, Tensor w, int N, int K, int row_bytes, int xrow_bytes, int vec_dot, "
+        "int from_float, Tensor? bias=None) -> Tensor");
+  m.def("gguf_linear_x8(Tensor x, Tensor w, int N, int K, int row_bytes, int xrow_bytes, int gemv, int gemm, "
+        "int quant4, int from_float, Tensor? bias=None) -> Tensor");
+  m.def("gguf_repack_x8(Tensor raw, int type, int N, int K) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(layerline_cpu, CPU, m) {
   m.impl("linear_bf16", linear_bf16);
@@ -60,6 +66,9 @@ TORCH_LIBRARY_IMPL(layerline_cpu, CPU, m) {
   m.impl("decode_attention", decode_attention);
   m.impl("rms_norm", rms_norm);
   m.impl("rope", rope);
+  m.impl("gguf_linear", gguf_linear);
+  m.impl("gguf_linear_x8", gguf_linear_x8);
+  m.impl("gguf_repack_x8", gguf_repack_x8);
 }
 TORCH_LIBRARY_IMPL(layerline_cpu, Meta, m) {
   m.impl("linear_bf16", linear_bf16_meta);
@@ -67,4 +76,6 @@ TORCH_LIBRARY_IMPL(layerline_cpu, Meta, m) {
   m.impl("linear_int4", linear_int4_meta);
   m.impl("rms_norm", rms_norm_meta);
   m.impl("rope", rope_meta);
+  m.impl("gguf_linear", gguf_linear_meta);
+  m.impl("gguf_linear_x8", gguf_linear_x8_meta);
 }
