@@ -191,3 +191,16 @@ def test_meta_shapes_for_torch_compile(name: str) -> None:
     bl = gguf_blocks.BlockLinear(torch.from_numpy(random_blocks(name, 16, 256, np.random.default_rng(6))), name, 16, 256)
     out = bl._op(torch.empty(2, 3, 256, dtype=torch.bfloat16, device="meta"), bl.raw.to("meta"), *bl._args, None)
     assert out.shape == (2, 3, 16) and out.dtype == torch.float32 and bt.block_bytes
+
+
+@pytest.mark.parametrize("name", ["q4_K", "q6_K", "q8_0", "q4_0"])
+def test_rows_are_the_dequantized_rows(name: str) -> None:
+    rng = np.random.default_rng(7)
+    n, k = 32, 256
+    raw = make_blocks(name, rng.standard_normal((n, k)).astype(np.float32))
+    want = quants.dequantize(raw, qtype(name))
+    ids = torch.tensor([[3, 31, 0], [9, 9, 16]])
+    for repack in ((False, True) if name in gguf_blocks.REPACKED else (False,)):
+        bl = gguf_blocks.BlockLinear(torch.from_numpy(raw.copy()), name, n, k, repack=repack)
+        got = bl.rows(ids)
+        assert got.shape == (2, 3, k) and np.array_equal(got.numpy(), want[ids.numpy()])

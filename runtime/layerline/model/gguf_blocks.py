@@ -279,8 +279,22 @@ class BlockLinear:
 
     def dequantize(self) -> torch.Tensor:
         """W as float32 [out_features, in_features], by ggml's dequantize_row_<type> (tests, fallbacks)."""
-        blocks = self.stored()
-        out = torch.empty(self.out_features, self.in_features, dtype=torch.float32)
+        return self._dequantize(self.stored())
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of W as float32 [*ids.shape, in_features] (an embedding lookup over a tied
+        LM head's blocks), dequantized from those rows' blocks alone."""
+        flat = ids.reshape(-1).long()
+        if not self.repacked:
+            return self._dequantize(self.raw.index_select(0, flat)).view(*ids.shape, self.in_features)
+        groups, inner = torch.unique(flat // 8, return_inverse=True)
+        packed = self.raw.view(self.out_features // 8, -1).index_select(0, groups).numpy()
+        blocks = torch.from_numpy(unrepack_x8(packed, self.type.name, 8 * len(groups), self.in_features))
+        return self._dequantize(blocks.view(len(groups), 8, -1)[inner, flat % 8]).view(*ids.shape, self.in_features)
+
+    def _dequantize(self, blocks: torch.Tensor) -> torch.Tensor:
+        blocks = blocks.contiguous()
+        out = torch.empty(blocks.shape[0], self.in_features, dtype=torch.float32)
         self._dequant(ctypes.c_void_p(blocks.data_ptr()), ctypes.c_void_p(out.data_ptr()),
                       ctypes.c_int64(out.numel()))
         return out
