@@ -90,3 +90,89 @@ class ChatRequest(BaseRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
+
+
+# --- responses -----------------------------------------------------------------------------------
+# Dumped with `model_dump()` and json.dumps, field order as declared: the bodies are the OpenAI
+# API's, plus `token_ids` on every choice (the generated ids, as vLLM's return_token_ids gives them).
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: str | None
+    token_ids: list[int]
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: str | None
+    token_ids: list[int]
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion", "chat.completion"]
+    created: int
+    model: str
+    choices: list[Union[CompletionChoice, ChatChoice]]
+    usage: UsageInfo
+    system_fingerprint: None = None
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(BaseModel):
+    index: int = 0
+    delta: DeltaMessage
+    logprobs: None = None
+    finish_reason: str | None
+    token_ids: list[int]
+
+
+class StreamChunk(BaseModel):
+    """One server-sent event of a stream (object "text_completion" or "chat.completion.chunk");
+    usage only on the last chunk of a choice, or alone (no choices) with include_usage."""
+    id: str
+    object: Literal["text_completion", "chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[Union[CompletionChoice, ChatStreamChoice]]
+    usage: UsageInfo | None = None
+
+    def dump(self) -> dict:
+        out = self.model_dump(exclude={"usage"} if self.usage is None else None)
+        for c in out["choices"]:
+            if "delta" in c:   # a chat delta names only what it carries
+                c["delta"] = {k: v for k, v in c["delta"].items() if v is not None}
+        return out
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "layerline"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -24,8 +24,9 @@ from ..errors import LayerlineError
 from . import auth
 from .async_engine import AsyncEngine, QueueFull, Stream
 from .chat import Detokenizer, TemplateError, TextSide
-from .protocol import (BadRequest, BaseRequest, ChatRequest, CompletionRequest, error_body, error_response,
-                       validation_message)
+from .protocol import (AssistantMessage, BadRequest, BaseRequest, ChatChoice, ChatRequest, ChatStreamChoice,
+                       CompletionChoice, CompletionRequest, CompletionResponse, DeltaMessage, ModelCard, ModelList,
+                       StreamChunk, UsageInfo, error_body, error_response, validation_message)
 
 
 @dataclass
@@ -165,8 +166,7 @@ class OpenAIServing:
         except BadRequest as e:
             return error_response(e)
         cfg = self.cfg
-        return {"object": "list", "data": [{"id": cfg.model_name, "object": "model", "created": cfg.created,
-                                            "owned_by": "layerline", "max_model_len": cfg.context}]}
+        return ModelList(data=[ModelCard(id=cfg.model_name, created=cfg.created, max_model_len=cfg.context)]).model_dump()
 
     # -- one generation
 
@@ -223,9 +223,9 @@ class OpenAIServing:
                 self.engine.cancel(st.sid)  # the client went, or a stop string ended it: free the slot now
 
     @staticmethod
-    def usage(st: Stream) -> dict:
-        return {"prompt_tokens": st.prompt_tokens, "completion_tokens": st.completion_tokens,
-                "total_tokens": st.prompt_tokens + st.completion_tokens}
+    def usage(st: Stream) -> UsageInfo:
+        return UsageInfo(prompt_tokens=st.prompt_tokens, completion_tokens=st.completion_tokens,
+                         total_tokens=st.prompt_tokens + st.completion_tokens)
 
     @staticmethod
     def note(request: Request, req: BaseRequest, st: Stream, finish) -> None:
@@ -257,29 +257,23 @@ class OpenAIServing:
                 note(request, req, st, "disconnected")
                 return Response(status_code=499)
             body = "".join(text_out)
-            choice = ({"index": 0, "message": {"role": "assistant", "content": body}, "logprobs": None,
-                       "finish_reason": finish} if chat else
-                      {"index": 0, "text": body, "logprobs": None, "finish_reason": finish})
-            choice["token_ids"] = toks
+            choice = (ChatChoice(message=AssistantMessage(content=body), finish_reason=finish, token_ids=toks) if chat
+                      else CompletionChoice(text=body, finish_reason=finish, token_ids=toks))
             note(request, req, st, finish)
-            return JSONResponse({"id": rid, "object": obj, "created": created, "model": model,
-                                 "choices": [choice], "usage": usage(st), "system_fingerprint": None})
+            return JSONResponse(CompletionResponse(id=rid, object=obj, created=created, model=model, choices=[choice],
+                                                   usage=usage(st)).model_dump())
 
         chunk_obj = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(delta: str | None, toks: list[int], finish, first: bool = False, use: dict | None = None) -> str:
+        def chunk(delta: str | None, toks: list[int], finish, first: bool = False,
+                  use: UsageInfo | None = None) -> str:
             if chat:
-                d = {} if delta is None else {"content": delta}
-                if first:
-                    d = {"role": "assistant", "content": ""}
-                c = {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}
+                d = DeltaMessage(role="assistant", content="") if first else DeltaMessage(content=delta)
+                c = ChatStreamChoice(delta=d, finish_reason=finish, token_ids=toks)
             else:
-                c = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
-            c["token_ids"] = toks
-            out = {"id": rid, "object": chunk_obj, "created": created, "model": model, "choices": [c]}
-            if use is not None:
-                out["usage"] = use
-            return json.dumps(out)
+                c = CompletionChoice(text=delta or "", finish_reason=finish, token_ids=toks)
+            return json.dumps(StreamChunk(id=rid, object=chunk_obj, created=created, model=model, choices=[c],
+                                          usage=use).dump())
 
         async def events():
             finish = None
@@ -296,8 +290,8 @@ class OpenAIServing:
                     elif delta or toks:
                         yield {"data": chunk(delta, toks, None)}
                 if finish is not None and (req.stream_options or {}).get("include_usage"):
-                    yield {"data": json.dumps({"id": rid, "object": chunk_obj, "created": created,
-                                               "model": model, "choices": [], "usage": usage(st)})}
+                    yield {"data": json.dumps(StreamChunk(id=rid, object=chunk_obj, created=created, model=model,
+                                                          choices=[], usage=usage(st)).dump())}
                 if finish is not None:
                     yield {"data": "[DONE]"}
             except BadRequest as e:
