@@ -172,7 +172,7 @@ def run(a: argparse.Namespace) -> int:
             except (OSError, ValueError) as e:
                 raise LayerlineError(f"--plan {a.plan}: cannot read JSON ({e})") from None
         if plan is not None:
-            from .stages import check_plan
+            from .route import check_plan
             plan = check_plan(plan, f"--plan {a.plan}")
         return _serve(a, plan, keys, admin_keys)
     except LayerlineError as e:

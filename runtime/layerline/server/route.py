@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..planner import pipeline_depth
+from ..errors import LayerlineError
+from ..planner import Plan, pipeline_depth
 
 
 @dataclass(eq=False)
@@ -69,3 +70,16 @@ class Route:
     @property
     def first(self) -> StageState:
         return self.actives[0]
+
+
+def check_plan(plan, what: str) -> dict:
+    """A plan as the server needs it (typed once, then kept as its JSON): one line when it is not one."""
+    if not isinstance(plan, dict) or not isinstance(plan.get("stages"), list):
+        raise LayerlineError(f"{what}: not a plan (no stages list); make one with layerline plan --json")
+    try:
+        Plan.from_dict(plan)
+    except (LayerlineError, KeyError, TypeError, ValueError) as e:
+        raise LayerlineError(f"{what}: not a valid plan ({e})") from None
+    if not any(s.get("role") == "active" and s.get("endpoint") for s in plan["stages"]):
+        raise LayerlineError(f"{what}: no active stage with an endpoint")
+    return plan

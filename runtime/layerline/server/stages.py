@@ -16,24 +16,10 @@ from dataclasses import dataclass
 
 from ..errors import LayerlineError
 from ..pipeline import Pipeline, active_stages, control, pipeline_for_plan, reply_host_for
-from ..planner import Plan
 from ..worker import control_endpoint
 from .failover import Failover
 from .metrics import Metrics
-from .route import StageState
-
-
-def check_plan(plan, what: str) -> dict:
-    """A plan as the server needs it (typed once, then kept as its JSON): one line when it is not one."""
-    if not isinstance(plan, dict) or not isinstance(plan.get("stages"), list):
-        raise LayerlineError(f"{what}: not a plan (no stages list); make one with layerline plan --json")
-    try:
-        Plan.from_dict(plan)
-    except (LayerlineError, KeyError, TypeError, ValueError) as e:
-        raise LayerlineError(f"{what}: not a valid plan ({e})") from None
-    if not any(s.get("role") == "active" and s.get("endpoint") for s in plan["stages"]):
-        raise LayerlineError(f"{what}: no active stage with an endpoint")
-    return plan
+from .route import StageState, check_plan
 
 
 def actives_from_plan(plan: dict) -> list[StageState]:
