@@ -381,7 +381,7 @@ def test_engine_fail_over_keeps_what_the_stages_confirmed():
     one answers seq_unknown: it replays from 0, and a replay a failover caused never counts toward
     max_replays (here 0), however many failovers come; one without a failover does."""
     from layerline.driver import DriveError, Pipeline
-    from layerline.generate import INFLIGHT, READY, Engine, Sequence
+    from layerline.engine import INFLIGHT, READY, Engine, Sequence
     from layerline.pipeline import Answer
 
     with Pipeline("tcp://127.0.0.1:1", timeout_s=30) as pipe:

@@ -98,17 +98,19 @@ def test_kv_budget_from_the_plan():
         {"host": "a", "role": "active", "layers": [0, 2], "endpoint": "tcp://10.0.0.1:9100", "kv_bytes": 2 * 100 * 5000},
         {"host": "b", "role": "active", "layers": [2, 3], "endpoint": "tcp://10.0.0.2:9100", "kv_bytes": 100 * 4096},
         {"host": "c", "role": "standby", "layers": [2, 3], "endpoint": "tcp://10.0.0.3:9100", "kv_bytes": 1}]}
-    assert cli._kv_tokens(plan) == 4096
-    st = cli._stages_from_plan(plan, None)
-    assert [s["control"] for s in st] == ["tcp://10.0.0.1:9101", "tcp://10.0.0.2:9101"]
-    assert [s["peer"] for s in st] == ["a", "b"]
+    from layerline.server.stages import actives_from_plan, kv_tokens
+    assert kv_tokens(plan) == 4096
+    st = actives_from_plan(plan)
+    assert [s.control for s in st] == ["tcp://10.0.0.1:9101", "tcp://10.0.0.2:9101"]
+    assert [s.peer for s in st] == ["a", "b"]
 
 
 def test_a_standby_promoted_on_another_machine_gives_the_route_its_core_group():
     """The route's depth follows its stages' plan entries: three 1-thread stages on one 2-core
     machine keep 2 micro-batches in flight; a standby on a second machine promoted for the middle
     one adds that machine's group (3). A stage without a plan entry (--first) leaves it unsaid."""
-    from layerline.server.failover import Route, StageState
+    from layerline.server.route import Route, StageState
+    from layerline.server.stages import actives_from_plan
 
     def stage(host, machine):
         return StageState(host, f"tcp://{machine}:9100", f"tcp://{machine}:9101", planned={
@@ -120,7 +122,7 @@ def test_a_standby_promoted_on_another_machine_gives_the_route_its_core_group():
     route.switch(2, StageState("d", "tcp://m3:9100", "tcp://m3:9101"))
     assert route.depth() is None
     plan = {"stages": [dict(stage("a", "m1").planned, endpoint="tcp://m1:9100", layers=[0, 2])]}
-    assert cli._stages_from_plan(plan, None)[0]["planned"]["machine"] == "m1"
+    assert actives_from_plan(plan)[0].planned["machine"] == "m1"
 
 
 def _args(*argv):

@@ -511,7 +511,8 @@ def test_the_plans_spin_is_set_before_torch_loads_openmp(argv, inherited, want):
 
 _NICE = """
 import os, threading
-from layerline.worker import lower_priority   # imports torch, which starts a thread of its own
+import torch  # noqa: F401 - starts a thread of its own
+from layerline.worker import lower_priority
 lower_priority(int(os.environ["NICE"]))
 t = threading.Thread(target=lambda: None)     # and one started after
 t.start()
@@ -554,7 +555,7 @@ def test_step_timing_waits_as_a_pipeline_stage_waits(small_ckpt, monkeypatch):
     longer than IDLE_CAP_S, its idle-priority spinners woken as serving wakes them. What it
     returns is the median of the steps after the first. The worker's clock is a fake one that
     each step moves by a set time, so nothing here leans on how fast this machine is."""
-    from layerline import worker as wmod
+    from layerline.worker import stage as wmod
     clock, sleeps, steps, pokes = [0.0], [], [], []
 
     class FakeTime:
@@ -582,11 +583,11 @@ def test_step_timing_waits_as_a_pipeline_stage_waits(small_ckpt, monkeypatch):
         w = SimpleNamespace(stage=stage, torch=torch, kv_dtype=None, margs=stage.args, name="w",
                             args=SimpleNamespace(start=start, end=end, first=start == 0, device="cpu"),
                             awake=SimpleNamespace(poke=lambda: pokes.append(len(steps))))
-        w._zeros_input = lambda b, t: wmod.Worker._zeros_input(w, b, t)
+        w._zeros_input = lambda b, t: wmod.StageCompute._zeros_input(w, b, t)
         return w
 
     one = worker_of(timed(load_stage(str(small_ckpt), 1, 2, False, False, precision="fp32"), 0.002), 1, 2)
-    assert wmod.Worker.measure_step(one, steps=8) == pytest.approx(0.002)
+    assert wmod.StageCompute.measure_step(one, steps=8) == pytest.approx(0.002)
     assert len(steps) == 1 + 8, "the prefix, then the timed steps"
     assert [after for _, after in sleeps] == list(range(2, 9)), "an idle before every timed step but the first"
     assert [s for s, _ in sleeps] == pytest.approx([0.006] * 7), "the 3 other layers at this stage's 2 ms a layer"
@@ -594,10 +595,10 @@ def test_step_timing_waits_as_a_pipeline_stage_waits(small_ckpt, monkeypatch):
     steps.clear()
     sleeps.clear()
     whole = worker_of(timed(load_stage(str(small_ckpt), 0, 4, True, True, precision="fp32"), 0.002), 0, 4)
-    assert wmod.Worker.measure_step(whole, steps=3) == pytest.approx(0.002)
+    assert wmod.StageCompute.measure_step(whole, steps=3) == pytest.approx(0.002)
     assert sleeps == [], "one stage of every layer never waits"
     monkeypatch.setattr(wmod, "IDLE_CAP_S", 0.001)
     steps.clear()
     sleeps.clear()
-    wmod.Worker.measure_step(one, steps=3)
+    wmod.StageCompute.measure_step(one, steps=3)
     assert [s for s, _ in sleeps] == [0.001, 0.001]

@@ -5,7 +5,7 @@ stage answers whoever asked. Each request carries an id and a deadline; stages a
 compute time to the header, so one result tells where the time went. With `epoch` set (the
 generation engine's wire epoch, which every failover and route switch raises) every forward
 carries it, and a stage drops one of an older epoch than a newer forward of the same sequence
-it has seen (layerline.worker).
+it has seen (layerline.model.kv.KVPool).
 
 Off loopback (or with curve="on") both of its sockets run CURVE with the controller's keys
 dir (keys_dir; `layerline drive --keys DIR`): the DEALER to stage 0 trusts only the first

@@ -1,4 +1,6 @@
-"""The route state kept on the controller: which hosts are drained and which worker slot serves.
+"""What the controller keeps between deploys (route.json): which hosts are drained, which worker
+slot serves, which standbys were promoted (DrainState). The route itself, the ordered stages the
+server drives with their epoch, is layerline.server.route.Route.
 
 A drain (drain.yml) or a rejoin (deploy.yml -e layerline_rejoin=HOST) changes the hosts the
 pipeline runs on while the server keeps answering. The new route's workers start beside the
@@ -37,13 +39,14 @@ def _names(v, what: str) -> list[str]:
 
 
 @dataclass(frozen=True)
-class RouteState:
+class DrainState:
+    """route.json: the drained hosts, the serving slot, the promoted standbys."""
     slot: int = 0
     drained: tuple[str, ...] = field(default_factory=tuple)
     promoted: tuple[tuple[str, str], ...] = field(default_factory=tuple)   # (standby, the host it replaced)
 
     @classmethod
-    def from_dict(cls, d: dict | None) -> "RouteState":
+    def from_dict(cls, d: dict | None) -> "DrainState":
         d = d or {}
         if not isinstance(d, dict):
             raise LayerlineError(f"{ROUTE_FILE}: not a JSON object; remove it to start from slot 0 with no "
@@ -66,7 +69,7 @@ class RouteState:
         return out
 
 
-def load_route(home: str | os.PathLike) -> RouteState:
+def load_route(home: str | os.PathLike) -> DrainState:
     """The route state kept in layerline_home/route.json: slot 0 with nothing drained when there is
     none (or it is empty). The one place the file is read; the playbooks read it through the
     layerline_route filter."""
@@ -76,19 +79,19 @@ def load_route(home: str | os.PathLike) -> RouteState:
         with open(path, "rb") as f:
             raw = f.read()
     except FileNotFoundError:
-        return RouteState()
+        return DrainState()
     except OSError as e:
         raise LayerlineError(f"{path}: cannot be read ({e.strerror}); fix its permissions or {fix}") from None
     if not raw.strip():
-        return RouteState()
+        return DrainState()
     try:
         saved = json.loads(raw)
     except ValueError as e:
         raise LayerlineError(f"{path}: not valid JSON ({e}); {fix}") from None
-    return RouteState.from_dict(saved)
+    return DrainState.from_dict(saved)
 
 
-def next_route(state: RouteState, hosts: list[str], drain=None, rejoin=None) -> tuple[RouteState, bool]:
+def next_route(state: DrainState, hosts: list[str], drain=None, rejoin=None) -> tuple[DrainState, bool]:
     """The route after draining and rejoining the named hosts, and whether it changed.
 
     A change moves the workers to the other slot, so the old route keeps serving until the switch."""
@@ -115,10 +118,10 @@ def next_route(state: RouteState, hosts: list[str], drain=None, rejoin=None) -> 
     slot = (1 - state.slot) if changed else state.slot
     # a promotion lasts while its host is drained and its standby is not
     promoted = tuple((sb, h) for sb, h in state.promoted if h in drained and sb not in drained and sb in hosts)
-    return RouteState(slot=slot, drained=tuple(drained), promoted=promoted), changed
+    return DrainState(slot=slot, drained=tuple(drained), promoted=promoted), changed
 
 
-def promote_in_place(plan: dict, before: RouteState, after: RouteState) -> tuple[dict, RouteState] | None:
+def promote_in_place(plan: dict, before: DrainState, after: DrainState) -> tuple[dict, DrainState] | None:
     """The running plan without the newly drained hosts, when that needs no worker to start or
     move: an active host's stage is taken by its standby (which holds the same layers, precision
     and KV), a drained standby just leaves. Returns it with the route state that remembers the
@@ -150,10 +153,10 @@ def promote_in_place(plan: dict, before: RouteState, after: RouteState) -> tuple
     if not any(s.get("role") == "active" for s in stages):
         return None
     return ({**plan, "stages": stages},
-            RouteState(slot=before.slot, drained=after.drained, promoted=tuple(promoted.items())))
+            DrainState(slot=before.slot, drained=after.drained, promoted=tuple(promoted.items())))
 
 
-def host_order(hosts: list[str], state: RouteState) -> list[str]:
+def host_order(hosts: list[str], state: DrainState) -> list[str]:
     """Inventory order with each promoted standby where the host it replaced stood, so a later
     plan gives it that host's place in the pipeline."""
     promoted = dict(state.promoted)

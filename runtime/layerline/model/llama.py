@@ -54,6 +54,7 @@ from ..checkpoint import SUPPORTED_MODEL_TYPES, CheckpointError
 from ..errors import LayerlineError
 from ..precision import of_dtype, precision, torch_dtype
 from . import COMPILE_MODES, cpu_kernels
+from .kv import KVCache, StageCache, check_write, kv_update
 from .moe import ExpertStore, SparseMoE
 from .quant import (Int4Linear, Int8Embedding, Int8Linear, Linear, int4_linear, int8_linear, make_linear,
                     quant_name, require_int4)
@@ -333,79 +334,6 @@ _LIB.impl("rows_attention", rows_attention, "CompositeExplicitAutograd")
 def _(q, k, v, pos, layer):
     b, nh, t, hd = q.shape
     return q.new_empty(b, t, nh * hd)
-
-
-def kv_update(kbuf: torch.Tensor, vbuf: torch.Tensor, pos: torch.Tensor, k: torch.Tensor,
-              v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The one KV cache update (gpt-fast's `KVCache.update`): write k, v [b, n_kv, T, hd] at
-    positions `pos` (int64 [T]) of the buffers [batch >= b, n_kv, max_len, hd] and return the
-    buffers' first b rows, every position (the caller narrows them to the keys it attends)."""
-    if kbuf.shape[0] != k.shape[0]:  # a cache of more rows than this step has
-        kbuf, vbuf = kbuf[:k.shape[0]], vbuf[:k.shape[0]]
-    if k.dtype != kbuf.dtype:
-        k, v = k.to(kbuf.dtype), v.to(vbuf.dtype)
-    kbuf.index_copy_(2, pos, k)
-    vbuf.index_copy_(2, pos, v)
-    return kbuf, vbuf
-
-
-class KVCache(nn.Module):
-    """One layer's keys and values: buffers [batch, n_kv_heads, max_len, head_dim]."""
-
-    def __init__(self, batch: int, n_kv_heads: int, max_len: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str | None = None):
-        super().__init__()
-        shape = (batch, n_kv_heads, max_len, head_dim)
-        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-
-    def update(self, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k, v [B, n_kv, T, hd] at positions `pos` (int64 [T]); the buffers' first B rows."""
-        return kv_update(self.k, self.v, pos, k, v)
-
-
-class StageCache:
-    """The KV caches of one stage's layers for one sequence (of `batch` rows), and how many
-    tokens they hold: the one record of a sequence's length (the stage's forward keeps it)."""
-
-    def __init__(self, layers: list[KVCache]):
-        self.layers = layers
-        self.length = 0
-        self.epoch = -1  # the wire epoch of the last forward that wrote it (layerline.worker drops older ones)
-
-    @property
-    def batch(self) -> int:
-        return self.layers[0].k.shape[0]
-
-    @property
-    def max_len(self) -> int:
-        return self.layers[0].k.shape[2]
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.layers[0].k.dtype
-
-    @property
-    def nbytes(self) -> int:
-        return sum(c.k.numel() * c.k.element_size() * 2 for c in self.layers)
-
-    def reset(self) -> None:
-        """Forget the cached tokens (the buffers are overwritten as new ones come)."""
-        self.length = 0
-
-    def rows(self) -> list["StageCache"]:
-        """One one-row cache per row, over this cache's buffers (views, no copy): how a compiled
-        step takes a sequence of several rows. Their lengths are not kept; this cache's is."""
-        if self.batch == 1:
-            return [self]
-        return [StageCache([_RowKV(c.k[i:i + 1], c.v[i:i + 1]) for c in self.layers]) for i in range(self.batch)]
-
-
-@dataclass
-class _RowKV:
-    """One row of a layer's KV buffers (views into them)."""
-    k: torch.Tensor
-    v: torch.Tensor
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -927,14 +855,7 @@ class Stage(nn.Module):
                 raise LayerlineError(f"start_pos {start_pos} without a KV cache: a forward without cache "
                                      "must start at position 0")
         else:
-            if not 0 <= start_pos <= cache.length:
-                raise LayerlineError(f"start_pos {start_pos}: the KV cache holds {cache.length} tokens; "
-                                     "positions must continue from at most there (replay the prefix)")
-            if start_pos + t > cache.max_len:
-                raise LayerlineError(f"KV cache full: {start_pos + t} tokens do not fit its {cache.max_len}; "
-                                     "raise --kv-context")
-            if b > cache.batch:
-                raise LayerlineError(f"batch {b} is larger than the KV cache's {cache.batch}")
+            check_write(cache, start_pos, t, b)
         return self._run(h, [start_pos], None if cache is None else [cache], last_only)
 
     @torch.inference_mode()
@@ -955,13 +876,7 @@ class Stage(nn.Module):
         if len({id(c) for c in caches}) != b:
             raise LayerlineError("rows: a sequence appears twice; step each sequence once per message")
         for i, (p, c) in enumerate(zip(positions, caches)):
-            if type(p) is not int or not 0 <= p <= c.length:
-                raise LayerlineError(f"rows[{i}]: position {p!r}: its KV cache holds {c.length} tokens; "
-                                     "positions must continue from at most there (replay the prefix)")
-            if p + 1 > c.max_len:
-                raise LayerlineError(f"rows[{i}]: KV cache full: {p + 1} tokens do not fit its {c.max_len}")
-            if c.batch != 1:
-                raise LayerlineError(f"rows[{i}]: a KV cache of {c.batch} rows; a row steps a one-row sequence")
+            check_write(c, p, 1, 1, exact_batch=True, where=f"rows[{i}]: ", what="position")
             if len(c.layers) != len(self.layers):
                 raise LayerlineError(f"rows[{i}]: a KV cache of {len(c.layers)} layers, this stage has "
                                      f"{len(self.layers)}")

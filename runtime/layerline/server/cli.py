@@ -144,50 +144,6 @@ def _check_port(host: str, port: int) -> None:
                                  "server on that port? pick another --port (layerline_serve_port)") from None
 
 
-def _stages_from_plan(plan: dict, ctl) -> list[dict]:
-    from ..pipeline import active_stages
-    from ..worker import control_endpoint
-    out = []
-    for s in active_stages(plan):
-        out.append({"name": str(s.get("host")), "endpoint": str(s["endpoint"]), "layers": s.get("layers"),
-                    "control": control_endpoint(str(s["endpoint"])), "peer": str(s.get("host")), "planned": s})
-    return out
-
-
-def _standbys_from_plan(plan: dict) -> list[dict]:
-    from ..worker import control_endpoint
-    return [{"name": str(s.get("host")), "endpoint": str(s["endpoint"]), "layers": s.get("layers"),
-             "control": control_endpoint(str(s["endpoint"])), "peer": str(s.get("host")),
-             "standby_for": s.get("standby_for"), "planned": s}
-            for s in plan["stages"] if s.get("role") == "standby" and s.get("endpoint")]
-
-
-def _stages_from_first(first: str, ctl, first_key: str | None) -> list[dict]:
-    """Every stage, by asking each worker's control socket for its next hop."""
-    from ..worker import control_endpoint
-    out, endpoint, peer = [], first, first_key
-    while endpoint and len(out) < 64:
-        try:
-            h = ctl(control_endpoint(endpoint), peer)
-        except LayerlineError as e:
-            raise LayerlineError(f"--first {first}: stage {len(out)} at {endpoint} does not answer ({e})") from None
-        out.append({"name": h.get("name"), "endpoint": endpoint, "layers": h.get("layers"),
-                    "control": control_endpoint(endpoint), "peer": peer})
-        endpoint, peer = h.get("next"), h.get("next_key")
-    return out
-
-
-def _kv_tokens(plan: dict) -> int | None:
-    from ..pipeline import active_stages
-    bpt = (plan.get("kv") or {}).get("bytes_per_token")
-    got = []
-    for s in active_stages(plan):
-        layers = s.get("layers") or [0, 0]
-        if s.get("kv_bytes") and bpt and layers[1] > layers[0]:
-            got.append(int(s["kv_bytes"]) // (int(bpt) * (layers[1] - layers[0])))
-    return min(got) if got else None
-
-
 def _logger(path: str | None) -> None:
     log = logging.getLogger("layerline.server")
     log.setLevel(logging.INFO)
@@ -215,120 +171,41 @@ def run(a: argparse.Namespace) -> int:
                     plan = json.load(f)
             except (OSError, ValueError) as e:
                 raise LayerlineError(f"--plan {a.plan}: cannot read JSON ({e})") from None
-        return _serve(a, _check_plan(plan, f"--plan {a.plan}") if plan is not None else None, keys, admin_keys)
+        if plan is not None:
+            from .route import check_plan
+            plan = check_plan(plan, f"--plan {a.plan}")
+        return _serve(a, plan, keys, admin_keys)
     except LayerlineError as e:
         return _fail(str(e))
     except KeyboardInterrupt:
         return 130
 
 
-def _check_plan(plan, what: str) -> dict:
-    """A plan as the server needs it (typed once, then kept as its JSON): one line when it is not one."""
-    from ..planner import Plan
-    if not isinstance(plan, dict) or not isinstance(plan.get("stages"), list):
-        raise LayerlineError(f"{what}: not a plan (no stages list); make one with layerline plan --json")
-    try:
-        Plan.from_dict(plan)
-    except (LayerlineError, KeyError, TypeError, ValueError) as e:
-        raise LayerlineError(f"{what}: not a valid plan ({e})") from None
-    if not any(s.get("role") == "active" and s.get("endpoint") for s in plan["stages"]):
-        raise LayerlineError(f"{what}: no active stage with an endpoint")
-    return plan
-
-
-def _serve(a, plan: dict | None, keys, admin_keys=None) -> int:
+def _serve(a, plan: dict | None, keys: list[bytes] | None, admin_keys: list[bytes] | None = None) -> int:
     import torch
     import uvicorn
 
-    from ..pipeline import Pipeline, control, pipeline_for_plan
-    from .api import ServerConfig, create_app
+    from .app import build_app
+    from .async_engine import AsyncEngine
     from .chat import TextSide
-    from .failover import Failover, StageState
+    from .failover import Failover
     from .metrics import Metrics
-    from .scheduler import Scheduler
+    from .serving import ServerConfig
+    from .stages import (Pipes, StageClient, StageOps, actives_from_plan, kv_tokens, stages_from_first,
+                         standbys_from_plan)
 
     # The server's only tensor work is sampling a few logits rows, too small to share out; with
     # OpenMP's threads it left one spinning after every step on the cores the stages decode on.
     torch.set_num_threads(1)
     text = TextSide.load(a.checkpoint)
-
-    def ctl(endpoint: str, peer: str | None, timeout_s: float = 3.0) -> dict:
-        return control(endpoint, "health", timeout_s=timeout_s, keys_dir=a.keys, peer=peer, curve=a.curve)
-
-    stages = _stages_from_plan(plan, ctl) if plan else _stages_from_first(a.first, ctl, a.first_key)
+    client = StageClient(a.keys, a.curve, a.health_deadline)
+    stages = actives_from_plan(plan) if plan else stages_from_first(a.first, client, a.first_key)
     context = a.context or (int(plan["kv"]["context"]) if plan and (plan.get("kv") or {}).get("context") else None) \
         or text.context or 4096
-    kv_tokens = a.kv_tokens or (_kv_tokens(plan) if plan else None) or context
-
-    route = {"plan": plan}   # the plan the engine drives now (a route switch replaces it)
-
-    def open_pipe():
-        if route["plan"]:
-            return pipeline_for_plan(route["plan"], keys_dir=a.keys, reply_host=a.reply_host, curve=a.curve,
-                                     timeout_s=a.timeout)
-        from ..pipeline import reply_host_for
-        return Pipeline(a.first, reply_host=a.reply_host or reply_host_for(a.first), timeout_s=a.timeout,
-                        keys_dir=a.keys, first_key=a.first_key, curve=a.curve)
-
-    def states_of(stages: list[dict], standbys: list[dict]) -> list[StageState]:
-        peer_of.update({s["name"]: s["peer"] for s in stages + standbys})
-        return [StageState(s["name"], s["endpoint"], s["control"], "active", None, s["layers"], s.get("planned"))
-                for s in stages] + \
-            [StageState(s["name"], s["endpoint"], s["control"], "standby", s["standby_for"], s["layers"],
-                        s.get("planned")) for s in standbys]
-
-    peer_of: dict[str, str | None] = {}
-    states = states_of(stages, _standbys_from_plan(plan) if plan else [])
-    failover = None
-
-    def switch_route(new_plan) -> dict:
-        """POST /admin/route: drive the new plan's stages from the next step on (module doc of failover)."""
-        new_plan = _check_plan(new_plan, "plan")
-        if route["plan"] is None:
-            raise LayerlineError("this server was started with --first, not --plan; restart it with --plan to "
-                                 "switch routes")
-        new_states = states_of(_stages_from_plan(new_plan, ctl), _standbys_from_plan(new_plan))
-        if [(s.host, s.endpoint, s.role) for s in new_states] == \
-                [(s.host, s.endpoint, s.role) for s in failover.stages]:
-            return {"epoch": failover.route.epoch, "carried_over": 0, "unchanged": True,
-                    "stages": [s.host for s in failover.route.actives]}
-
-        def pipe():
-            old, route["plan"] = route["plan"], new_plan
-            try:
-                return open_pipe()
-            except Exception:
-                route["plan"] = old
-                raise
-        out = failover.switch(new_states, pipe, timeout_s=a.timeout)
-        metrics.route_epoch.set(out["epoch"])
-        return out
-
-    def health() -> tuple[bool, list[dict]]:
-        """The route's active stages, each asked now (and the standbys, as the monitor last saw them)."""
-        ok, out = True, []
-        for st in (failover.route.actives if failover else states):
-            rep = {"name": st.host, "endpoint": st.endpoint, "layers": st.layers}
-            try:
-                h = ctl(st.control, peer_of.get(st.host), a.health_deadline)
-                rep.update(ok=True, uptime_s=h.get("uptime_s"))
-            except LayerlineError as e:
-                ok = False
-                rep.update(ok=False, error=str(e))
-            out.append(rep)
-        return ok, out
-
-    def stage_health(st, timeout_s: float) -> dict:
-        return ctl(st.control, peer_of.get(st.host), timeout_s)
-
-    def set_next(pred, standby) -> None:
-        control(pred.control, "set_next", timeout_s=a.health_deadline + 3, keys_dir=a.keys,
-                peer=peer_of.get(pred.host), curve=a.curve, next=standby.endpoint, next_key=standby.host)
-
-    def pipe_into(st):
-        from ..pipeline import reply_host_for
-        return Pipeline(st.endpoint, reply_host=a.reply_host or reply_host_for(st.endpoint), timeout_s=a.timeout,
-                        keys_dir=a.keys, first_key=peer_of.get(st.host), curve=a.curve)
+    kv = a.kv_tokens or (kv_tokens(plan) if plan else None) or context
+    # the plan the engine drives now (a route switch replaces it), or the pipeline from --first
+    pipes = Pipes(a.keys, a.curve, a.timeout, a.reply_host, plan=plan, first=None if plan else a.first,
+                  first_key=a.first_key)
 
     _logger(a.log_file)
     # the engine's thread and the event loop share the GIL: hand it over sooner than the
@@ -337,20 +214,19 @@ def _serve(a, plan: dict | None, keys, admin_keys=None) -> int:
     name = a.model_name or (os.path.basename(os.path.normpath(a.checkpoint)) if a.checkpoint else "layerline")
     metrics = Metrics()
     # with a plan, the pipe's depth (pipeline_for_plan); with --first, one micro-batch per stage
-    sched = Scheduler(open_pipe, stages=a.microbatches or (None if plan else len(stages)), kv_tokens=kv_tokens,
-                      max_running=a.max_running, max_queue=a.max_queue, chunk=a.chunk, busy_chunk=a.busy_chunk,
-                      metrics=metrics)
-    sched.start()
-    failover = Failover(states, health=stage_health, set_next=set_next, engine=sched.call, open_pipe=pipe_into,
-                        metrics=metrics, interval=a.health_interval, deadline=a.health_deadline,
-                        restart_wait=a.restart_wait, on_lost=_on_lost(a.on_stage_lost, a.log_file))
+    engine = AsyncEngine(pipes.open, stages=a.microbatches or (None if plan else len(stages)), kv_tokens=kv,
+                         max_running=a.max_running, max_queue=a.max_queue, chunk=a.chunk, busy_chunk=a.busy_chunk,
+                         metrics=metrics)
+    engine.start()
+    failover = Failover(stages + (standbys_from_plan(plan) if plan else []), health=client.health,
+                        set_next=client.set_next, engine=engine.call, open_pipe=pipes.into, metrics=metrics,
+                        interval=a.health_interval, deadline=a.health_deadline, restart_wait=a.restart_wait,
+                        on_lost=_on_lost(a.on_stage_lost, a.log_file))
     failover.start()
     try:
-        app = create_app(sched, text, ServerConfig(name, context, kv_tokens, keys, a.max_body_bytes,
-                                                   a.default_max_tokens, health,
-                                                   standbys=lambda: failover.reports()[1],
-                                                   admin_keys=admin_keys, switch_route=switch_route))
-        print(f"{PROG}: {name} over {len(stages)} stage(s), context {context}, KV {kv_tokens} tokens; "
+        cfg = ServerConfig(name, context, kv, keys, a.max_body_bytes, a.default_max_tokens, admin_keys=admin_keys)
+        app = build_app(engine, text, cfg, StageOps(failover, client, pipes, metrics, switch_timeout_s=a.timeout))
+        print(f"{PROG}: {name} over {len(stages)} stage(s), context {context}, KV {kv} tokens; "
               f"listening on http://{a.host}:{a.port}{' (API keys)' if keys else ''}", file=sys.stderr, flush=True)
         config = uvicorn.Config(app, host=a.host, port=a.port, log_level="warning", access_log=False,
                                 lifespan="off", timeout_graceful_shutdown=5)
@@ -366,8 +242,8 @@ def _serve(a, plan: dict | None, keys, admin_keys=None) -> int:
                             port = sock.getsockname()[1]
                     atomic_write_json(a.ready_file, {
                         "pid": os.getpid(), "url": f"http://{a.host}:{port}", "host": a.host, "port": port,
-                        "model": name, "stages": [s["endpoint"] for s in stages], "context": context,
-                        "kv_tokens": kv_tokens, "api_keys": bool(keys), "time": time.time()}, mode=0o644)
+                        "model": name, "stages": [s.endpoint for s in stages], "context": context,
+                        "kv_tokens": kv, "api_keys": bool(keys), "time": time.time()}, mode=0o644)
         server = Server(config)
         try:
             server.run()
@@ -381,7 +257,7 @@ def _serve(a, plan: dict | None, keys, admin_keys=None) -> int:
                                               "of this machine)")
     finally:
         failover.stop()
-        sched.stop()
+        engine.stop()
 
 
 def main(argv: list[str] | None = None) -> int:

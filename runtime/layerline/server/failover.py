@@ -41,68 +41,11 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..errors import LayerlineError
-from ..planner import pipeline_depth
+from .route import Route, StageState
 
 log = logging.getLogger("layerline.server")
 
 UP, DOWN, RESTARTED = "up", "down", "restarted"
-
-
-@dataclass(eq=False)
-class StageState:
-    """One planned stage as the monitor sees it."""
-    host: str
-    endpoint: str             # data endpoint
-    control: str              # control endpoint (data port + 1 unless the plan says otherwise)
-    role: str = "active"      # active | standby
-    standby_for: str | None = None
-    layers: list | None = None
-    planned: dict | None = None   # its plan entry (where it runs: the route's depth reads it); None with --first
-    up: bool | None = None    # None: not probed yet
-    retired: bool = False     # no longer part of the server's stages (after a route switch)
-    pid: int | None = None
-    uptime_s: float | None = None
-    last_ok: float = 0.0
-    error: str | None = None
-
-    def report(self) -> dict:
-        out = {"name": self.host, "endpoint": self.endpoint, "layers": self.layers, "role": self.role,
-               "ok": bool(self.up)}
-        if self.standby_for:
-            out["standby_for"] = self.standby_for
-        if self.up:
-            out["uptime_s"] = self.uptime_s
-        elif self.error:
-            out["error"] = self.error
-        return out
-
-
-@dataclass
-class Route:
-    """The ordered active stages and an epoch, incremented at every switch."""
-    actives: list[StageState]
-    epoch: int = 0
-
-    def index(self, host: str) -> int:
-        for i, s in enumerate(self.actives):
-            if s.host == host:
-                return i
-        return -1
-
-    def switch(self, i: int, new: StageState) -> None:
-        self.actives[i] = new
-        self.epoch += 1
-
-    def depth(self) -> int | None:
-        """Micro-batches worth keeping in flight through these stages (planner.pipeline_depth), or
-        None when a stage has no plan entry (a --first server keeps one per stage)."""
-        if any(s.planned is None for s in self.actives):
-            return None
-        return pipeline_depth([s.planned for s in self.actives])
-
-    @property
-    def first(self) -> StageState:
-        return self.actives[0]
 
 
 @dataclass

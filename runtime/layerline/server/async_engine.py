@@ -1,4 +1,4 @@
-"""The generation engine (layerline.generate.Engine) in a thread of its own, fed from asyncio.
+"""The engine (layerline.engine.Engine) in a thread of its own, fed from asyncio (vLLM's AsyncLLMEngine).
 
 The engine's thread opens the Pipeline and alone touches its ZeroMQ sockets. Requests go in
 through a thread-safe inbox (a byte on a pipe wakes the engine's poll); tokens come out through
@@ -18,7 +18,7 @@ from typing import Callable
 
 from ..pipeline import Pipeline
 from ..errors import LayerlineError
-from ..generate import Engine, Sampling, Sequence
+from ..engine import Engine, Sampling, Sequence
 from .metrics import Metrics
 
 
@@ -58,7 +58,10 @@ def _deliver(events: list) -> None:
         st.events.put_nowait(ev)
 
 
-class Scheduler:
+class AsyncEngine:
+    """The engine's thread and the hand-over to and from it: requests in (`submit`, `cancel`,
+    `call`), each request's events out to its asyncio loop, the engine's gauges into metrics."""
+
     def __init__(self, open_pipe: Callable[[], Pipeline], *, stages: int | None, kv_tokens: int | None,
                  max_running: int, max_queue: int, chunk: int = 128, busy_chunk: int = 64,
                  metrics: Metrics | None = None,

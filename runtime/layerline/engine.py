@@ -1,0 +1,554 @@
+"""The engine: continuous batching across the pipeline, the one that both `generate()` and the server drive.
+
+Every sequence is one row with its own KV cache at each stage (its own `seq` id on the wire)
+and its own sampling state (a seeded torch.Generator). The engine keeps each sequence's
+token history and what the stages hold of it; every step it
+
+- feeds waiting prompts in chunks (at most `chunk` tokens per message, so a long prompt never
+  stalls running streams for long; one such chunk in flight while others decode),
+- steps the decoding sequences as micro-batches of rows (`rows` messages: each row its own
+  sequence at its own position), with as many micro-batches in flight as the pipeline's depth
+  (the plan's core groups: stages sharing a machine's cores take turns anyway), so no machine
+  idles while another computes; sequences join and leave at every step,
+- replays a sequence's history from position 0 when a stage lost its cache (restart,
+  promotion, eviction: error code "seq_unknown"),
+- fails over when told a stage is gone or the route changes (`fail_over`): the wire epoch goes
+  up (every forward carries it; a stage drops one of an older epoch than the last that wrote its
+  sequence there), every request in flight is forgotten (late answers are dropped as unknown),
+  and nothing is dispatched until `resume` (after `replace_pipe` when stage 0 changed); then each
+  running sequence is resent from what every stage confirmed (`held`): stages that kept its cache
+  rewind to there and go on, a stage that lost it (restarted, promoted, newly planned) answers
+  seq_unknown and just that sequence replays from 0, a replay that does not count toward
+  max_replays. Or it fails them all with `unavailable` (a "stage_down" error, HTTP 503) when
+  nothing came back.
+
+Stages that do not speak `rows` yet get one message per sequence per step (all in flight).
+`layerline.generate.generate()` is a thin wrapper: add every prompt, run until all are done. The
+server runs the same Engine in its own thread (`Engine.serve`, through
+layerline.server.async_engine), the ZeroMQ sockets owned by that thread.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import queue
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import zmq
+
+from .errors import LayerlineError
+from .model.sampling import sample
+from .pipeline import Answer, DriveError, Pipeline, StepResult
+from .wire import MAX_BATCH, MAX_SEQS
+
+
+@dataclass
+class Sampling:
+    temperature: float = 0.0   # 0: greedy
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise LayerlineError(f"--temperature {self.temperature}: must be >= 0 (0 is greedy)")
+        if not 0 < self.top_p <= 1:
+            raise LayerlineError(f"--top-p {self.top_p}: must be in (0, 1]")
+
+
+# --- one sequence ---------------------------------------------------------------------------------
+
+WAITING, READY, INFLIGHT, DONE = "waiting", "ready", "inflight", "done"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One generation: its history, what the stages hold of it, and where its tokens go.
+
+    sink(kind, value) is called from the engine's thread: ("admitted", None), ("token", id),
+    ("done", "stop"|"length"|"cancelled"), ("error", message), ("unavailable", message) (a stage
+    is down and nothing took its place in time). It must not block.
+    """
+    sid: str
+    prompt: list[int]
+    max_new: int
+    sampling: Sampling = field(default_factory=Sampling)
+    eos: frozenset = frozenset()
+    sink: Callable[[str, object], None] | None = None
+    gen: torch.Generator | None = None
+    tokens: list[int] = field(default_factory=list)   # prompt + generated
+    held: int = 0                  # tokens every stage holds in its cache
+    state: str = WAITING
+    replays: int = 0               # replays that count toward the engine's max_replays
+    failed_over: bool = False      # a failover since its last answer: a replay it causes is not counted
+    finish: str | None = None
+    error: str | None = None
+
+    def __post_init__(self):
+        if not self.tokens:
+            self.tokens = list(self.prompt)
+        if self.gen is None:
+            self.gen = torch.Generator().manual_seed(int(self.sampling.seed) & 0x7FFF_FFFF_FFFF_FFFF)
+
+    @property
+    def reserve(self) -> int:
+        """Tokens this sequence may reach: each stage sizes its KV cache (and the engine its budget) by it."""
+        return len(self.prompt) + self.max_new
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[len(self.prompt):]
+
+    def emit(self, kind: str, value=None) -> None:
+        if self.sink is not None:
+            self.sink(kind, value)
+
+
+# --- rows: many sequences, one token each, in one message ------------------------------------------
+
+def rows_supported(pipe: Pipeline, timeout_s: float = 30.0) -> bool:
+    """Whether the stages take `rows` messages, learnt from a probe that leaves no error behind:
+    a one-token sequence, then one rows step of it. Remembered on the pipeline."""
+    known = getattr(pipe, "_layerline_rows", None)
+    if known is not None:
+        return known
+    probe = f"rowsprobe-{os.getpid()}-{next(_counter)}"
+    poller = zmq.Poller()
+    poller.register(pipe.to_first, zmq.POLLIN)
+    poller.register(pipe.results, zmq.POLLIN)
+
+    def answer(rid: str) -> Answer:
+        deadline = time.perf_counter() + timeout_s
+        while time.perf_counter() < deadline:
+            for sock, _ in poller.poll(max(1, int((deadline - time.perf_counter()) * 1000))):
+                for a in pipe.answers(sock):
+                    if a.rid == rid:
+                        return a
+        pipe.forget([rid])
+        raise DriveError(f"no answer from the pipeline at {pipe.first} within {timeout_s:.0f} s; "
+                         "are the workers running? (check each worker's health)")
+    try:
+        a = answer(pipe.submit(torch.zeros(1, 1, dtype=torch.int64), seq=probe, pos=0, cache=True,
+                               last_only=True, reserve=2))
+        if a.error is not None:
+            raise a.error
+        a = answer(pipe.submit_rows([(probe, 1)], torch.zeros(1, 1, dtype=torch.int64)))
+        ok = a.result is not None or a.error.code == "seq_unknown"
+    finally:
+        pipe.release(probe)
+    pipe._layerline_rows = ok
+    return ok
+
+
+# --- the engine -----------------------------------------------------------------------------------
+
+class Engine:
+    """Continuous batching over one Pipeline. Owns sequences, sampling, replays, micro-batches.
+
+    Not thread-safe: one thread calls everything (generate() runs it to completion; the server
+    runs `serve` in a thread of its own and talks to it through `inbox`).
+
+    stages: micro-batches kept in flight (default: the pipeline's depth, which a plan gives as its
+    core groups; else one per stage, learnt from the results' timings). chunk: prompt tokens per
+    message; busy_chunk: the same while other sequences decode (smaller, so a prompt delays their
+    steps less). kv_tokens: KV tokens every stage can hold across sequences: a sequence is
+    admitted when its reserve (prompt + max_new) fits beside the running ones.
+    max_running: sequences admitted at once (a stage keeps at most MAX_SEQS caches).
+    """
+
+    def __init__(self, pipe: Pipeline, *, stages: int | None = None, chunk: int = 128,
+                 busy_chunk: int = 64, kv_tokens: int | None = None, max_running: int = MAX_SEQS, max_replays: int = 2,
+                 rows: bool | None = None, record: bool = False, raise_errors: bool = False,
+                 on_step: Callable[[StepResult, str, int], None] | None = None):
+        if chunk < 1:
+            raise LayerlineError(f"chunk {chunk}: must be at least 1")
+        self.pipe = pipe
+        self.stages = stages
+        self._stages_seen = 0     # stages in the last result (the depth when neither stages nor the pipe say)
+        self.chunk = chunk
+        self.busy_chunk = max(1, busy_chunk)
+        self.kv_tokens = kv_tokens
+        self.max_running = max(1, min(max_running, MAX_SEQS))
+        self.max_replays = max_replays
+        self.rows = rows
+        self.record = record
+        self.raise_errors = raise_errors
+        self.on_step = on_step
+        self.waiting: deque[Sequence] = deque()
+        self.running: dict[str, Sequence] = {}
+        self.kv_used = 0
+        self.inflight: dict[str, tuple[str, list[Sequence], list[int]]] = {}  # rid -> (kind, seqs, positions)
+        self.steps: list[StepResult] = []
+        self.decode_steps: list[StepResult] = []
+        self._decode_marks: list[tuple[float, int]] = []   # (when, tokens) of each decode step (record)
+        self._prefill_done = 0.0                           # when the last prefill answer came (record)
+        self.replays = 0
+        self.paused: str | None = None   # why nothing is dispatched (a failover in progress)
+        self.down: str | None = None     # why requests are refused (no route serves)
+        self.failovers = 0
+        # the wire epoch, stamped on every forward, is held by the pipeline alone (Engine.epoch reads it)
+        pipe.epoch = 0
+        self.poller = zmq.Poller()
+        self.poller.register(pipe.to_first, zmq.POLLIN)
+        self.poller.register(pipe.results, zmq.POLLIN)
+
+    # -- requests in
+
+    def add(self, s: Sequence) -> None:
+        if not s.prompt:
+            raise LayerlineError("input ids: give at least one non-empty prompt")
+        if s.max_new < 1:
+            raise LayerlineError(f"max new tokens {s.max_new}: must be at least 1")
+        if self.kv_tokens is not None and s.reserve > self.kv_tokens:
+            raise LayerlineError(f"sequence {s.sid}: prompt {len(s.prompt)} + max new tokens {s.max_new} = "
+                                 f"{s.reserve} tokens is over the stages' KV budget of {self.kv_tokens}")
+        s.state = WAITING
+        self.waiting.append(s)
+
+    def cancel(self, sid: str) -> None:
+        """Drop a sequence at once (its client went away): its slot and KV are free for the next."""
+        for s in self.waiting:
+            if s.sid == sid:
+                self.waiting.remove(s)
+                self._finish(s, "cancelled", release=False)
+                return
+        s = self.running.get(sid)
+        if s is not None:
+            self._finish(s, "cancelled")
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one turn: admit, dispatch, wait for answers
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.max_running:
+            s = self.waiting[0]
+            if self.kv_tokens is not None and self.kv_used + s.reserve > self.kv_tokens and self.running:
+                return  # first come, first served: later requests do not overtake it
+            self.waiting.popleft()
+            self.kv_used += s.reserve
+            self.running[s.sid] = s
+            s.state = READY
+            s.emit("admitted")
+
+    @property
+    def depth(self) -> int:
+        """Micro-batches kept in flight: `stages`, else the pipeline's depth, else the stages seen."""
+        return max(1, self.stages or self.pipe.depth or self._stages_seen or 1)
+
+    def _dispatch(self) -> None:
+        if self.paused is not None:
+            return
+        ready = [s for s in self.running.values() if s.state == READY]
+        if not ready:
+            return
+        if self.rows is None:
+            self.rows = rows_supported(self.pipe)
+        prefill = [s for s in ready if s.held == 0 or len(s.tokens) - s.held > 1 or not self.rows]
+        prefill.sort(key=lambda s: len(s.tokens) == len(s.prompt))  # replays (they have tokens) go out first
+        decode = [s for s in ready if not (s.held == 0 or len(s.tokens) - s.held > 1 or not self.rows)]
+        kinds = [k for k, _, _ in self.inflight.values()]
+        decoding = len(decode) + sum(len(seqs) for k, seqs, _ in self.inflight.values() if k == "rows")
+        # prompts fill what decode micro-batches leave of the pipeline's depth, and at least one
+        # chunk is in flight (decode steps queued behind it wait); without rows every sequence
+        # steps alone, all in flight
+        cap = len(prefill) if not self.rows else max(1, self.depth - min(self.depth, decoding))
+        n_pre = sum(k == "seq" for k in kinds) if self.rows else 0
+        # while others decode, prompts go in smaller chunks: a chunk delays every decode step queued behind it
+        chunk = min(self.chunk, self.busy_chunk) if (self.rows and decoding) else self.chunk
+        for s in prefill:
+            if n_pre >= cap:
+                break
+            self._submit_seq(s, chunk)
+            n_pre += 1
+        if decode:
+            per = min(MAX_BATCH, math.ceil(decoding / self.depth))
+            n_rows = sum(k == "rows" for k in kinds)
+            while decode and n_rows < self.depth:
+                batch, decode = decode[:per], decode[per:]
+                self._submit_rows(batch)
+                n_rows += 1
+
+    def _submit_seq(self, s: Sequence, chunk: int) -> None:
+        n = min(chunk, len(s.tokens) - s.held)
+        ids = torch.tensor([s.tokens[s.held:s.held + n]], dtype=torch.int64)
+        rid = self.pipe.submit(ids, seq=s.sid, pos=s.held, cache=True, last_only=True,
+                               reserve=s.reserve if s.held == 0 else None)
+        s.state = INFLIGHT
+        self.inflight[rid] = ("seq", [s], [n])
+
+    def _submit_rows(self, batch: list[Sequence]) -> None:
+        ids = torch.tensor([[s.tokens[-1]] for s in batch], dtype=torch.int64)
+        rid = self.pipe.submit_rows([(s.sid, s.held) for s in batch], ids)
+        for s in batch:
+            s.state = INFLIGHT
+        self.inflight[rid] = ("rows", batch, [1] * len(batch))
+
+    def _wait(self, timeout_ms: int | None, wake=None) -> bool:
+        """Handle every answer that arrives within timeout_ms; True when `wake` (an fd) fired."""
+        woke = False
+        if self.inflight:
+            oldest = min(self.pipe._pending.get(r, time.perf_counter()) for r in self.inflight)
+            left_ms = int(max(0.0, self.pipe.timeout_s - (time.perf_counter() - oldest)) * 1000) + 1
+            timeout_ms = left_ms if timeout_ms is None else min(timeout_ms, left_ms)
+        for sock, _ in self.poller.poll(timeout_ms):
+            if sock is self.pipe.to_first or sock is self.pipe.results:
+                for a in self.pipe.answers(sock):
+                    self._answer(a)
+            elif sock == wake:
+                woke = True
+        self._expire()
+        return woke
+
+    def _expire(self) -> None:
+        now = time.perf_counter()
+        for rid in list(self.inflight):
+            sent = self.pipe._pending.get(rid)
+            if sent is not None and now - sent <= self.pipe.timeout_s:
+                continue
+            _, seqs, _ = self.inflight.pop(rid)
+            self.pipe.forget([rid])
+            err = DriveError(f"request {rid}: no result within {self.pipe.timeout_s:.0f} s; a stage after "
+                             f"{self.pipe.first} is down or slow (check each worker's log and health)")
+            self._fail([s for s in seqs if s.state == INFLIGHT], err)
+
+    def _fail(self, seqs: list[Sequence], err: DriveError) -> None:
+        if self.raise_errors:
+            raise err
+        for s in seqs:
+            s.error = str(err)
+            self._finish(s, "error")
+
+    def _answer(self, a: Answer) -> None:
+        got = self.inflight.pop(a.rid, None)
+        if got is None:
+            return
+        kind, seqs, fed = got
+        live = [s for s in seqs if s.state == INFLIGHT]  # cancelled ones are gone already
+        if a.error is not None:
+            if a.error.code != "seq_unknown":
+                self._fail(live, a.error)
+                return
+            lost = set(a.error.seqs) if kind == "rows" and a.error.seqs is not None else {s.sid for s in seqs}
+            for s in live:
+                if s.sid not in lost:
+                    s.state = READY  # nothing was applied: step it again
+                    continue
+                if s.failed_over:  # the failover's stage lost it: not this sequence's fault
+                    s.failed_over = False
+                elif s.replays >= self.max_replays:
+                    self._fail([s], a.error)
+                    continue
+                else:
+                    s.replays += 1
+                self.replays += 1
+                s.held = 0  # replay its whole history from position 0 (writes are idempotent by position)
+                s.state = READY
+            return
+        res = a.result
+        if self.on_step is not None:
+            self.on_step(res, kind, len(seqs))
+        sampled: list[tuple[int, Sequence]] = []
+        for i, (s, n) in enumerate(zip(seqs, fed)):
+            if s.state != INFLIGHT:
+                continue
+            s.held += n
+            s.state = READY
+            s.failed_over = False
+            if s.held == len(s.tokens):
+                sampled.append((i, s))
+        if not sampled:
+            return
+        if self.record:
+            self.steps.append(res)
+            now = time.perf_counter()
+            if kind == "rows" or (fed[0] == 1 and len(seqs[0].tokens) > len(seqs[0].prompt)):
+                self.decode_steps.append(res)
+                self._decode_marks.append((now, len(sampled)))
+            elif len(seqs[0].tokens) == len(seqs[0].prompt):  # a prompt's prefill (a replay moves nothing)
+                self._prefill_done = now
+        logits = res.logits[:, -1].float()
+        greedy = [i for i, s in sampled if s.sampling.temperature == 0]
+        picks = dict(zip(greedy, logits[greedy].argmax(-1).tolist())) if greedy else {}
+        for i, s in sampled:
+            tok = picks[i] if i in picks else int(sample(logits[i:i + 1], s.sampling.temperature,
+                                                         s.sampling.top_p, s.gen)[0])
+            s.tokens.append(tok)
+            s.emit("token", tok)
+            if tok in s.eos:
+                self._finish(s, "stop")
+            elif len(s.tokens) - len(s.prompt) >= s.max_new:
+                self._finish(s, "length")
+        if res.timings:
+            self._stages_seen = len(res.timings)
+
+    def _finish(self, s: Sequence, reason: str, release: bool = True) -> None:
+        if s.state == DONE:
+            return
+        was_running = self.running.pop(s.sid, None) is not None
+        if was_running:
+            self.kv_used -= s.reserve
+        s.state, s.finish = DONE, reason
+        if release and was_running:
+            try:
+                self.pipe.release(s.sid)
+            except zmq.ZMQError:
+                pass
+        if reason == "unavailable":
+            s.emit("unavailable", s.error)
+        elif reason == "error":
+            s.emit("error", s.error)
+        else:
+            s.emit("done", reason)
+
+    # -- failover (the server's monitor calls these in the engine's thread)
+
+    @property
+    def epoch(self) -> int:
+        """The wire epoch: up at every fail_over (a waited-for stage too, so it is not the server's
+        Route.epoch, which counts promotions and switches)."""
+        return self.pipe.epoch
+
+    def fail_over(self, reason: str) -> int:
+        """A stage is gone or the route changes: a new epoch, everything in flight forgotten, nothing
+        dispatched until resume(). Then every running sequence is resent from what every stage
+        confirmed (held); a stage that lost it answers seq_unknown and it replays from 0, uncounted
+        toward max_replays. Returns how many running sequences had something in the stages."""
+        self.paused = reason
+        self.failovers += 1
+        self.pipe.epoch += 1   # what is still on its way at a stage is dropped once this one passed
+        self.pipe.forget(list(self.inflight))  # late answers to these are dropped as unknown
+        self.inflight.clear()
+        n = 0
+        for s in self.running.values():
+            if s.state in (READY, INFLIGHT):
+                n += bool(s.held or s.state == INFLIGHT)
+                s.state = READY   # resent at held: whatever of its in-flight step a stage applied is rewound
+                s.failed_over = True
+        return n
+
+    def resume(self) -> None:
+        """Dispatch again (the replays go out first)."""
+        self.paused = None
+        self.down = None
+
+    def unavailable(self, message: str) -> int:
+        """Nothing took the lost stage's place: fail every request (HTTP 503) and refuse new ones
+        until resume(). Returns how many failed."""
+        self.paused = self.down = message
+        self.pipe.forget(list(self.inflight))
+        self.inflight.clear()
+        seqs = list(self.running.values()) + list(self.waiting)
+        self.waiting.clear()
+        for s in seqs:
+            s.error = message
+            self._finish(s, "unavailable", release=False)
+        return len(seqs)
+
+    def decode_window(self) -> tuple[int, float]:
+        """(tokens, seconds) decoded after the last prefill answer (Generation.decode_window)."""
+        after = [(t, n) for t, n in self._decode_marks if t > self._prefill_done]
+        if not after:
+            return 0, 0.0
+        return sum(n for _, n in after), after[-1][0] - self._prefill_done
+
+    def replace_pipe(self, pipe: Pipeline) -> None:
+        """Drive a new stage 0 (a promoted standby): the old pipeline's sockets close, answers still
+        on their way to it are lost with them (fail_over has forgotten their requests)."""
+        old = self.pipe
+        for sock in (old.to_first, old.results):
+            if sock is not None:
+                try:
+                    self.poller.unregister(sock)
+                except KeyError:
+                    pass
+        self.pipe = pipe
+        pipe.epoch = old.epoch
+        self.poller.register(pipe.to_first, zmq.POLLIN)
+        self.poller.register(pipe.results, zmq.POLLIN)
+        if getattr(old, "_layerline_rows", None) is not None:
+            pipe._layerline_rows = old._layerline_rows
+        old.close()
+
+    # -- drivers
+
+    def run(self) -> None:
+        """Until every sequence added so far is done (generate())."""
+        while self.busy:
+            self._admit()
+            self._dispatch()
+            if self.inflight:
+                self._wait(None)
+
+    def close(self) -> None:
+        """Stop waiting for anything in flight; release every live sequence's caches."""
+        self.pipe.forget(list(self.inflight))
+        self.inflight.clear()
+        for s in list(self.running.values()):
+            self._finish(s, "cancelled")
+        while self.waiting:
+            self._finish(self.waiting.popleft(), "cancelled", release=False)
+
+    def serve(self, inbox: "queue.SimpleQueue", wake_fd: int, stopped: Callable[[], bool],
+              on_turn: Callable[["Engine"], None] | None = None) -> None:
+        """The server's loop: take ("add", Sequence) / ("cancel", sid) from inbox (a byte on
+        wake_fd says there is something), step everything, until stopped()."""
+        self.poller.register(wake_fd, zmq.POLLIN)
+        try:
+            while not stopped():
+                while True:
+                    try:
+                        op, arg = inbox.get_nowait()
+                    except queue.Empty:
+                        break
+                    if op == "add":
+                        if self.down is not None:
+                            arg.error = self.down
+                            arg.state = DONE
+                            arg.emit("unavailable", self.down)
+                            continue
+                        try:
+                            self.add(arg)
+                        except LayerlineError as e:
+                            arg.error = str(e)
+                            arg.state = DONE
+                            arg.emit("error", str(e))
+                    elif op == "cancel":
+                        self.cancel(arg)
+                    elif op == "call":  # (fn, box): fn(engine) in this thread, its result or error in box
+                        fn, box = arg
+                        try:
+                            box.put((True, fn(self)))
+                        except Exception as e:  # noqa: BLE001 - handed to the caller
+                            box.put((False, e))
+                woke = False
+                try:
+                    self._admit()
+                    self._dispatch()
+                    if on_turn is not None:
+                        on_turn(self)
+                    woke = self._wait(1000, wake_fd)
+                except Exception as e:  # noqa: BLE001 - no request takes the engine down: it fails them
+                    self.pipe.forget(list(self.inflight))
+                    self.inflight.clear()
+                    err = e if isinstance(e, DriveError) else DriveError(f"{e.__class__.__name__}: {e}")
+                    self._fail(list(self.running.values()), err)
+                    if on_turn is not None:
+                        on_turn(self)
+                if woke:
+                    try:
+                        os.read(wake_fd, 4096)
+                    except BlockingIOError:
+                        pass
+        finally:
+            self.poller.unregister(wake_fd)
+            self.close()
+
+
+_counter = itertools.count()

@@ -1,0 +1,178 @@
+"""The OpenAI API's request and response shapes: pydantic request models, error objects.
+
+Errors are OpenAI error objects {"error": {"message", "type", "param", "code"}}; a request the
+server refuses raises BadRequest, which the router answers as one.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal, Union
+
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+# --- errors ------------------------------------------------------------------------------------
+
+
+class BadRequest(Exception):
+    """A request the server refuses: answered as an OpenAI error object with this HTTP status."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None, status: int = 400,
+                 type_: str = "invalid_request_error", headers: dict | None = None):
+        super().__init__(message)
+        self.message, self.param, self.code, self.status, self.type, self.headers = \
+            message, param, code, status, type_, headers
+
+
+def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def error_response(e: BadRequest) -> JSONResponse:
+    return JSONResponse(error_body(e.message, e.type, e.param, e.code), status_code=e.status, headers=e.headers)
+
+
+def validation_message(err: ValidationError) -> tuple[str, str | None]:
+    first = err.errors()[0]
+    loc = ".".join(str(x) for x in first.get("loc", ()))
+    # a union reports each branch; the field's own name is what a user needs
+    param = str(first["loc"][0]) if first.get("loc") else None
+    return f"{loc or 'body'}: {first.get('msg')}", param
+
+
+# --- requests ----------------------------------------------------------------------------------
+
+
+class BaseRequest(BaseModel):
+    # strict: "5" is not a number, "yes" not a boolean; unknown fields are accepted and ignored
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    seed: int | None = Field(None, ge=-(2 ** 63), lt=2 ** 64)   # what a 64-bit generator seed holds
+    stop: str | list[str] | None = Field(None)
+    stream: bool | None = False
+    stream_options: dict[str, Any] | None = None
+    user: str | None = Field(None, max_length=256)
+    n: int | None = Field(None, ge=1, le=1)
+    ignore_eos: bool | None = False   # as vLLM: generate max_tokens whatever the model says
+
+    def stops(self) -> list[str]:
+        s = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        if len(s) > 4:
+            raise BadRequest("stop: at most 4 stop strings", "stop")
+        return s
+
+
+class CompletionRequest(BaseRequest):
+    prompt: Union[str, list[int], list[str], list[list[int]]]
+    echo: bool | None = False
+    logprobs: int | None = None
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: Union[str, list[TextPart], None] = None
+    name: str | None = None
+
+
+class ChatRequest(BaseRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = False
+
+
+# --- responses -----------------------------------------------------------------------------------
+# Dumped with `model_dump()` and json.dumps, field order as declared: the bodies are the OpenAI
+# API's, plus `token_ids` on every choice (the generated ids, as vLLM's return_token_ids gives them).
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: str | None
+    token_ids: list[int]
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: str | None
+    token_ids: list[int]
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion", "chat.completion"]
+    created: int
+    model: str
+    choices: list[Union[CompletionChoice, ChatChoice]]
+    usage: UsageInfo
+    system_fingerprint: None = None
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(BaseModel):
+    index: int = 0
+    delta: DeltaMessage
+    logprobs: None = None
+    finish_reason: str | None
+    token_ids: list[int]
+
+
+class StreamChunk(BaseModel):
+    """One server-sent event of a stream (object "text_completion" or "chat.completion.chunk");
+    usage only on the last chunk of a choice, or alone (no choices) with include_usage."""
+    id: str
+    object: Literal["text_completion", "chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[Union[CompletionChoice, ChatStreamChoice]]
+    usage: UsageInfo | None = None
+
+    def dump(self) -> dict:
+        out = self.model_dump(exclude={"usage"} if self.usage is None else None)
+        for c in out["choices"]:
+            if "delta" in c:   # a chat delta names only what it carries
+                c["delta"] = {k: v for k, v in c["delta"].items() if v is not None}
+        return out
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "layerline"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

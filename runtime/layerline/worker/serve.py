@@ -1,0 +1,130 @@
+"""The worker process: its sockets, its compute and the loop that feeds one from the other.
+
+Every data message is validated; any failure becomes an error reply (to the sender, and to the
+driver's reply_to when it names one), never a dead worker. `op: release, seq` frees a sequence's
+KV cache here and on every later stage. Control messages are answered between data messages
+(layerline.worker.control).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import zmq
+
+from .. import awake, wire
+from ..errors import LayerlineError
+from ..files import atomic_write_json
+from ..model import cpu_kernels
+from ..model.kv import KVRows, Stale
+from . import control
+from .sockets import Sockets
+from .stage import StageCompute
+
+
+class Worker:
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.name = args.name or f"stage{args.start}-{args.end}"
+        # keys first: a host that cannot speak CURVE fails before it loads any layer
+        self.net = Sockets(args, self.name)
+        self.compute = StageCompute(args, self.name)
+        self.net.open()
+        self.running = True
+        # spinners as many as the threads a step runs on; they spin only after a message
+        ms = awake.WINDOW_S * 1000 if args.awake_ms is None else args.awake_ms
+        self.awake = awake.Awake(self.compute.torch.get_num_threads(), ms / 1000)
+        self.compute.prepare(self.awake)
+
+    def write_ready(self) -> None:
+        if not self.args.ready_file:
+            return
+        c = self.compute
+        info = {"pid": os.getpid(), "name": self.name, "bind": self.args.bind, "control": self.net.control_addr,
+                "layers": [self.args.start, self.args.end], "precision": self.args.precision,
+                "device": self.args.device, "curve": self.net.curve_bind, "compile": self.args.compile,
+                "compiled": c.stage.compiled, "compile_s": c.compile_s,
+                "compile_error": c.stage.compile_error, "kernels": cpu_kernels.status(),
+                "step_s": c.step_s, "time": time.time()}
+        os.makedirs(os.path.dirname(os.path.abspath(self.args.ready_file)), exist_ok=True)
+        atomic_write_json(self.args.ready_file, info, mode=0o644)
+
+    def handle_data(self, frames: list) -> None:
+        ident, body = frames[0], frames[1:]
+        stats = self.compute.stats
+        h = None
+        try:
+            h, tensors = wire.decode(body)
+            if h["op"] == "release":
+                seq = wire.require(h, "seq", str)
+                self.compute.kv.release(seq)
+                if self.net.next is not None:
+                    self.net.send_next(wire.encode({"op": "release", "seq": seq}))
+                return
+            if h["op"] != "forward":
+                raise wire.WireError(f"header.op: {h['op']!r} is not a data op here (forward, release)")
+            if "reply_to" in h:
+                wire.endpoint(h["reply_to"], "header.reply_to")
+            elif self.args.last:
+                raise wire.WireError("header.reply_to: required, the last stage sends results there")
+            stats.requests += 1
+            out_h, out_t = self.compute.forward(h, tensors)
+            msg = wire.encode(out_h, out_t)
+            if self.args.last:
+                self.net.send(self.net.peer(h["reply_to"]), msg, h["reply_to"])
+            else:
+                self.net.send_next(msg)
+        except Stale:
+            stats.stale_dropped += 1
+        except (wire.WireError, KVRows) as e:  # the message's fault
+            stats.rejected += 1
+            self._error(ident, h, str(e))
+        except Exception as e:  # noqa: BLE001 - the worker never dies of one request
+            stats.errors += 1
+            text = str(e) if isinstance(e, LayerlineError) else f"{e.__class__.__name__}: {e}"
+            self._error(ident, h, text, getattr(e, "code", None), getattr(e, "header", None))
+
+    def _error(self, ident, h: dict | None, text: str, code: str | None = None, extra: dict | None = None) -> None:
+        reply = {"op": "error", "stage": self.name, "error": text[:2000]}
+        if code:
+            reply["code"] = code
+        if extra:
+            reply.update(extra)
+        if h and isinstance(h.get("id"), str):
+            reply["id"] = h["id"]
+        msg = wire.encode(reply)
+        # the sender hears it; the driver waits on its result socket (reply_to), so it hears there too
+        try:
+            self.net.data.send_multipart([ident, *msg], flags=zmq.NOBLOCK)
+            if h and "reply_to" in h:
+                self.net.peer(h["reply_to"]).send_multipart(msg, flags=zmq.NOBLOCK)
+        except Exception:  # noqa: BLE001 - an unreachable asker is not a reason to die
+            pass
+
+    def serve(self) -> None:
+        net = self.net
+        poller = zmq.Poller()
+        poller.register(net.data, zmq.POLLIN)
+        poller.register(net.control, zmq.POLLIN)
+        self.write_ready()
+        while self.running:
+            for sock, _ in poller.poll(500):
+                frames = sock.recv_multipart(copy=False)
+                if len(frames) < 2:
+                    continue
+                if sock is net.data:
+                    self.handle_data(frames)
+                    self.awake.poke()  # the next message is due within a pipeline's step
+                else:
+                    control.handle(self, frames)
+        self.close()
+
+    def close(self) -> None:
+        self.awake.close()
+        self.net.close()
+        if self.args.ready_file:
+            try:
+                os.unlink(self.args.ready_file)
+            except FileNotFoundError:
+                pass

@@ -1,0 +1,278 @@
+"""The worker's compute: its layers, their KV pool, the warm-up and step timing, and the forward
+of one data message (checked, computed, answered as a header and tensors).
+
+Data messages (op forward; tensor `input_ids` [B, T] int64 at the first stage, `hidden`
+[B, T, hidden] after it; the last stage sends op result with `logits` to `reply_to`):
+- no cache: pos 0 (or none), the whole input at once;
+- one sequence: `cache: true`, `seq`, `pos` (where the T new tokens start: 0 starts it anew),
+  `reserve` (tokens to size its cache for), T tokens, B rows of that one sequence;
+- rows of different sequences (continuous batching): `cache: true`, `rows: [[seq, pos], ...]`
+  (no top-level seq or pos), one new token per row ([B, 1] ids / [B, 1, hidden], B = len(rows)),
+  row i at position pos of its own sequence (prefilled by one-sequence messages with batch 1);
+  `logits: "last"` gives [B, 1, vocab].
+What a cached sequence must hold, and what happens when it holds more, is the KV pool's contract
+(layerline.model.kv.KVPool): a sequence this stage lacks or holds fewer than pos tokens of fails
+the message with code "seq_unknown" and `seqs` in the error header, so the sender replays just
+those from 0; one it holds more of is rewound to pos.
+`epoch` (optional, an integer >= 0): the driver's wire epoch, passed on to the next stage. A
+forward of an older epoch than the last one that wrote any of its sequences here is dropped
+unanswered (its driver forgot it; computing it could rewind what the newer one wrote), counted in
+`stats` as stale_dropped. Forwards without an epoch are never dropped.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import precision, timing_lock, wire
+from ..errors import LayerlineError
+from ..model.kv import KVPool
+from ..wire import MAX_BATCH, MAX_SEQS
+
+IDLE_CAP_S = 0.05  # the longest idle measure_step waits before a timed step
+
+
+@dataclass
+class Stats:
+    started: float = field(default_factory=time.time)
+    requests: int = 0
+    errors: int = 0
+    rejected: int = 0
+    stale_dropped: int = 0
+    compute_s: float = 0.0
+
+
+class StageCompute:
+    """One stage's layers and KV pool, loaded when made; `prepare` compiles and times it."""
+
+    def __init__(self, args: argparse.Namespace, name: str):
+        from ..model.loader import load_stage
+
+        self.torch = torch
+        self.args, self.name = args, name
+        self.awake = None  # the process's spinners (layerline.awake), given to prepare
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        torch.manual_seed(args.rng_seed)
+        with self._timing_lock(exclusive=False):  # no co-located stage times its step meanwhile
+            self.stage = load_stage(args.checkpoint, args.start, args.end, args.first, args.last,
+                                    precision=args.precision, device=args.device,
+                                    expert_cache_bytes=args.expert_cache_bytes)
+        self.margs = self.stage.args
+        self.compile_s: float | None = None
+        self.step_s: float | None = None
+        # KV: the plan's dtype (else the precision table's rule) and budget (bytes this stage may
+        # hold across sequences)
+        kv = precision.kv_name(args.precision, args.kv_dtype)
+        self.kv_dtype = precision.torch_dtype(kv)
+        per_token = (2 * self.margs.num_kv_heads * self.margs.head_dim * precision.kv_bytes(kv)
+                     * (args.end - args.start))
+        self.kv = KVPool(lambda batch, tokens: self.stage.new_cache(batch, tokens, dtype=self.kv_dtype),
+                         bytes_per_token=per_token,
+                         budget=args.kv_bytes if args.kv_bytes else args.kv_context * per_token,
+                         max_seqs=MAX_SEQS, context=args.kv_context, name=name)
+        self.stats = Stats()
+
+    def prepare(self, awake) -> None:
+        """Compile (when asked) and time the decode step: before the worker says it is ready.
+        awake: the process's spinners, poked while timing as serving pokes them."""
+        self.awake = awake
+        if self.args.compile != "off":
+            with self._timing_lock(exclusive=False):
+                self.warm_up(self.args.compile)
+        with self._timing_lock(exclusive=True) as alone:
+            if alone is False:
+                print(f"layerline worker {self.name}: timing the decode step without --time-alone's lock "
+                      f"{timing_lock.lock_path(self.args.time_alone)} (another stage kept it over "
+                      f"{timing_lock.WAIT_S:.0f} s, or it cannot be opened): the time may include that "
+                      "stage's work", file=sys.stderr, flush=True)
+            self.step_s = self.measure_step()
+
+    def _timing_lock(self, exclusive: bool):
+        """--time-alone's lock (timing_lock.held), or nothing (None) without it."""
+        if self.args.time_alone is None:
+            return contextlib.nullcontext()
+        return timing_lock.held(exclusive, timing_lock.lock_path(self.args.time_alone))
+
+    def warm_up(self, mode: str) -> None:
+        """Compile the decode step before serving, so no request waits minutes for it: one graph per
+        ROWS_BUCKETS (a sequence's rows, or rows of several sequences: the engine's micro-batches);
+        attention runs outside the graphs, so any cache length reuses them."""
+        self.stage.compile(mode)
+        if not self.stage.compiled:
+            print(f"layerline worker {self.name}: --compile {mode}: MoE stages decode eagerly "
+                  "(expert routing is data-dependent)", flush=True)
+            return
+        print(f"layerline worker {self.name}: compiling the decode step (--compile {mode}); "
+              "this takes a while the first time", flush=True)
+        from ..model.llama import ROWS_BUCKETS
+        t0 = time.perf_counter()
+        caches = [self.stage.new_cache(1, 8, dtype=self.kv_dtype) for _ in range(ROWS_BUCKETS[-1])]
+        for b in ROWS_BUCKETS:
+            self.stage.forward_rows(self._zeros_input(b, 1), [0] * b, caches[:b])
+            if not self.stage.compiled:
+                print(f"layerline worker {self.name}: --compile {mode} failed, decoding eagerly: "
+                      f"{self.stage.compile_error} (install a C++ compiler on this host, or set "
+                      "layerline_compile: off)", file=sys.stderr, flush=True)
+                return
+            print(f"layerline worker {self.name}: steps of {b} row{'s' if b > 1 else ''} compiled "
+                  f"({time.perf_counter() - t0:.0f} s)", flush=True)
+        self.compile_s = time.perf_counter() - t0
+
+    def _zeros_input(self, b: int, t: int):
+        """A stand-in input of b rows of t tokens for this stage (ids, or hidden states), on its device."""
+        shape = (b, t) if self.args.first else (b, t, self.margs.hidden_size)
+        return self.torch.zeros(shape, dtype=self.torch.int64 if self.args.first else self.stage.dtype,
+                                device=self.args.device)
+
+    def measure_step(self, prefix: int = 32, budget_s: float = 1.0, steps: int = 12) -> float | None:
+        """Seconds of one decode step of one sequence, as serving runs it (compiled when compiled),
+        after a `prefix`-token prompt: what the plan's predicted_s predicts. Reported in the ready
+        file and `stats`; the launch keeps measured / predicted in the probe cache per precision
+        and compile mode (cost.step_factor) for the next plan. The median of up to `steps` steps
+        within about `budget_s` (the first warms caches and is left out): the planner predicts
+        what serving will see, and on a shared machine the fastest step says too little.
+
+        Each timed step follows an idle wait as long as the model's other layers take at this
+        stage's speed (at most IDLE_CAP_S), as a pipeline stage waits for its input: a step after
+        an idle runs slower on VMs than one run back to back, and back-to-back timing predicted
+        pipelined stages too fast."""
+        torch = self.torch
+        try:
+            cache = self.stage.new_cache(1, prefix + 1, dtype=self.kv_dtype)
+            self.stage(self._zeros_input(1, prefix), start_pos=0, cache=cache)
+            x = self._zeros_input(1, 1)
+            own = max(1, self.args.end - self.args.start)
+            rest = max(0, self.margs.num_layers - own) / own
+            times, deadline, idle = [], time.perf_counter() + budget_s, 0.0
+            for i in range(steps):
+                if idle:
+                    self.awake.poke()  # as serving keeps the CPUs between messages
+                    time.sleep(idle)
+                t0 = time.perf_counter()
+                self.stage(x, start_pos=prefix, cache=cache)  # the same position again: its KV is overwritten
+                if self.args.device.startswith("cuda"):
+                    torch.cuda.synchronize()
+                times.append(time.perf_counter() - t0)
+                idle = min(IDLE_CAP_S, times[-1] * rest)
+                if i >= 4 and time.perf_counter() > deadline:
+                    break
+            return sorted(times[1:])[len(times[1:]) // 2]
+        except Exception as e:  # noqa: BLE001 - a worker that cannot time itself still serves
+            print(f"layerline worker {self.name}: could not time a decode step: {e}", file=sys.stderr, flush=True)
+            return None
+
+    # --- one data message ------------------------------------------------------------------------
+
+    def _validate_input(self, h: dict, tensors: dict):
+        key = "input_ids" if self.args.first else "hidden"
+        if set(tensors) != {key}:
+            raise wire.WireError(f"tensors: stage {self.name} takes exactly one tensor named {key!r}")
+        x = tensors[key]
+        if self.args.first:
+            if x.dtype != torch.int64 or x.dim() != 2:
+                raise wire.WireError("input_ids: must be int64 of shape [batch, tokens]")
+            if x.numel() and (int(x.min()) < 0 or int(x.max()) >= self.margs.vocab_size):
+                raise wire.WireError(f"input_ids: token ids must be in [0, {self.margs.vocab_size})")
+        else:
+            if x.dim() != 3 or x.shape[2] != self.margs.hidden_size or not x.dtype.is_floating_point:
+                raise wire.WireError(f"hidden: must be float of shape [batch, tokens, {self.margs.hidden_size}]")
+        b, t = x.shape[0], x.shape[1]
+        if not 1 <= b <= MAX_BATCH or not 1 <= t <= self.args.kv_context:
+            raise wire.WireError(f"shape: batch must be 1..{MAX_BATCH} and tokens 1..{self.args.kv_context}")
+        return x
+
+    @staticmethod
+    def _timings(h: dict) -> list:
+        t = h.get("timings", [])
+        ok = isinstance(t, list) and len(t) <= 64 and all(
+            isinstance(e, dict) and isinstance(e.get("stage"), str) and len(e["stage"]) <= 64
+            and isinstance(e.get("s"), (int, float)) and not isinstance(e.get("s"), bool)
+            and isinstance(e.get("layers"), list) and len(e["layers"]) == 2
+            and all(type(v) is int for v in e["layers"]) for e in t)
+        if not ok:
+            raise wire.WireError("header.timings: must be a list of at most 64 {stage, layers: [A, B], s}")
+        return [{"stage": e["stage"], "layers": e["layers"], "s": float(e["s"])} for e in t]
+
+    def _checked(self, h: dict) -> tuple[list, bool, int | None]:
+        """The fields every forward has: (timings so far, whether only the last logits are asked, its
+        wire epoch)."""
+        epoch = wire.epoch(h)
+        deadline = h.get("deadline")
+        if deadline is not None and (isinstance(deadline, bool) or not isinstance(deadline, (int, float))
+                                     or not math.isfinite(deadline)):
+            raise wire.WireError("header.deadline: must be a finite number of seconds since the epoch")
+        if deadline is not None and time.time() > deadline:
+            raise LayerlineError(f"stage {self.name}: request {h.get('id')} missed its deadline before compute")
+        if "logits" in h and h["logits"] not in ("last", "all"):
+            raise wire.WireError("header.logits: must be \"last\" or \"all\"")
+        return self._timings(h), h.get("logits") == "last", epoch
+
+    def forward(self, h: dict, tensors: dict) -> tuple[dict, dict]:
+        """A forward message's answer (header, tensors): a forward to the next stage, or the last
+        stage's result. Raises WireError (a bad message), KVRows, SeqUnknown, Stale, LayerlineError."""
+        if "rows" in h:
+            return self.forward_rows(h, tensors)
+        pos = wire.require(h, "pos", int, 0, self.args.kv_context - 1) if "pos" in h else 0
+        use_cache = h.get("cache", False)
+        if not isinstance(use_cache, bool):
+            raise wire.WireError("header.cache: must be true or false")
+        timings, last_only, epoch = self._checked(h)
+        x = self._validate_input(h, tensors)
+        cache = None
+        if use_cache:
+            seq = wire.require(h, "seq", str)
+            reserve = wire.require(h, "reserve", int, 1, self.args.kv_context) if "reserve" in h \
+                else self.args.kv_context
+            cache = self.kv.step(seq, pos, x.shape[0], x.shape[1], reserve, epoch)
+        elif pos != 0:
+            raise wire.WireError("header.pos: must be 0 without cache")
+        elif x.shape[0] * x.shape[1] > self.args.kv_context:
+            raise wire.WireError(f"shape: batch x tokens must be at most {self.args.kv_context} without cache")
+        t0 = time.perf_counter()
+        if self.args.last:
+            out = self.stage(x.to(self.args.device), start_pos=pos, cache=cache, last_only=last_only)
+        else:
+            out = self.stage(x.to(self.args.device), start_pos=pos, cache=cache)
+        return self._reply(h, ("id", "seq", "pos", "cache", "reply_to", "deadline", "logits", "reserve", "epoch"),
+                           timings, out, t0)
+
+    def forward_rows(self, h: dict, tensors: dict) -> tuple[dict, dict]:
+        """One new token for each row's own sequence (header.rows), weights read once for all rows."""
+        rows = wire.rows(h, self.args.kv_context - 1)
+        extra = [k for k in ("seq", "pos") if k in h]
+        if extra:
+            raise wire.WireError(f"header.rows: a rows message names its sequences in rows only; drop header."
+                                 f"{' and header.'.join(extra)}")
+        if h.get("cache") is not True:
+            raise wire.WireError("header.cache: must be true with rows (each row steps a cached sequence)")
+        if "reserve" in h:
+            wire.require(h, "reserve", int, 1, self.args.kv_context)
+        timings, _, epoch = self._checked(h)
+        x = self._validate_input(h, tensors)
+        if x.shape[1] != 1:
+            raise wire.WireError(f"header.rows: one new token per row, but the tensor holds {x.shape[1]} per row")
+        if x.shape[0] != len(rows):
+            raise wire.WireError(f"header.rows: {len(rows)} rows but the tensor's batch is {x.shape[0]}")
+        caches = self.kv.rows(rows, epoch)
+        t0 = time.perf_counter()
+        out = self.stage.forward_rows(x.to(self.args.device), [p for _, p in rows], caches)
+        return self._reply(h, ("id", "rows", "cache", "reply_to", "deadline", "logits", "reserve", "epoch"), timings,
+                           out, t0)
+
+    def _reply(self, h: dict, keep: tuple, timings: list, out, t0: float) -> tuple[dict, dict]:
+        if self.args.device != "cpu":
+            self.torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        self.stats.compute_s += dt
+        head = {k: h[k] for k in keep if k in h}
+        head["timings"] = timings + [{"stage": self.name, "layers": [self.args.start, self.args.end], "s": dt}]
+        if self.args.last:
+            return {**head, "op": "result"}, {"logits": out.to("cpu")}
+        return {**head, "op": "forward"}, {"hidden": out.to("cpu")}
