@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import glob
-import ipaddress
 import json
 import logging
 import os
@@ -46,6 +45,7 @@ from dataclasses import dataclass, field
 import zmq
 from zmq.utils import z85
 
+from .endpoints import endpoint_host, is_loopback  # noqa: F401  (keys.is_loopback: the one definition)
 from .errors import LayerlineError
 from .files import atomic_write
 
@@ -63,26 +63,6 @@ class KeysError(LayerlineError):
 
 
 # --- when CURVE is on -----------------------------------------------------------------------------
-
-def endpoint_host(endpoint: str) -> str:
-    """The host part of tcp://HOST:PORT (brackets of an IPv6 address removed)."""
-    rest = endpoint.split("://", 1)[-1]
-    host = rest.rsplit(":", 1)[0] if ":" in rest else rest
-    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
-
-
-def is_loopback(host: str) -> bool:
-    """127.0.0.0/8, ::1 (also as ::ffff:127.x.y.z) and localhost; a wildcard or any name is not."""
-    if host.lower() in ("localhost", "localhost.", "ip6-localhost"):
-        return True
-    try:
-        ip = ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    return ip.is_loopback
-
 
 def needs_curve(endpoint: str) -> bool:
     """True for every endpoint that is not loopback (a wildcard bind such as tcp://0.0.0.0 or * included)."""

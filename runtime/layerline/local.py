@@ -87,7 +87,7 @@ def local_plan(checkpoint: str, n: int, precision: str, host_vars: dict[str, dic
     """The planner's split of the checkpoint over n stages on this machine (hosts stage0..)."""
     from .checkpoint import read_index
     from .cost import model_cost
-    from .deploy import plan_for_hosts
+    from .inventory import plan_for_hosts
     from .probe import probe
     cost = model_cost(read_index(checkpoint))
     if not 1 <= n <= cost.num_layers:

@@ -15,14 +15,14 @@ drained host rejoins.
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 
+from .endpoints import SLOTS
 from .errors import LayerlineError
-from .spec import SLOTS
+from .home import ControllerHome
 
-ROUTE_FILE = "route.json"
+ROUTE_FILE = "route.json"   # in layerline_home (layerline.home.ControllerHome.route)
 
 
 def _names(v, what: str) -> list[str]:
@@ -66,26 +66,12 @@ class RouteState:
         return out
 
 
-def load_route(home: str | os.PathLike) -> RouteState:
+def load_route(home: str | os.PathLike | ControllerHome) -> RouteState:
     """The route state kept in layerline_home/route.json: slot 0 with nothing drained when there is
     none (or it is empty). The one place the file is read; the playbooks read it through the
-    layerline_route filter."""
-    path = os.path.join(os.fspath(home), ROUTE_FILE)
-    fix = "remove it to start from slot 0 with no drained hosts"
-    try:
-        with open(path, "rb") as f:
-            raw = f.read()
-    except FileNotFoundError:
-        return RouteState()
-    except OSError as e:
-        raise LayerlineError(f"{path}: cannot be read ({e.strerror}); fix its permissions or {fix}") from None
-    if not raw.strip():
-        return RouteState()
-    try:
-        saved = json.loads(raw)
-    except ValueError as e:
-        raise LayerlineError(f"{path}: not valid JSON ({e}); {fix}") from None
-    return RouteState.from_dict(saved)
+    layerline_route filter and write it through the layerline_home module."""
+    saved = ControllerHome.of(home).read_json("route", "remove it to start from slot 0 with no drained hosts")
+    return RouteState() if saved is None else RouteState.from_dict(saved)
 
 
 def next_route(state: RouteState, hosts: list[str], drain=None, rejoin=None) -> tuple[RouteState, bool]:

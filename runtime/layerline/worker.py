@@ -82,6 +82,7 @@ if __name__ == "__main__":
     openmp_env(sys.argv[1:])
 
 from . import awake, timing_lock  # noqa: E402
+from .endpoints import control_endpoint  # noqa: E402,F401 - data port + 1, decided in endpoints
 from .errors import LayerlineError  # noqa: E402 - after openmp_env: .wire imports torch
 from .model import COMPILE_MODES, cpu_kernels  # noqa: E402
 from .wire import MAX_BATCH, MAX_REPLY_PEERS, MAX_SEQS  # noqa: E402
@@ -185,11 +186,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     except WireError as e:
         p.error(str(e))
     return a
-
-
-def control_endpoint(bind: str) -> str:
-    host, port = bind.rsplit(":", 1)
-    return f"{host}:{int(port) + 1}"
 
 
 @dataclass
