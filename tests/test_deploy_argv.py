@@ -1,4 +1,4 @@
-"""layerline.deploy: inventory variables -> planner nodes -> each host's worker argv (DESIGN's flags)."""
+"""layerline.inventory and layerline.spec: inventory variables -> planner nodes -> each host's worker argv (DESIGN's flags)."""
 from __future__ import annotations
 
 import re

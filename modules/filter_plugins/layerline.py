@@ -14,6 +14,7 @@
     {{ drive_result | layerline_drive_report }}
     {{ layerline_home | layerline_route(ansible_play_hosts, layerline_drain, layerline_rejoin) }}
     {{ hostvars[inventory_hostname] | layerline_state_dir(inventory_hostname, slot) }}
+    {{ hostvars | layerline_host_errors(ansible_play_hosts_all, 'layerline_drain_error') }}
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from ansible.errors import AnsibleFilterError
 try:
     from layerline import LayerlineError
     from layerline.home import ControllerHome
-    from layerline.inventory import check_vars, peers_of, plan_for_hosts
+    from layerline.inventory import check_vars, host_errors, peers_of, plan_for_hosts
     from layerline.planner import plan_table
     from layerline.routes import host_order, load_route, next_route, promote_in_place
     from layerline.settings import ANSIBLE_KEYS, PREFIX, HostSettings, server_host
@@ -141,11 +142,6 @@ def layerline_stage_argv(plan, host, hvars, python="python3"):
                   python=str(python))
 
 
-def layerline_stage_dir(hvars, host):
-    _need_runtime()
-    return _adapt("layerline_stage_dir", lambda: HostSettings.from_vars(str(host), _vars(hvars)).staged_checkpoint_dir)
-
-
 def layerline_state_dir(hvars, host, slot=None):
     """A host's worker state dir in a slot (default: the slot its layerline_slot names)."""
     _need_runtime()
@@ -180,6 +176,12 @@ def layerline_route(home, hosts, drain=None, rejoin=None, plan=None):
     return _adapt("layerline_route", route)
 
 
+def layerline_host_errors(hostvars, hosts, fact):
+    """The messages the hosts noted in fact (set in a rescue), in play order."""
+    _need_runtime()
+    return host_errors({str(h): _plain(hostvars[h].get(fact)) for h in hosts})
+
+
 def layerline_peers(hostvars, hosts, me):
     _need_runtime()
     return _adapt("layerline_peers", peers_of, {h: _host_vars(hostvars, h) for h in hosts}, str(me))
@@ -201,5 +203,5 @@ class FilterModule:
         return {f.__name__: f for f in (
             layerline_plan, layerline_check_vars, layerline_settings, layerline_server_host, layerline_home_paths,
             layerline_worker_spec, layerline_argv, layerline_host_report, layerline_server_spec, layerline_drive_argv,
-            layerline_stage_argv, layerline_stage_dir, layerline_state_dir, layerline_saved_plan,
-            layerline_route, layerline_peers, layerline_plan_table, layerline_drive_report)}
+            layerline_stage_argv, layerline_state_dir, layerline_saved_plan,
+            layerline_route, layerline_host_errors, layerline_peers, layerline_plan_table, layerline_drive_report)}

@@ -90,3 +90,9 @@ def peers_of(host_vars: dict[str, dict], me: str) -> list[str]:
             continue
         out.append(f"{s.address}:{s.ansible_port}")
     return out
+
+
+def host_errors(noted: dict[str, object]) -> list[str]:
+    """The errors hosts noted in a rescue (host -> its message, None where it noted none), in play
+    order: what a play that goes on past one host's failure reports, and restores on."""
+    return [str(m) for m in noted.values() if m not in (None, "")]

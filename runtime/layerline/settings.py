@@ -100,10 +100,10 @@ def _slot(v, where):
     return int(v)
 
 
-def _choice(options: tuple[str, ...]) -> Callable:
+def _choice(options: tuple[str, ...], verb: str = "is not one of") -> Callable:
     def check(v, where):
         if str(v) not in options:
-            raise SettingsError(f"{where} {v!r} is not one of {', '.join(options)}")
+            raise SettingsError(f"{where} {v!r} {verb} {', '.join(options)}")
         return str(v)
     return check
 
@@ -202,7 +202,7 @@ class HostSettings:
     stage_dir: str | None = _var(None, _str)
     threads: int | None = _var(None, _int(1, fix=" (a positive integer)"))
     nice: int = _var(0, _int(0, 19, " (19 yields the most; a worker may only lower its priority)"))
-    compile: str = _var("off", _choice(COMPILE_MODES))
+    compile: str = _var("off", _choice(COMPILE_MODES, "must be one of"))
     compile_cache: str | None = _var(None, _str)
     keys_dir: str | None = _var(None, _str)
     curve: str = _var("auto", _choice(CURVE_MODES))
