@@ -36,7 +36,12 @@ def _fields_by_var() -> dict[str, dataclasses.Field]:
 
 def readme_variables() -> set[str]:
     """Every variable named in the first column of the README's variable tables (header `| variable |`)."""
-    names: set[str] = set()
+    return set().union(*readme_rows())
+
+
+def readme_rows() -> dict[tuple[str, ...], str]:
+    """{(variables of a row): its meaning} from the README's variable tables."""
+    rows: dict[tuple[str, ...], str] = {}
     in_table = False
     for line in (ROOT / "README.md").read_text().splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")] if line.lstrip().startswith("|") else []
@@ -47,8 +52,8 @@ def readme_variables() -> set[str]:
             in_table = True
             continue
         if in_table and not cells[0].startswith("group "):   # `group layerline_server` names a group
-            names |= set(re.findall(r"`(layerline_\w+)`", cells[0]))
-    return names
+            rows[tuple(re.findall(r"`(layerline_\w+)`", cells[0]))] = " | ".join(cells[1:])
+    return rows
 
 
 def role_specs(role: str) -> dict[str, dict]:
@@ -75,6 +80,22 @@ def test_every_variable_is_in_the_readme_table_and_the_table_names_only_variable
     unknown = documented - fields
     assert not unknown, f"README's variable table names {sorted(unknown)}, which HostSettings lacks"
     assert README_PENDING <= fields, "README_PENDING names a variable HostSettings lacks"
+
+
+def test_readme_defaults_agree_with_the_dataclass():
+    """A row of one variable whose meaning ends in "(DEFAULT)" states the dataclass's default."""
+    by_var = _fields_by_var()
+    for names, meaning in readme_rows().items():
+        m = re.search(r"\(([^()]*)\)\s*$", meaning)
+        if len(names) != 1 or not m or by_var[names[0]].default is None:
+            continue
+        stated, default = m.group(1).strip(), by_var[names[0]].default
+        try:
+            value = yaml.safe_load(stated)
+        except yaml.YAMLError:
+            continue
+        if isinstance(value, (bool, int, float)) and isinstance(default, (bool, int, float)):
+            assert value == default, f"README says {names[0]} defaults to {stated}, HostSettings to {default!r}"
 
 
 @pytest.mark.parametrize("role", ROLES)
