@@ -45,14 +45,13 @@ from dataclasses import dataclass, field
 import zmq
 from zmq.utils import z85
 
-from .endpoints import endpoint_host, is_loopback  # noqa: F401  (keys.is_loopback: the one definition)
+from .endpoints import CURVE_MODES, endpoint_host, is_loopback  # noqa: F401 - decided in endpoints, used via keys too
 from .errors import LayerlineError
 from .files import atomic_write
 
 CONTROLLER = "controller"         # the driver's name in every allowed/ and peers/
 CONTROL_DOMAIN = "layerline-control"  # the ZAP domain of a worker's control socket: the controller's key only
 SELF = "self"
-CURVE_MODES = ("auto", "on")      # auto: on unless the endpoint is loopback
 NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.:\-]{0,127}$")
 KEY_RE = re.compile(rb'^\s*(public|secret)-key\s*=\s*"?([^"\s]{40})"?\s*$')
 MAX_ALLOWED = 4096

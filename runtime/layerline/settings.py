@@ -17,12 +17,10 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Callable
 
 from .cost import CostOptions
-from .endpoints import DEFAULT_PORT, LOOPBACK, SLOTS, is_ip, slot_port, worker_ports
-from .errors import LayerlineError
+from .endpoints import CURVE_MODES, DEFAULT_PORT, LOOPBACK, SLOTS, is_ip, slot_port, worker_ports
 from .planner import COMPILE_MODES, POLICIES, ROLES, Node, PlanError, parse_layers
 
 PREFIX = "layerline_"
-CURVE_MODES = ("auto", "on")
 DEFAULT_SERVE_PORT = 8000
 SERVE_PORT_FROM_BASE = 90       # with layerline_port_base set, the server listens at base + 90 (the demo: 29190)
 READY_TIMEOUT_S = 300.0         # load the checkpoint, bind, answer: minutes at most
@@ -42,10 +40,6 @@ ANSIBLE_KEYS = ("ansible_connection", "ansible_host", "ansible_port")
 
 class SettingsError(PlanError):
     """A layerline_* variable no deployment can take (so no plan can: a PlanError); names host, variable, fix."""
-
-
-def truthy(v) -> bool:
-    return v if isinstance(v, bool) else str(v).strip().lower() in ("1", "true", "yes", "on")
 
 
 # -- checks: each takes (value, where) and returns the typed value or raises SettingsError ------------
@@ -74,6 +68,8 @@ def _int(lo: int | None = None, hi: int | None = None, fix: str = "") -> Callabl
             if (lo is not None and n < lo) or (hi is not None and n > hi):
                 raise ValueError
         except (TypeError, ValueError):
+            if lo == 1 and hi is None:
+                raise _bad(where, v, f"a positive integer{fix}") from None
             rng = (f" {lo}-{hi}" if hi is not None else f" >= {lo}") if lo is not None else ""
             raise _bad(where, v, f"an integer{rng}{fix}") from None
         return n
@@ -200,7 +196,7 @@ class HostSettings:
     standby_for: str | None = _var(None, _str)
     state_dir: str | None = _var(None, _str)
     stage_dir: str | None = _var(None, _str)
-    threads: int | None = _var(None, _int(1, fix=" (a positive integer)"))
+    threads: int | None = _var(None, _int(1))
     nice: int = _var(0, _int(0, 19, " (19 yields the most; a worker may only lower its priority)"))
     compile: str = _var("off", _choice(COMPILE_MODES, "must be one of"))
     compile_cache: str | None = _var(None, _str)

@@ -18,7 +18,7 @@ from .endpoints import LOOPBACK, endpoint_host, is_loopback
 from .errors import LayerlineError
 from .home import ControllerHome
 from .planner import Plan
-from .settings import COMPILE_READY_TIMEOUT_S, READY_TIMEOUT_S, HostSettings, truthy  # noqa: F401 - re-exported
+from .settings import COMPILE_READY_TIMEOUT_S, READY_TIMEOUT_S, HostSettings  # noqa: F401 - re-exported
 
 SettingsLike = HostSettings | dict
 
