@@ -48,7 +48,7 @@ def readme_rows() -> dict[tuple[str, ...], str]:
         if not cells:
             in_table = False
             continue
-        if cells[0].lower() == "variable":
+        if cells[0].lower() in ("variable", "variables", "name"):
             in_table = True
             continue
         if in_table and not cells[0].startswith("group "):   # `group layerline_server` names a group
