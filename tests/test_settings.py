@@ -231,3 +231,13 @@ def test_a_curl_body_with_quotes_stays_one_word():
     body = {"prompt": "it's \"quoted\" $HOME", "max_tokens": 1}
     words = shlex.split(curl_line("http://127.0.0.1:1/v1/completions", body))
     assert json.loads(words[-1]) == body
+
+
+def test_discovery_skips_what_the_inventory_knows_and_checks_its_spec():
+    from layerline.inventory import known_addresses
+    assert known_addresses({"w1": {"ansible_connection": "local"}, "h2": {"ansible_host": "10.0.0.2"}}) == [
+        "w1", "127.0.0.1", "h2", "10.0.0.2"]
+    assert HostSettings.from_vars("w1", {"layerline_discover": {"subnet": "10.77.0.0/24"}}).discover["subnet"]
+    for bad in ({"subnets": "x"}, {"ssh_hosts": "h1"}, ["h1"]):
+        with pytest.raises(LayerlineError, match="layerline_discover: .* must be a mapping with keys among ssh_hosts"):
+            HostSettings.from_vars("w1", {"layerline_discover": bad})

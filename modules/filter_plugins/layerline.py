@@ -25,7 +25,7 @@ from ansible.errors import AnsibleFilterError
 try:
     from layerline import LayerlineError
     from layerline.home import ControllerHome
-    from layerline.inventory import check_vars, host_errors, peers_of, plan_for_hosts
+    from layerline.inventory import check_vars, host_errors, known_addresses, peers_of, plan_for_hosts
     from layerline.planner import plan_table
     from layerline.routes import host_order, load_route, next_route, promote_in_place
     from layerline.settings import ANSIBLE_KEYS, PREFIX, HostSettings, server_host
@@ -182,6 +182,12 @@ def layerline_host_errors(hostvars, hosts, fact):
     return host_errors({str(h): _plain(hostvars[h].get(fact)) for h in hosts})
 
 
+def layerline_known_addresses(hostvars, hosts):
+    """Names and addresses of these hosts (layerline_discover skips them)."""
+    _need_runtime()
+    return _adapt("layerline_known_addresses", known_addresses, {str(h): _host_vars(hostvars, h) for h in hosts})
+
+
 def layerline_peers(hostvars, hosts, me):
     _need_runtime()
     return _adapt("layerline_peers", peers_of, {h: _host_vars(hostvars, h) for h in hosts}, str(me))
@@ -204,4 +210,4 @@ class FilterModule:
             layerline_plan, layerline_check_vars, layerline_settings, layerline_server_host, layerline_home_paths,
             layerline_worker_spec, layerline_argv, layerline_host_report, layerline_server_spec, layerline_drive_argv,
             layerline_stage_argv, layerline_state_dir, layerline_saved_plan,
-            layerline_route, layerline_host_errors, layerline_peers, layerline_plan_table, layerline_drive_report)}
+            layerline_route, layerline_host_errors, layerline_known_addresses, layerline_peers, layerline_plan_table, layerline_drive_report)}

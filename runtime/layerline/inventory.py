@@ -96,3 +96,11 @@ def host_errors(noted: dict[str, object]) -> list[str]:
     """The errors hosts noted in a rescue (host -> its message, None where it noted none), in play
     order: what a play that goes on past one host's failure reports, and restores on."""
     return [str(m) for m in noted.values() if m not in (None, "")]
+
+
+def known_addresses(host_vars: dict[str, dict]) -> list[str]:
+    """Names and addresses the inventory already has, so discovery adds none of them again."""
+    out: list[str] = []
+    for h, s in settings_of(host_vars).items() if host_vars else ():
+        out += [h, s.ansible_host, s.addr or "", s.address]
+    return [a for a in dict.fromkeys(out) if a]

@@ -116,6 +116,17 @@ def _mapping(v, where):
     return dict(v)
 
 
+DISCOVER_KEYS = ("ssh_hosts", "subnet", "port", "timeout_ms", "worker_port", "device", "precision")
+
+
+def _discover(v, where):
+    """layerline_discover: what the layerline_discover module takes (its defaults apply to keys left out)."""
+    if not isinstance(v, dict) or set(v) - set(DISCOVER_KEYS) or isinstance(v.get("ssh_hosts", []), str) \
+            or not isinstance(v.get("ssh_hosts", []), list):
+        raise _bad(where, v, f"a mapping with keys among {', '.join(DISCOVER_KEYS)} (ssh_hosts a list)")
+    return dict(v)
+
+
 def _hosts(v, where):
     """A host or a list of hosts, as inventories and `-e` give them ("w2", "w2,w3", [w2, w3])."""
     if isinstance(v, str):
@@ -161,7 +172,7 @@ class HostSettings:
     objective: dict = _var({}, _mapping, group=True)
     probe_refresh: bool = _var(False, _bool, group=True)
     probe_serial: bool = _var(False, _bool, group=True)
-    discover: dict = _var({}, _mapping, group=True)
+    discover: dict = _var({}, _discover, group=True)
     port_base: int | None = _var(None, _int(1, 65000), group=True)
     # -- the drive --
     # where the last stage sends results: the drive play uses loopback when unset, Cluster.drive the
