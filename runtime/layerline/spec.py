@@ -12,7 +12,7 @@ import hashlib
 import json
 import os
 import shlex
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from .endpoints import LOOPBACK, endpoint_host, is_loopback
 from .errors import LayerlineError
@@ -32,6 +32,9 @@ class WorkerSpec:
     keys_dir: str
     ready_timeout: float
     endpoint: str
+    # what the launch keeps of the step the worker times at warm-up (the layerline_probe module's
+    # record_step, less measured_s): the next plan's factor for this device, precision and compile
+    step: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self) | {"argv": list(self.argv)}
@@ -88,7 +91,9 @@ def worker_spec(plan: Plan | dict, host: str, hvars: SettingsLike, python: str =
     if s.compile != "off":
         argv += ["--compile", s.compile, "--compile-cache", hs.worker_compile_cache]
     return WorkerSpec(host=host, argv=tuple(argv), state_dir=state, ready_file=ready, keys_dir=keys,
-                      ready_timeout=hs.ready_timeout(s.compile != "off"), endpoint=str(s.endpoint))
+                      ready_timeout=hs.ready_timeout(s.compile != "off"), endpoint=str(s.endpoint),
+                      step={"device": s.device.split("+")[0], "precision": s.precision, "compile": s.compile,
+                            "predicted_s": s.predicted_s, "factor": s.step_factor})
 
 
 def shared_cores_argv(plan: Plan) -> list[str]:
