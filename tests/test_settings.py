@@ -241,3 +241,27 @@ def test_discovery_skips_what_the_inventory_knows_and_checks_its_spec():
     for bad in ({"subnets": "x"}, {"ssh_hosts": "h1"}, ["h1"]):
         with pytest.raises(LayerlineError, match="layerline_discover: .* must be a mapping with keys among ssh_hosts"):
             HostSettings.from_vars("w1", {"layerline_discover": bad})
+
+
+# What the playbooks and roles must not decide again: each is decided once in Python (the module named).
+DECIDED_IN_PYTHON = {
+    r"127\.0\.0\.1|'::1'|\blocalhost'\s*,": "loopback (layerline.endpoints)",
+    r"[/'\"](plan|route|drive|request)\.json|/keys/|/state/server": "the controller's paths (layerline.home)",
+    r"to_nice_json": "files kept through the layerline_save module (layerline.home)",
+    r"groups\['layerline_server'\]": "the server host (layerline_server_host filter)",
+    r"'layerline\.cli',\s*'serve'|layerline\.cli, serve": "the server's argv (layerline.spec.server_spec)",
+    r"layerline_(seq|rng_seed|curve|checkpoint_shared|device|port)\s*\|\s*default\(": "a variable's default (HostSettings)",
+}
+
+
+def test_playbooks_and_roles_decide_nothing_python_decides():
+    books = [ROOT / "deploy.yml", ROOT / "drain.yml", ROOT / "teardown.yml", *sorted((ROOT / "playbooks").glob("*.yml")),
+             *sorted((ROOT / "roles").glob("*/tasks/*.yml")), *sorted((ROOT / "roles").glob("*/defaults/*.yml"))]
+    found = []
+    for path in books:
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split(" #", 1)[0] if not line.lstrip().startswith("#") else ""
+            for pattern, home in DECIDED_IN_PYTHON.items():
+                if re.search(pattern, code):
+                    found.append(f"{path.relative_to(ROOT)}:{n}: {home}: {line.strip()}")
+    assert not found, "\n".join(found)
