@@ -1,4 +1,4 @@
-"""layerline.deploy: inventory variables -> planner nodes -> each host's worker argv (DESIGN's flags)."""
+"""layerline.inventory and layerline.spec: inventory variables -> planner nodes -> each host's worker argv (DESIGN's flags)."""
 from __future__ import annotations
 
 import re
@@ -6,8 +6,8 @@ import re
 import pytest
 
 from layerline.cost import KV_DTYPE_BYTES, ModelCost
-from layerline import deploy
-from layerline.deploy import node_from_vars
+from layerline import inventory as hosts_inventory
+from layerline.inventory import node_from_vars
 from layerline.errors import LayerlineError
 from layerline.planner import PlanError
 from layerline.spec import worker_spec
@@ -15,7 +15,7 @@ from layerline.spec import worker_spec
 
 def plan_for_hosts(*args, **kw) -> dict:
     """The plan as the playbooks hold it (JSON)."""
-    return deploy.plan_for_hosts(*args, **kw).to_dict()
+    return hosts_inventory.plan_for_hosts(*args, **kw).to_dict()
 
 
 def worker_argv(plan, host: str, hvars: dict, python: str = "python3") -> list[str]:
@@ -239,7 +239,7 @@ def test_hop_cost_is_the_measured_round_trip(inventory):
 
 
 def test_peers_leave_out_local_hosts():
-    from layerline.deploy import peers_of
+    from layerline.inventory import peers_of
     hv = {"a": {"ansible_host": "10.0.0.1"}, "b": {"ansible_host": "10.0.0.2", "ansible_port": 2222},
           "c": {"ansible_connection": "local"}}
     assert peers_of(hv, "a") == ["10.0.0.2:2222"]
@@ -325,7 +325,7 @@ def test_check_vars_names_what_no_plan_takes_without_facts_or_model():
     """deploy.yml's first check: the plan's own checks that need neither probes nor the model."""
     loc = {"ansible_connection": "local"}
     good = {"w1": {**loc, "layerline_port": 9100}, "w2": {**loc, "layerline_port": 9110, "layerline_precision": "int8"}}
-    deploy.check_vars(good, {"optimize": "latency"}, "uniform", 1)
+    hosts_inventory.check_vars(good, {"optimize": "latency"}, "uniform", 1)
     for host_vars, objective, policy, says in (
             ({**good, "w2": {**loc, "layerline_port": 9110, "layerline_precision": "int3"}}, None, None,
              "w2: layerline_precision 'int3' is not one of"),
@@ -336,4 +336,4 @@ def test_check_vars_names_what_no_plan_takes_without_facts_or_model():
             (good, None, "fastest", "layerline_policy: 'fastest' is not one of"),
             ({}, None, None, "inventory: no hosts to plan for")):
         with pytest.raises(LayerlineError, match=re.escape(says)):
-            deploy.check_vars(host_vars, objective, policy)
+            hosts_inventory.check_vars(host_vars, objective, policy)

@@ -1,13 +1,20 @@
-"""Filters over layerline's planner: thin adapters, no logic of their own.
+"""Filters over layerline's runtime: thin adapters, no logic of their own.
 
-    {{ hostvars | layerline_plan(ansible_play_hosts, cost, objective, policy, reserve_ram_gb) }}
+    {{ hostvars | layerline_check_vars(ansible_play_hosts) }}
+    {{ hostvars | layerline_plan(ansible_play_hosts, cost) }}
+    {{ hostvars[inventory_hostname] | layerline_settings(inventory_hostname) }}   (layerline.settings)
+    {{ groups | layerline_server_host }}
+    {{ layerline_home | layerline_home_paths(inventory_hostname) }}              (layerline.home)
     {{ plan | layerline_worker_spec(inventory_hostname, hostvars[inventory_hostname], python) }}
     {{ plan | layerline_argv(inventory_hostname, hostvars[inventory_hostname], python) }}
-    {{ plan | layerline_plan_table }}
+    {{ hostvars[inventory_hostname] | layerline_server_spec(ansible_playbook_python) }}
+    {{ hostvars[inventory_hostname] | layerline_host_report(inventory_hostname, plan, ansible_python_interpreter) }}
     {{ plan | layerline_drive_argv(hostvars[inventory_hostname], ansible_playbook_python) }}
+    {{ plan | layerline_plan_table }}
     {{ drive_result | layerline_drive_report }}
-    {{ saved_route | layerline_route(ansible_play_hosts, layerline_drain, layerline_rejoin) }}
+    {{ layerline_home | layerline_route(ansible_play_hosts, layerline_drain, layerline_rejoin) }}
     {{ hostvars[inventory_hostname] | layerline_state_dir(inventory_hostname, slot) }}
+    {{ hostvars | layerline_host_errors(ansible_play_hosts_all, 'layerline_drain_error') }}
 """
 from __future__ import annotations
 
@@ -17,17 +24,15 @@ from ansible.errors import AnsibleFilterError
 
 try:
     from layerline import LayerlineError
-    from layerline.deploy import check_vars, drive_argv, load_plan, peers_of, plan_for_hosts
+    from layerline.home import ControllerHome
+    from layerline.inventory import check_vars, host_errors, known_addresses, peers_of, plan_for_hosts
     from layerline.planner import plan_table
     from layerline.routes import host_order, load_route, next_route, promote_in_place
-    from layerline.spec import stage_checkpoint_argv, stage_dir, state_dir, worker_spec
+    from layerline.settings import ANSIBLE_KEYS, PREFIX, HostSettings, server_host
+    from layerline.spec import drive_argv, host_report, server_spec, stage_checkpoint_argv, worker_spec
     IMPORT_ERROR = None
 except ImportError as e:  # the controller's interpreter lacks the package
     IMPORT_ERROR = e
-
-# Host variables the planner reads; everything else stays untemplated.
-_KEYS = ("ansible_connection", "ansible_host", "ansible_port")
-# Plans are JSON here; the runtime reads them into its typed Plan (layerline.planner.Plan).
 
 
 def _need_runtime():
@@ -41,29 +46,60 @@ def _plain(value):
     return json.loads(json.dumps(value))
 
 
+def _vars(hv) -> dict:
+    """A host's layerline_* variables and how it is reached; everything else stays untemplated."""
+    return _plain({k: hv[k] for k in hv if k.startswith(PREFIX) or k in ANSIBLE_KEYS})
+
+
 def _host_vars(hostvars, host: str) -> dict:
-    hv = hostvars[host]
-    return _plain({k: hv[k] for k in hv if k.startswith("layerline_") or k in _KEYS})
+    return _vars(hostvars[host])
+
+
+def _adapt(name: str, fn, *args, **kw):
+    _need_runtime()
+    try:
+        return fn(*args, **kw)
+    except LayerlineError as e:
+        raise AnsibleFilterError(f"{name}: {e}") from None
 
 
 def layerline_plan(hostvars, hosts, cost, objective=None, policy=None, reserve_ram_gb=None):
     _need_runtime()
-    try:
-        return plan_for_hosts({h: _host_vars(hostvars, h) for h in hosts}, _plain(cost), _plain(objective),
-                              _plain(policy), _plain(reserve_ram_gb)).to_dict()
-    except LayerlineError as e:
-        raise AnsibleFilterError(f"layerline_plan: {e}") from None
+    return _adapt("layerline_plan", lambda: plan_for_hosts(
+        {h: _host_vars(hostvars, h) for h in hosts}, _plain(cost), _plain(objective), _plain(policy),
+        _plain(reserve_ram_gb)).to_dict())
 
 
 def layerline_check_vars(hostvars, hosts, objective=None, policy=None, reserve_ram_gb=None):
     """True, or the first layerline_* variable no plan can take (checked before anything is measured)."""
     _need_runtime()
-    try:
-        check_vars({h: _host_vars(hostvars, h) for h in hosts}, _plain(objective), _plain(policy),
-                   _plain(reserve_ram_gb))
-    except LayerlineError as e:
-        raise AnsibleFilterError(f"layerline_check_vars: {e}") from None
+    _adapt("layerline_check_vars", check_vars, {h: _host_vars(hostvars, h) for h in hosts}, _plain(objective),
+           _plain(policy), _plain(reserve_ram_gb))
     return True
+
+
+def layerline_settings(hvars, host):
+    """The host's HostSettings: its variables with defaults filled in, and what follows from them."""
+    _need_runtime()
+    return _adapt("layerline_settings", lambda: _plain(HostSettings.from_vars(str(host), _vars(hvars)).facts()))
+
+
+def layerline_server_host(groups):
+    _need_runtime()
+    return server_host(_plain(dict(groups)))
+
+
+def layerline_home_paths(home, host=None):
+    """The controller's paths (layerline.home.ControllerHome); `stage`: the host's staged tensors."""
+    _need_runtime()
+
+    def paths():
+        h = ControllerHome.of(str(home) if home else None)
+        out = {"root": h.root, "plan": h.plan, "route": h.route, "drive": h.drive, "request": h.request,
+               "keys_store": h.keys_store, "keys_controller": h.keys_controller, "api_keys": h.api_keys,
+               "admin_key": h.admin_key, "server_state": h.server_state, "wheels": h.wheels}
+        return out | ({"stage": h.stages(str(host))} if host else {})
+    return _adapt("layerline_home_paths", paths)
 
 
 def layerline_worker_spec(plan, host, hvars, python="python3", ready_timeout=None):
@@ -71,60 +107,53 @@ def layerline_worker_spec(plan, host, hvars, python="python3", ready_timeout=Non
 
     ready_timeout: the role's layerline_worker_ready_timeout (the spec raises it for compiling stages)."""
     _need_runtime()
-    try:
-        hv = _plain({k: hvars[k] for k in hvars if k.startswith("layerline_") or k in _KEYS})
-        if ready_timeout is not None:
-            hv["layerline_worker_ready_timeout"] = _plain(ready_timeout)
-        return worker_spec(_plain(plan), str(host), hv, python=str(python)).to_dict()
-    except LayerlineError as e:
-        raise AnsibleFilterError(f"layerline_worker_spec: {e}") from None
+    hv = _vars(hvars)
+    if ready_timeout is not None:
+        hv["layerline_worker_ready_timeout"] = _plain(ready_timeout)
+    return _adapt("layerline_worker_spec", lambda: worker_spec(_plain(plan), str(host), hv,
+                                                               python=str(python)).to_dict())
 
 
 def layerline_argv(plan, host, hvars, python="python3"):
     return layerline_worker_spec(plan, host, hvars, python)["argv"]
 
 
+def layerline_host_report(hvars, host, plan=None, host_python=None):
+    """A host's settings, the controller's keys dir and its worker argv, for layerline.Cluster."""
+    _need_runtime()
+    return _adapt("layerline_host_report", lambda: _plain(host_report(_plain(plan) or None, str(host), _vars(hvars),
+                                                                      None if host_python is None else str(host_python))))
+
+
+def layerline_server_spec(hvars, python="python3"):
+    """The server's launch (layerline.spec.ServerSpec as a dict): argv, state_dir, url, key files, banner."""
+    _need_runtime()
+    return _adapt("layerline_server_spec", lambda: server_spec(_vars(hvars), python=str(python)).to_dict())
+
+
 def layerline_drive_argv(plan, hvars, python="python3"):
     _need_runtime()
-    try:
-        hv = _plain({k: hvars[k] for k in hvars if k.startswith("layerline_")})
-        return drive_argv(_plain(plan), hv, python=str(python))
-    except (LayerlineError, KeyError, TypeError, ValueError) as e:
-        raise AnsibleFilterError(f"layerline_drive_argv: {e}") from None
+    return _adapt("layerline_drive_argv", drive_argv, _plain(plan), _vars(hvars), python=str(python))
 
 
 def layerline_stage_argv(plan, host, hvars, python="python3"):
     _need_runtime()
-    try:
-        hv = _plain({k: hvars[k] for k in hvars if k.startswith("layerline_")})
-        return stage_checkpoint_argv(_plain(plan), str(host), hv, python=str(python))
-    except (LayerlineError, KeyError) as e:
-        raise AnsibleFilterError(f"layerline_stage_argv: {e}") from None
-
-
-def layerline_stage_dir(hvars, host):
-    _need_runtime()
-    return stage_dir(_plain({k: hvars[k] for k in hvars if k.startswith("layerline_")}), str(host))
+    return _adapt("layerline_stage_argv", stage_checkpoint_argv, _plain(plan), str(host), _vars(hvars),
+                  python=str(python))
 
 
 def layerline_state_dir(hvars, host, slot=None):
     """A host's worker state dir in a slot (default: the slot its layerline_slot names)."""
     _need_runtime()
-    try:
-        return state_dir(_plain({k: hvars[k] for k in hvars if k.startswith("layerline_")}), str(host),
-                         None if slot in (None, "") else int(slot))
-    except (LayerlineError, ValueError) as e:
-        raise AnsibleFilterError(f"layerline_state_dir: {e}") from None
+    return _adapt("layerline_state_dir", lambda: HostSettings.from_vars(str(host), _vars(hvars)).state_dir_in(
+        None if slot in (None, "") else int(slot)))
 
 
 def layerline_saved_plan(home, required=True):
-    """The plan kept in layerline_home `home` (layerline.deploy.load_plan); {} when there is none
-    and required is false."""
+    """The plan kept in layerline_home `home` (ControllerHome.load_plan); {} when there is none and
+    required is false."""
     _need_runtime()
-    try:
-        return load_plan(str(home), bool(required))
-    except LayerlineError as e:
-        raise AnsibleFilterError(f"layerline_saved_plan: {e}") from None
+    return _adapt("layerline_saved_plan", lambda: ControllerHome.of(str(home)).load_plan(bool(required)))
 
 
 def layerline_route(home, hosts, drain=None, rejoin=None, plan=None):
@@ -133,23 +162,35 @@ def layerline_route(home, hosts, drain=None, rejoin=None, plan=None):
     switch; moves: workers start in the other slot (else `plan` is the running plan with standbys
     promoted in place); order: the hosts in the order to plan them."""
     _need_runtime()
-    try:
+
+    def route():
         before = load_route(str(home))
-        hosts = [str(h) for h in hosts]
-        after, changed = next_route(before, hosts, _plain(drain), _plain(rejoin))
+        names = [str(h) for h in hosts]
+        after, changed = next_route(before, names, _plain(drain), _plain(rejoin))
         inplace = promote_in_place(_plain(plan), before, after) if changed and plan else None
         if inplace:
-            plan, after = inplace
-    except LayerlineError as e:
-        raise AnsibleFilterError(f"layerline_route: {e}") from None
-    return after.to_dict() | {"changed": changed, "moves": changed and not inplace,
-                              "plan": plan if inplace else None, "order": host_order(hosts, after),
-                              "before": before.to_dict()}
+            after = inplace[1]
+        return after.to_dict() | {"changed": changed, "moves": changed and not inplace,
+                                  "plan": inplace[0] if inplace else None, "order": host_order(names, after),
+                                  "before": before.to_dict()}
+    return _adapt("layerline_route", route)
+
+
+def layerline_host_errors(hostvars, hosts, fact):
+    """The messages the hosts noted in fact (set in a rescue), in play order."""
+    _need_runtime()
+    return host_errors({str(h): _plain(hostvars[h].get(fact)) for h in hosts})
+
+
+def layerline_known_addresses(hostvars, hosts):
+    """Names and addresses of these hosts (layerline_discover skips them)."""
+    _need_runtime()
+    return _adapt("layerline_known_addresses", known_addresses, {str(h): _host_vars(hostvars, h) for h in hosts})
 
 
 def layerline_peers(hostvars, hosts, me):
     _need_runtime()
-    return peers_of({h: _host_vars(hostvars, h) for h in hosts}, str(me))
+    return _adapt("layerline_peers", peers_of, {h: _host_vars(hostvars, h) for h in hosts}, str(me))
 
 
 def layerline_plan_table(plan):
@@ -165,11 +206,8 @@ def layerline_drive_report(result):
 
 class FilterModule:
     def filters(self):
-        return {"layerline_plan": layerline_plan, "layerline_check_vars": layerline_check_vars,
-                "layerline_argv": layerline_argv,
-                "layerline_worker_spec": layerline_worker_spec,
-                "layerline_plan_table": layerline_plan_table,
-                "layerline_drive_argv": layerline_drive_argv, "layerline_peers": layerline_peers,
-                "layerline_stage_argv": layerline_stage_argv, "layerline_stage_dir": layerline_stage_dir, "layerline_drive_report": layerline_drive_report,
-                "layerline_route": layerline_route, "layerline_state_dir": layerline_state_dir,
-                "layerline_saved_plan": layerline_saved_plan}
+        return {f.__name__: f for f in (
+            layerline_plan, layerline_check_vars, layerline_settings, layerline_server_host, layerline_home_paths,
+            layerline_worker_spec, layerline_argv, layerline_host_report, layerline_server_spec, layerline_drive_argv,
+            layerline_stage_argv, layerline_state_dir, layerline_saved_plan,
+            layerline_route, layerline_host_errors, layerline_known_addresses, layerline_peers, layerline_plan_table, layerline_drive_report)}

@@ -110,11 +110,11 @@ def _load_vars(path: str | None, hosts: list[str]) -> dict[str, dict]:
 def cmd_plan(a) -> int:
     from .checkpoint import open_checkpoint
     from .cost import model_cost
-    from .deploy import plan_for_hosts
+    from .inventory import plan_for_hosts
     from .planner import plan_table
     caps = _load_caps(a.caps)
     hvars = _load_vars(a.vars, list(caps))
-    from .deploy import DEFAULT_PORT
+    from .endpoints import DEFAULT_PORT
     per_addr: dict[str, int] = {}
     for h, c in caps.items():
         v = hvars[h]

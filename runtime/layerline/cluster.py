@@ -34,7 +34,8 @@ from typing import Any, Callable, TextIO
 
 from .errors import LayerlineError
 
-NodeCaps = dict  # DESIGN's NodeCaps: one JSON object per host (see layerline.probe)
+# DESIGN's NodeCaps as the probe play reports it: one JSON object per host (layerline.caps.NodeCaps.to_dict())
+CapsJSON = dict[str, Any]
 
 _PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the repo root for a source checkout
 _PROBE_PLAYS = ("checkpoint", "runtime", "probe")  # the probe measures the checkpoint's disk
@@ -231,7 +232,7 @@ class Cluster:
         self.discovered: dict[str, dict] = {}          # host -> host vars add_host gave it
         self.discover_failures: list[tuple[str, str]] = []
         self.probe_failures: dict[str, str] = {}       # host -> why it is left out
-        self._caps: dict[str, NodeCaps] = {}
+        self._caps: dict[str, CapsJSON] = {}
         self._plan: dict | None = None
         self._report: dict[str, dict] = {}             # host -> what the report play said
         self._index: dict | None = None
@@ -441,29 +442,16 @@ class Cluster:
 
     @staticmethod
     def _report_play() -> dict:
-        python = "layerline_worker_python | default(ansible_python_interpreter | default('/usr/bin/python3'))"
-        argv = ("{{ (layerline_plan | layerline_argv(inventory_hostname, hostvars[inventory_hostname], "
-                f"{python})) if (layerline_plan is defined and (layerline_plan.stages "
-                "| selectattr('host', 'equalto', inventory_hostname) | list | length > 0)) else [] }}")
+        """Each host's settings and worker argv, as layerline.spec.host_report gives them."""
         return {
             "name": "Report to layerline.Cluster",
             "hosts": "layerline",
             "gather_facts": False,
             "tasks": [{
                 "name": "Report this host's settings and worker argv",
-                "ansible.builtin.set_fact": {"layerline_cluster_report": {
-                    "home": "{{ layerline_home }}",
-                    "state_dir": "{{ layerline_state_dir }}",
-                    "checkpoint": "{{ layerline_checkpoint }}",
-                    "seq": "{{ layerline_seq | default(16) | int }}",
-                    "rng_seed": "{{ layerline_rng_seed | default(0) | int }}",
-                    "role": "{{ layerline_role | default('active') }}",
-                    "argv": argv,
-                    # what playbooks/drive.yml gives `layerline drive`
-                    "driver_addr": "{{ layerline_driver_addr | default('') }}",
-                    "keys_controller_dir": "{{ layerline_keys_controller_dir | default(layerline_home ~ '/keys/controller') }}",
-                    "curve": "{{ layerline_curve | default('auto') }}",
-                }},
+                "ansible.builtin.set_fact": {"layerline_cluster_report": (
+                    "{{ hostvars[inventory_hostname] | layerline_host_report(inventory_hostname, "
+                    "layerline_plan | default(none), ansible_python_interpreter | default(none)) }}")},
             }],
         }
 
@@ -486,7 +474,7 @@ class Cluster:
 
     @staticmethod
     def _saved_plan_play() -> dict:
-        path = "layerline_home ~ '/plan.json'"
+        path = "(layerline_home | layerline_home_paths).plan"
         return {
             "name": "Read the saved plan",
             "hosts": "layerline",
@@ -547,7 +535,7 @@ class Cluster:
         self.discover_failures = failures
         return added, failures
 
-    def probe(self) -> dict[str, NodeCaps]:
+    def probe(self) -> dict[str, CapsJSON]:
         """Measure every host (cached in its state dir); {host: NodeCaps}. A host that fails is left out."""
         run = self._run("probe", list(_PROBE_PLAYS), tolerate=self._tolerate_probe)
         self._note_probe_failures(run)
@@ -561,7 +549,7 @@ class Cluster:
         return dict(caps)
 
     @property
-    def caps(self) -> dict[str, NodeCaps]:
+    def caps(self) -> dict[str, CapsJSON]:
         """The last probe's NodeCaps by host."""
         return dict(self._caps)
 

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import glob
-import ipaddress
 import json
 import logging
 import os
@@ -46,13 +45,13 @@ from dataclasses import dataclass, field
 import zmq
 from zmq.utils import z85
 
+from .endpoints import CURVE_MODES, endpoint_host, is_loopback  # noqa: F401 - decided in endpoints, used via keys too
 from .errors import LayerlineError
 from .files import atomic_write
 
 CONTROLLER = "controller"         # the driver's name in every allowed/ and peers/
 CONTROL_DOMAIN = "layerline-control"  # the ZAP domain of a worker's control socket: the controller's key only
 SELF = "self"
-CURVE_MODES = ("auto", "on")      # auto: on unless the endpoint is loopback
 NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.:\-]{0,127}$")
 KEY_RE = re.compile(rb'^\s*(public|secret)-key\s*=\s*"?([^"\s]{40})"?\s*$')
 MAX_ALLOWED = 4096
@@ -63,26 +62,6 @@ class KeysError(LayerlineError):
 
 
 # --- when CURVE is on -----------------------------------------------------------------------------
-
-def endpoint_host(endpoint: str) -> str:
-    """The host part of tcp://HOST:PORT (brackets of an IPv6 address removed)."""
-    rest = endpoint.split("://", 1)[-1]
-    host = rest.rsplit(":", 1)[0] if ":" in rest else rest
-    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
-
-
-def is_loopback(host: str) -> bool:
-    """127.0.0.0/8, ::1 (also as ::ffff:127.x.y.z) and localhost; a wildcard or any name is not."""
-    if host.lower() in ("localhost", "localhost.", "ip6-localhost"):
-        return True
-    try:
-        ip = ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    return ip.is_loopback
-
 
 def needs_curve(endpoint: str) -> bool:
     """True for every endpoint that is not loopback (a wildcard bind such as tcp://0.0.0.0 or * included)."""

@@ -16,6 +16,7 @@ import tempfile
 import time
 from typing import NamedTuple
 
+from .endpoints import control_port
 from .errors import LayerlineError
 from .planner import Plan
 
@@ -48,7 +49,7 @@ def free_ports(n: int) -> list[int]:
         out = []
         for k in range(span):
             p = lo + 2 * ((start + k) % span)
-            if _bindable(p) and _bindable(p + 1):
+            if _bindable(p) and _bindable(control_port(p)):
                 out.append(p)
                 if len(out) == n:
                     return out
@@ -58,9 +59,9 @@ def free_ports(n: int) -> list[int]:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             p = s.getsockname()[1]
-        if p + 1 > 65535 or not _bindable(p + 1):
+        if control_port(p) > 65535 or not _bindable(control_port(p)):
             continue
-        if p not in out and p + 1 not in out and p - 1 not in out:
+        if p not in out and control_port(p) not in out and all(control_port(q) != p for q in out):
             out.append(p)
     return out
 
@@ -87,7 +88,7 @@ def local_plan(checkpoint: str, n: int, precision: str, host_vars: dict[str, dic
     """The planner's split of the checkpoint over n stages on this machine (hosts stage0..)."""
     from .checkpoint import open_checkpoint
     from .cost import model_cost
-    from .deploy import plan_for_hosts
+    from .inventory import plan_for_hosts
     from .probe import probe
     cost = model_cost(open_checkpoint(checkpoint).index)
     if not 1 <= n <= cost.num_layers:

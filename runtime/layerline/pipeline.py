@@ -295,7 +295,7 @@ def control(endpoint: str, op: str, timeout_s: float = 5.0, ctx: zmq.Context | N
         keymod.curve_on(curve, endpoint)  # raises the one-line error
     why = f"control endpoint {endpoint} runs CURVE always (only the controller may stop or redirect a worker)"
     hk = keymod.load_host_keys(keys_dir, "--keys", why,
-                               hint="pass the controller's keys dir (layerline_keys_controller_dir; "
+                               hint="pass the controller's keys dir (LAYERLINE_HOME/keys/controller; "
                                     "`layerline drive --keys DIR`), made by playbooks/keys.yml")
     if not peer:
         raise keymod.KeysError(f"control {endpoint}: name the worker's host (its public key is "

@@ -17,14 +17,14 @@ drained host rejoins.
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 
+from .endpoints import SLOTS
 from .errors import LayerlineError
-from .spec import SLOTS
+from .home import ControllerHome
 
-ROUTE_FILE = "route.json"
+ROUTE_FILE = "route.json"   # in layerline_home (layerline.home.ControllerHome.route)
 
 
 def _names(v, what: str) -> list[str]:
@@ -69,26 +69,12 @@ class DrainState:
         return out
 
 
-def load_route(home: str | os.PathLike) -> DrainState:
+def load_route(home: str | os.PathLike | ControllerHome) -> DrainState:
     """The route state kept in layerline_home/route.json: slot 0 with nothing drained when there is
     none (or it is empty). The one place the file is read; the playbooks read it through the
-    layerline_route filter."""
-    path = os.path.join(os.fspath(home), ROUTE_FILE)
-    fix = "remove it to start from slot 0 with no drained hosts"
-    try:
-        with open(path, "rb") as f:
-            raw = f.read()
-    except FileNotFoundError:
-        return DrainState()
-    except OSError as e:
-        raise LayerlineError(f"{path}: cannot be read ({e.strerror}); fix its permissions or {fix}") from None
-    if not raw.strip():
-        return DrainState()
-    try:
-        saved = json.loads(raw)
-    except ValueError as e:
-        raise LayerlineError(f"{path}: not valid JSON ({e}); {fix}") from None
-    return DrainState.from_dict(saved)
+    layerline_route filter and write it through the layerline_home module."""
+    saved = ControllerHome.of(home).read_json("route", "remove it to start from slot 0 with no drained hosts")
+    return DrainState() if saved is None else DrainState.from_dict(saved)
 
 
 def next_route(state: DrainState, hosts: list[str], drain=None, rejoin=None) -> tuple[DrainState, bool]:

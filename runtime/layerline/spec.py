@@ -1,84 +1,26 @@
-"""WorkerSpec: how one planned stage is launched, built from the plan in one place.
+"""Launch specs: how each process of a deployment is started, built from the plan and HostSettings.
 
-The worker's argv, its state dir, ready file, keys dir and how long to wait for it to be ready
-are decided here and nowhere else: the Ansible filter (`layerline_worker_spec`), the local
-pipelines of `layerline generate --local-stages` and the Python API all build a WorkerSpec.
-The stage checkpoint argv (weight staging) is decided here too, from the same stage.
+The worker's argv, state dir, ready file, keys dir and ready wait (WorkerSpec), the server's
+(ServerSpec: argv, state dir, URL, key files, the curl line it prints) and the controller's drive
+and stage commands are decided here and nowhere else: the Ansible filters
+(`layerline_worker_spec`, `layerline_server_spec`, `layerline_drive_argv`, `layerline_stage_argv`),
+the local pipelines of `layerline generate --local-stages` and the Python API all build them here.
 """
 from __future__ import annotations
 
 import hashlib
-import ipaddress
+import json
 import os
-from dataclasses import asdict, dataclass
+import shlex
+from dataclasses import asdict, dataclass, field
 
+from .endpoints import LOOPBACK, endpoint_host, is_loopback
 from .errors import LayerlineError
-from .planner import Plan, StagePlan
+from .home import ControllerHome
+from .planner import Plan
+from .settings import COMPILE_READY_TIMEOUT_S, READY_TIMEOUT_S, HostSettings  # noqa: F401 - re-exported
 
-READY_TIMEOUT_S = 300.0           # load the checkpoint, bind, answer: minutes at most
-COMPILE_READY_TIMEOUT_S = 1800.0  # a compiling worker is ready only after its warm-up compile
-
-
-def truthy(v) -> bool:
-    return v if isinstance(v, bool) else str(v).strip().lower() in ("1", "true", "yes", "on")
-
-
-def _is_ip(addr: str) -> bool:
-    try:
-        ipaddress.ip_address(addr.strip("[]"))
-        return True
-    except ValueError:
-        return False
-
-
-def host_addr(hvars: dict, host: str) -> str:
-    """The address other hosts reach this one at."""
-    if hvars.get("layerline_addr"):
-        return str(hvars["layerline_addr"])
-    if hvars.get("ansible_connection") == "local":
-        return "127.0.0.1"
-    return str(hvars.get("ansible_host") or host)
-
-
-# A drain or rejoin starts the new route's workers beside the old ones, in the other slot: their
-# ports are SLOT_PORT_STEP above the host's layerline_port and their state dir is STATE.1.
-SLOTS = (0, 1)
-SLOT_PORT_STEP = 50
-
-
-def slot_of(hvars: dict, host: str = "") -> int:
-    """Which of the two side-by-side worker slots a host's workers use now (layerline_slot)."""
-    v = hvars.get("layerline_slot", 0)
-    try:
-        v = int(v)
-        assert v in SLOTS
-    except (TypeError, ValueError, AssertionError):
-        raise LayerlineError(f"{host}: layerline_slot {v!r} must be 0 or 1 (drain.yml sets it; "
-                             "see layerline_home/route.json)") from None
-    return v
-
-
-def state_dir(hvars: dict, host: str, slot: int | None = None) -> str:
-    base = str(hvars.get("layerline_state_dir") or f"/tmp/layerline-{host}")
-    slot = slot_of(hvars, host) if slot is None else slot
-    return base if slot == 0 else f"{base}.{slot}"
-
-
-def stage_dir(hvars: dict, host: str) -> str:
-    """Where a host keeps its staged checkpoint when the model's path is not shared."""
-    return str(hvars.get("layerline_stage_dir") or os.path.join(state_dir(hvars, host, 0), "checkpoint"))
-
-
-def ready_timeout(stage: StagePlan, hvars: dict) -> float:
-    """Seconds to wait for the worker's ready file: layerline_worker_ready_timeout, at least the
-    compile wait when the plan compiles this stage."""
-    try:
-        t = float(hvars.get("layerline_worker_ready_timeout") or READY_TIMEOUT_S)
-        assert t > 0
-    except (TypeError, ValueError, AssertionError):
-        raise LayerlineError(f"{stage.host}: layerline_worker_ready_timeout "
-                             f"{hvars.get('layerline_worker_ready_timeout')!r} must be a positive number of seconds") from None
-    return max(t, COMPILE_READY_TIMEOUT_S) if stage.compile != "off" else t
+SettingsLike = HostSettings | dict
 
 
 @dataclass(frozen=True)
@@ -90,45 +32,37 @@ class WorkerSpec:
     keys_dir: str
     ready_timeout: float
     endpoint: str
+    # what the launch keeps of the step the worker times at warm-up (the layerline_probe module's
+    # record_step, less measured_s): the next plan's factor for this device, precision and compile
+    step: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self) | {"argv": list(self.argv)}
 
 
-def worker_spec(plan: Plan | dict, host: str, hvars: dict, python: str = "python3") -> WorkerSpec:
+def worker_spec(plan: Plan | dict, host: str, hvars: SettingsLike, python: str = "python3") -> WorkerSpec:
     """This host's worker launch, from its stage of the plan (looked up by host name)."""
     plan = Plan.from_dict(plan)
+    hs = HostSettings.of(host, hvars)
     s = plan.stage(host)
     if s is None:
-        raise LayerlineError(f"{host}: not in the plan (role {hvars.get('layerline_role', 'active')}); "
-                             "only planned hosts start workers")
-    ckpt = hvars.get("layerline_checkpoint")
-    if not ckpt:
-        raise LayerlineError(f"{host}: layerline_checkpoint is not set; point it at a Hugging Face model dir "
-                             "or a .gguf file")
+        raise LayerlineError(f"{host}: not in the plan (role {hs.role}); only planned hosts start workers")
+    ckpt = hs.worker_checkpoint   # a staged checkpoint holds only this stage's tensors (playbooks/stage.yml)
     if not s.endpoint:
         raise LayerlineError(f"{host}: the plan has no endpoint for this stage; re-plan")
-    state = state_dir(hvars, host)
-    if not truthy(hvars.get("layerline_checkpoint_shared", True)):
-        ckpt = stage_dir(hvars, host)  # only this stage's tensors, staged there by playbooks/stage.yml
+    state = hs.state_dir_in()
     port = int(s.endpoint.rsplit(":", 1)[1])
-    # zmq binds IP addresses, not names: a host known by name listens on every interface
-    # (off loopback, so CURVE is on)
-    bind_host = str(hvars.get("layerline_bind_addr") or host_addr(hvars, host))
-    if not _is_ip(bind_host):
-        bind_host = "*"
     ready = os.path.join(state, "ready.json")
-    home = state_dir(hvars, host, 0)  # keys, staged tensors and compile cache serve both slots
-    keys = str(hvars.get("layerline_keys_dir") or os.path.join(home, "keys"))
+    keys = hs.worker_keys_dir
     argv = [python, "-m", "layerline.worker",
-            "--checkpoint", str(ckpt),
+            "--checkpoint", ckpt,
             "--layers", f"{s.layers[0]}:{s.layers[1]}",
             "--device", s.device,
             "--precision", s.precision,
             "--kv-context", str(plan.kv.context),
             "--kv-dtype", str(s.kv_dtype or plan.kv.dtype),
-            "--rng-seed", str(hvars.get("layerline_rng_seed", 0)),
-            "--bind", f"tcp://{bind_host}:{port}",
+            "--rng-seed", str(hs.rng_seed),
+            "--bind", f"tcp://{hs.bind_host}:{port}",
             "--name", host,
             "--ready-file", ready,
             "--keys", keys]
@@ -140,10 +74,7 @@ def worker_spec(plan: Plan | dict, host: str, hvars: dict, python: str = "python
     if nxt is not None:
         # whose public key the next hop must hold under CURVE: its host name in KEYS/peers/
         argv += ["--next", str(nxt.endpoint), "--next-key", nxt.host]
-    curve = hvars.get("layerline_curve")
-    if curve not in (None, "", "auto"):
-        if curve != "on":
-            raise LayerlineError(f"{host}: layerline_curve {curve!r} must be auto (CURVE off loopback) or on")
+    if hs.curve == "on":
         argv += ["--curve", "on"]
     if s.layers[0] == 0:
         argv.append("--first")
@@ -155,17 +86,14 @@ def worker_spec(plan: Plan | dict, host: str, hvars: dict, python: str = "python
         argv += ["--spin", str(int(s.spin))]
     if s.shares_cores_with:
         argv += shared_cores_argv(plan)
-    nice = str(hvars.get("layerline_nice") or 0)  # str: 2.5 and True are not nice values
-    if not (nice.isdigit() and int(nice) <= 19):
-        raise LayerlineError(f"{host}: layerline_nice {hvars.get('layerline_nice')!r} must be an integer "
-                             "0-19 (19 yields the most; a worker may only lower its priority)")
-    if int(nice):
-        argv += ["--nice", str(int(nice))]
+    if hs.nice:
+        argv += ["--nice", str(hs.nice)]
     if s.compile != "off":
-        cache = str(hvars.get("layerline_compile_cache") or os.path.join(home, "inductor"))
-        argv += ["--compile", s.compile, "--compile-cache", cache]
+        argv += ["--compile", s.compile, "--compile-cache", hs.worker_compile_cache]
     return WorkerSpec(host=host, argv=tuple(argv), state_dir=state, ready_file=ready, keys_dir=keys,
-                      ready_timeout=ready_timeout(s, hvars), endpoint=str(s.endpoint))
+                      ready_timeout=hs.ready_timeout(s.compile != "off"), endpoint=str(s.endpoint),
+                      step={"device": s.device.split("+")[0], "precision": s.precision, "compile": s.compile,
+                            "predicted_s": s.predicted_s, "factor": s.step_factor})
 
 
 def shared_cores_argv(plan: Plan) -> list[str]:
@@ -185,15 +113,150 @@ def timing_lock_name(plan: Plan) -> str:
     return f"layerline-timing-{hashlib.sha256(key.encode()).hexdigest()[:16]}.lock"
 
 
-def stage_checkpoint_argv(plan: Plan | dict, host: str, hvars: dict, python: str = "python3") -> list[str]:
+def stage_checkpoint_argv(plan: Plan | dict, host: str, hvars: SettingsLike, python: str = "python3") -> list[str]:
     """The controller's command that cuts this host's tensors out of the checkpoint."""
     plan = Plan.from_dict(plan)
+    hs = HostSettings.of(host, hvars)
     s = plan.stage(host)
     if s is None:
         raise LayerlineError(f"{host}: not in the plan; nothing to stage")
-    home = str(hvars.get("layerline_home") or ".")
-    argv = [python, "-m", "layerline.cli", "stage-checkpoint", str(hvars["layerline_checkpoint"]),
-            "--layers", f"{s.layers[0]}:{s.layers[1]}", "--out", os.path.join(home, "stages", host), "--json"]
+    if not hs.checkpoint:
+        raise LayerlineError(f"{host}: layerline_checkpoint is not set; point it at a Hugging Face model dir "
+                             "or a .gguf file")
+    argv = [python, "-m", "layerline.cli", "stage-checkpoint", hs.checkpoint,
+            "--layers", f"{s.layers[0]}:{s.layers[1]}", "--out", ControllerHome.of(hs.home or ".").stages(host),
+            "--json"]
     argv += ["--first"] if s.layers[0] == 0 else []
     argv += ["--last"] if s.layers[1] == plan.num_layers else []
     return argv
+
+
+def drive_argv(plan: Plan | dict, hvars: SettingsLike, python: str = "python3", host: str = "controller") -> list[str]:
+    """The controller's `layerline drive` command line for a plan and the play's variables."""
+    plan = Plan.from_dict(plan)
+    hs = HostSettings.of(host, hvars)
+    if not plan.actives:
+        raise LayerlineError("plan: no active stage to drive; run playbooks/plan.yml first")
+    if not hs.checkpoint:
+        raise LayerlineError("layerline_checkpoint is not set; point it at a Hugging Face model dir or a .gguf file")
+    first, last = plan.actives[0], plan.actives[-1]
+    reply = hs.driver_addr or LOOPBACK
+    if is_loopback(reply) and not is_loopback(endpoint_host(str(last.endpoint))):
+        raise LayerlineError(f"layerline_driver_addr: results go to {reply}, but the last stage ({last.host}) is "
+                             "not on this machine; set it to an address of the controller that host can reach")
+    argv = [python, "-m", "layerline.cli", "drive", "--first", str(first.endpoint),
+            "--checkpoint", hs.checkpoint, "--precision", plan.precision,
+            "--seq", str(hs.seq), "--seed", str(hs.rng_seed), "--generate", str(hs.generate),
+            "--reply-host", reply, "--keys", ControllerHome.of(hs.home or ".").keys_controller,
+            "--first-key", first.host, "--curve", hs.curve, "--json"]
+    # the reference loads the whole model in one process: only where that fits (the demo)
+    if hs.drive_reference:
+        argv.append("--reference")
+    ids = hs.prompt_ids
+    if ids:  # one prompt [1, 2, 3] or several [[1, 2], [3, 4]]
+        for p in (ids if isinstance(ids[0], list) else [ids]):
+            argv += ["--input-ids", ",".join(str(int(t)) for t in p)]
+    texts = hs.prompt
+    for t in ([texts] if isinstance(texts, str) else texts or []):  # chat turns: the template applies
+        if str(t):
+            argv += ["--chat", str(t)]
+    if hs.sequences:
+        argv += ["--sequences", str(hs.sequences)]
+    sampling = hs.sampling
+    for key, flag in (("temperature", "--temperature"), ("top_p", "--top-p")):
+        if key in sampling:
+            argv += [flag, str(float(sampling[key]))]
+    if sampling.get("ignore_eos"):
+        argv.append("--ignore-eos")
+    return argv
+
+
+def _num(x: float) -> str:
+    """A number as a flag value: 30, not 30.0, so argv stays what earlier runs recorded."""
+    return str(int(x)) if float(x).is_integer() else str(x)
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """The serving process: its argv, where it keeps its files, and how the playbooks and users reach it."""
+    argv: tuple[str, ...]
+    python: str
+    state_dir: str
+    ready_timeout: float
+    bind: str
+    port: int
+    url: str                  # where the playbooks reach it (loopback when it listens on every address)
+    keyed: bool               # API keys required (off loopback, or layerline_serve_api_keys)
+    api_keys_file: str
+    admin_key_file: str
+    key_dirs: tuple[str, ...]  # dirs to make (0700) before the key files
+    request: dict             # an example request (kept in request.json; the curl line sends it)
+    request_path: str
+    curl: str                 # one shell line that sends it
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.url}/v1"
+
+    @property
+    def banner(self) -> str:
+        """What the deploy prints: the endpoint, then the curl line on a line of its own (a multi-line
+        message is printed verbatim by Ansible's YAML output, so the line pastes as printed)."""
+        return f"serving at {self.endpoint} ; try:\n{self.curl}"
+
+    def to_dict(self) -> dict:
+        return asdict(self) | {"argv": list(self.argv), "key_dirs": list(self.key_dirs),
+                               "endpoint": self.endpoint, "banner": self.banner}
+
+
+def server_spec(hvars: SettingsLike, python: str = "python3", host: str = "controller") -> ServerSpec:
+    """The server's launch on the serving host (the controller unless group layerline_server names one)."""
+    hs = HostSettings.of(host, hvars)
+    home = ControllerHome.of(hs.home)
+    if not hs.checkpoint:
+        raise LayerlineError("layerline_checkpoint is not set; point it at a Hugging Face model dir or a .gguf file")
+    bind, port = hs.serve_bind, hs.serve_port_resolved
+    keyed = hs.serve_api_keys or not is_loopback(bind)
+    reach = LOOPBACK if bind in ("0.0.0.0", "::", "*") else (f"[{bind}]" if ":" in bind else bind)
+    url = f"http://{reach}:{port}"
+    state = home.server_state
+    python = hs.server_python or python
+    argv = [python, "-m", "layerline.cli", "serve", "--plan", home.plan, "--checkpoint", hs.checkpoint,
+            "--host", bind, "--port", str(port), "--keys", home.keys_controller, "--curve", hs.curve,
+            "--ready-file", os.path.join(state, "ready.json"), "--log-file", os.path.join(state, "requests.log"),
+            "--admin-keys", home.admin_key]
+    argv += ["--api-keys", home.api_keys] if keyed else []
+    argv += ["--restart-wait", _num(hs.serve_restart_wait), "--health-deadline", _num(hs.serve_health_deadline)]
+    argv += ["--on-stage-lost", hs.serve_on_stage_lost] if hs.serve_on_stage_lost else []
+    model = os.path.basename(hs.checkpoint.rstrip("/"))
+    chat = hs.checkpoint.endswith(".gguf")
+    request = ({"model": model, "messages": [{"role": "user", "content": "Name three colors."}], "max_tokens": 32}
+               if chat else {"model": model, "prompt": [1, 2, 3], "max_tokens": 8})
+    return ServerSpec(argv=tuple(argv), python=python, state_dir=state, ready_timeout=hs.server_ready_timeout,
+                      bind=bind, port=port, url=url, keyed=keyed, api_keys_file=home.api_keys,
+                      admin_key_file=home.admin_key,
+                      key_dirs=tuple(dict.fromkeys(os.path.dirname(p) for p in
+                                                   ([home.api_keys] if keyed else []) + [home.admin_key])),
+                      request=request, request_path=home.request,
+                      curl=curl_line(f"{url}/v1/{'chat/completions' if chat else 'completions'}", request,
+                                     home.api_keys if keyed else None))
+
+
+def curl_line(url: str, body: dict, api_keys_file: str | None = None) -> str:
+    """One shell line that POSTs body as JSON to url (the API key read from its file by the shell)."""
+    parts = ["curl", "-s", shlex.quote(url), "-X", "POST", "-H", shlex.quote("Content-Type: application/json")]
+    if api_keys_file:
+        # double quotes: the shell runs $(head ...) and passes the header as one word
+        parts += ["-H", f'"Authorization: Bearer $(head -1 {shlex.quote(api_keys_file)})"']
+    parts += ["-d", shlex.quote(json.dumps(body, separators=(", ", ": ")))]
+    return " ".join(parts)
+
+
+def host_report(plan: Plan | dict | None, host: str, hvars: SettingsLike, host_python: str | None = None) -> dict:
+    """What layerline.Cluster keeps of a host between steps: its settings (defaults filled in), the
+    controller's keys dir, and its worker argv ([] when the plan holds no stage for it)."""
+    hs = HostSettings.of(host, hvars)
+    python = hs.worker_python or host_python or "/usr/bin/python3"
+    planned = bool(plan) and Plan.from_dict(plan).stage(host) is not None
+    return hs.facts() | {"keys_controller_dir": ControllerHome.of(hs.home or ".").keys_controller,
+                         "argv": list(worker_spec(plan, host, hs, python).argv) if planned else []}

@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 import hmac
-import ipaddress
 import os
 import stat
 
+from ..endpoints import is_loopback  # noqa: F401 - the one definition (server/cli imports it from here)
 from ..errors import LayerlineError
 
 
@@ -40,12 +40,3 @@ def check(keys: list[bytes], authorization: str | None) -> bool:
     for k in keys:
         ok |= hmac.compare_digest(got, k)
     return ok
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False

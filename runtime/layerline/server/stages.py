@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from ..errors import LayerlineError
 from ..pipeline import Pipeline, active_stages, control, pipeline_for_plan, reply_host_for
-from ..worker import control_endpoint
+from ..endpoints import control_endpoint
 from .failover import Failover
 from .metrics import Metrics
 from .route import StageState, check_plan

@@ -11,6 +11,7 @@ import os
 import signal
 import sys
 
+from ..endpoints import control_endpoint  # noqa: F401 - data port + 1, decided once (sockets and the package import it from here)
 from ..errors import LayerlineError
 from ..model import COMPILE_MODES
 
@@ -30,12 +31,6 @@ def openmp_env(argv: list[str]) -> None:
         os.environ["GOMP_SPINCOUNT"] = spin
     else:
         os.environ.setdefault("GOMP_SPINCOUNT", "10000")
-
-
-def control_endpoint(bind: str) -> str:
-    """A worker's control socket when --control is not given: its data port + 1."""
-    host, port = bind.rsplit(":", 1)
-    return f"{host}:{int(port) + 1}"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
