@@ -61,6 +61,31 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda it: rank.get(it.path.stem, len(rank)))   # stable: file order within a rank
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _no_step_timing_in_process_tests(request):
+    """Workers that tests/processes starts skip their warm-up step timing (LAYERLINE_STEP_TIMING=off,
+    layerline.worker): hundreds of starts, and no test there reads the time unless marked
+    `step_timing`. Module-scoped and autouse, so it is set before the module's pipelines start; the
+    deploy tiers keep the default, so a deploy still times and records its step factors."""
+    with pytest.MonkeyPatch.context() as mp:
+        if _tier(request.node) == "processes":
+            mp.setenv("LAYERLINE_STEP_TIMING", "off")
+        else:
+            mp.delenv("LAYERLINE_STEP_TIMING", raising=False)
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _step_timing_where_marked(request):
+    """A test marked `step_timing` starts workers that time their step as deployed ones do."""
+    if request.node.get_closest_marker("step_timing") is None:
+        yield
+        return
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("LAYERLINE_STEP_TIMING", raising=False)
+        yield
+
+
 def pytest_xdist_make_scheduler(config, log):
     """--dist loadfile, but a worker takes its next file only when it holds the last test of its
     current one (a worker runs a test once it knows the next). xdist's own mark is two pending
