@@ -48,10 +48,12 @@ def _tier(item) -> str:
     return tier
 
 
-# The slowest files first (minutes each: deploys, compiles, the operations proof): `make test` runs
-# two files at a time (pytest-xdist --dist loadfile), and a long file started last would run alone.
-SLOW_FIRST = ("test_drain", "test_multihost", "test_e2e_deploy", "test_compile", "test_cluster", "test_gguf",
-              "test_bad_deploys", "test_int4", "test_families")
+# The slowest files first, slowest first (seconds each, measured alone on the busy 2-core machine:
+# drain ~390, multihost ~230, e2e_deploy ~180, failover ~70, compile ~60, cluster ~50, bad_deploys ~45,
+# gguf ~40, families ~35): `make test` runs two files at a time (pytest-xdist --dist loadfile), and a
+# long file started last would run alone.
+SLOW_FIRST = ("test_drain", "test_multihost", "test_e2e_deploy", "test_failover", "test_compile", "test_cluster",
+              "test_bad_deploys", "test_gguf", "test_families", "test_generate", "test_int4")
 
 
 def pytest_collection_modifyitems(config, items):
