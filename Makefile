@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
 
-.PHONY: setup demo test test-unit fuzz lint bench clean teardown
+.PHONY: setup demo test test-unit fuzz lint molecule bench clean teardown
 
 setup: $(VENV)/.layerline-stamp
 
@@ -24,28 +24,34 @@ demo: setup
 teardown: setup
 	$(BIN)/ansible-playbook teardown.yml
 
-# two test files at a time (--dist loadfile keeps a file's deployment in one process; each file
-# has its own ports and layerline_home): most of a deploy test's time is Ansible and workers
-# waiting on each other, so two overlap well even on two cores (three only contend more).
-# --no-loadscope-reorder keeps tests/conftest.py's order (the slowest files first); xdist would
-# start the files with most tests
+# every tier (tests/unit, processes, deploy, multihost), two test files at a time (--dist loadfile
+# keeps a file's deployment in one process; each file has its own ports and layerline_home): most of
+# a deploy test's time is Ansible and workers waiting on each other, so two overlap well even on two
+# cores (three only contend more). --no-loadscope-reorder keeps tests/conftest.py's order (the
+# slowest files first); xdist would start the files with most tests. ansible-lint is `make lint`.
 test: setup
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=20 tests
 
-# the fast tier only (markers: unit, e2e, multihost; tests/conftest.py assigns them): under a minute
+# the fast tier: in-process checks only, no worker processes, no Ansible runs (under a minute)
 test-unit: setup
-	$(BIN)/python -m pytest -q -m unit tests
+	$(BIN)/python -m pytest -q tests/unit
 
 # the wire fuzzer at full count: 10,000 data + 2,000 control messages into live workers, on loopback
 # and with CURVE on (`make test` sends 1,000 + 200); prints its figures. LAYERLINE_FUZZ_SEED=N reseeds.
 fuzz: setup
-	LAYERLINE_FUZZ=full $(BIN)/python -m pytest -q -s tests/test_fuzz_wire.py
+	LAYERLINE_FUZZ=full $(BIN)/python -m pytest -q -s tests/processes/test_fuzz_wire.py
 
+# the production profile over every playbook and role, and every module's documentation renders
+# (.ci/run runs it beside `make test`)
 lint: setup
-	$(BIN)/ansible-lint --profile production deploy.yml drain.yml teardown.yml playbooks roles
+	$(BIN)/ansible-lint --profile production --nocolor deploy.yml drain.yml teardown.yml playbooks roles
+	for m in modules/library/layerline_*.py; do \
+		$(BIN)/ansible-doc -M modules/library "$$(basename $$m .py)" | grep -q OPTIONS \
+			|| { echo "ansible-doc $$m: no OPTIONS section" >&2; exit 1; }; \
+	done
 
 # the molecule scenarios (default: the embedded inventory; multihost: namespace hosts, needs root);
-# tests/test_e2e_deploy.py and tests/test_multihost.py run the same deploys in `make test`
+# tests/deploy/test_e2e_deploy.py and tests/multihost/test_multihost.py run the same deploys in `make test`
 molecule: setup
 	PATH=$(CURDIR)/$(BIN):$$PATH molecule test -s default
 	PATH=$(CURDIR)/$(BIN):$$PATH molecule test -s multihost

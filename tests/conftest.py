@@ -4,6 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import os
+import sys
 
 import pytest
 
@@ -21,81 +22,70 @@ if _xdist or "LAYERLINE_PORT_RANGE" not in os.environ:   # a worker inherits the
 import torch  # noqa: E402
 import torch._dynamo  # noqa: F401,E402
 
-# --- test tiers -----------------------------------------------------------------------------------
-# Every test gets exactly one tier marker: by its name, else by a fixture it uses, else by its module
-# (default unit):
-#   unit       in-process checks, no playbooks, no worker pipelines: `pytest -m unit` (`make test-unit`),
-#              under a minute
-#   e2e        end-to-end and slow: real ansible / ansible-runner / ansible-lint runs on this
-#              machine, worker processes, torch.compile, full probes
-#   multihost  over ssh to network-namespace hosts made by scripts/testhosts.py (needs root)
-# `make test` runs every tier. A test's own tier marker (e.g. @pytest.mark.e2e) is kept as it is.
-TIERS = ("unit", "e2e", "multihost")
-MODULE_TIER = {
-    "test_e2e_deploy": "e2e",      # deploy.yml on the default inventory, staging each host's layers
-    "test_lint": "e2e",            # ansible-lint over every playbook and role (~50 s)
-    "test_compile": "e2e",         # torch.compile, a compiled worker process (minutes)
-    "test_generate": "e2e",        # generation across real worker processes
-    "test_worker": "e2e",          # a real two-stage worker pipeline
-    "test_worker_module": "e2e",   # layerline_worker through real ansible
-    "test_server": "e2e",          # the server over three real worker processes
-    "test_route_switch": "e2e",    # a live route switch over real workers
-    "test_drain": "e2e",           # drain.yml and a rejoin under load
-    "test_http_abuse": "e2e",      # 2,000 bad requests at a live server
-    "test_bad_deploys": "e2e",     # deploy.yml with bad inputs
-    "test_control_auth": "e2e",    # control sockets of real workers, strangers and the controller
-    "test_fuzz_wire": "e2e",       # mutated messages into live workers (LAYERLINE_FUZZ=full: make fuzz)
-    "test_multihost": "multihost",
-}
-# "module::fixture": every test of that module using the fixture (real worker processes)
-FIXTURE_TIER = {
-    "test_curve::stages": "e2e",
-    "test_rows::pipeline": "e2e",
-}
-TEST_TIER = {  # "module::test name" (parametrized cases share their test's tier)
-    "test_cluster::test_probe_plan_launch_drive_teardown": "e2e",        # ansible-runner, three workers
-    "test_curve::test_missing_keys_dir_and_readable_secret_are_refused_by_the_worker": "e2e",  # workers
-    "test_curve::test_off_loopback_without_keys_is_one_line_naming_keys": "e2e",
-    "test_curve::test_driver_off_loopback_without_keys_is_one_line": "e2e",
-    "test_discover::test_discover_play_adds_hosts": "e2e",               # playbooks/discover.yml
-    "test_discover::test_cluster_discover_is_idempotent": "e2e",         # ansible-runner
-    "test_families::test_family_through_three_worker_processes_equals_transformers": "e2e",
-    "test_families::test_text_in_text_out_with_a_tokenizer": "e2e",      # worker processes
-    "test_probe::test_module_returns_caps_and_uses_its_cache": "e2e",    # the probe module via ansible
-    # five full probes (each ~1.5 s: the decode-bandwidth timing does not follow budget_s)
-    "test_probe::test_disk_speed_is_null_not_zero_when_unmeasured": "e2e",
-    "test_probe::test_a_host_without_the_checkpoint_times_the_disk_it_will_land_on": "e2e",
-    "test_rows::test_the_kv_budget_evicts_the_oldest_and_rows_then_name_it": "e2e",  # a worker
-    "test_supervise::test_real_worker_under_supervise": "e2e",           # a real worker process
-}
+# --- test tiers: one directory each -----------------------------------------------------------------
+#   unit/       in-process checks: no worker or server processes, no Ansible runs (`make test-unit`,
+#               under a minute)
+#   processes/  real worker, server and supervisor processes on this machine, no playbooks
+#   deploy/     ansible-playbook, ansible-runner, the Ansible modules and CLI tools against local hosts
+#   multihost/  over ssh to network-namespace hosts made by scripts/testhosts.py (needs root)
+# Every test gets its directory's marker, so `pytest -m unit tests` still selects the fast tier.
+# `make test` runs every tier; `make lint` runs ansible-lint and ansible-doc beside it in .ci/run.
+TIERS = ("unit", "processes", "deploy", "multihost")
+TESTS = Path(__file__).resolve().parent
+# helpers.py and stage_procs.py live here, beside this file: every tier imports them by name
+if str(TESTS) not in sys.path:
+    sys.path.insert(0, str(TESTS))
 
 
-def _tier(item) -> str | None:
-    module = item.path.stem
-    name = getattr(item, "originalname", None) or item.name
-    tier = TEST_TIER.get(f"{module}::{name}")
-    if tier is None:
-        fixtures = getattr(item, "fixturenames", ())
-        tier = next((t for k, t in FIXTURE_TIER.items() if k.split("::")[0] == module
-                     and k.split("::")[1] in fixtures), None)
-    if tier is None and not any(m.name in TIERS for m in item.iter_markers()):
-        tier = MODULE_TIER.get(module, "unit")
+def _tier(item) -> str:
+    try:
+        tier = item.path.resolve().relative_to(TESTS).parts[0]
+    except ValueError:
+        tier = ""
+    if tier not in TIERS:
+        raise pytest.UsageError(f"{item.path}: a test belongs in one of tests/{{{','.join(TIERS)}}}/ "
+                                "(the tier that says what it starts); move it there")
     return tier
 
 
-# The slowest files first (minutes each: deploys, compiles, the operations proof): `make test` runs
-# two files at a time (pytest-xdist --dist loadfile), and a long file started last would run alone.
-SLOW_FIRST = ("test_drain", "test_multihost", "test_e2e_deploy", "test_compile", "test_cluster", "test_gguf",
-              "test_bad_deploys", "test_int4", "test_families")
+# The slowest files first, slowest first (seconds each, measured alone on the busy 2-core machine:
+# drain ~390, multihost ~230, e2e_deploy ~180, failover ~70, compile ~60, cluster ~50, bad_deploys ~45,
+# gguf ~40, families ~35): `make test` runs two files at a time (pytest-xdist --dist loadfile), and a
+# long file started last would run alone.
+SLOW_FIRST = ("test_drain", "test_multihost", "test_e2e_deploy", "test_failover", "test_compile", "test_cluster",
+              "test_bad_deploys", "test_gguf", "test_families", "test_generate", "test_int4")
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        tier = _tier(item)
-        if tier is not None:
-            item.add_marker(getattr(pytest.mark, tier))
+        item.add_marker(getattr(pytest.mark, _tier(item)))
     rank = {m: i for i, m in enumerate(SLOW_FIRST)}
     items.sort(key=lambda it: rank.get(it.path.stem, len(rank)))   # stable: file order within a rank
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_step_timing_in_process_tests(request):
+    """Workers that tests/processes starts skip their warm-up step timing (LAYERLINE_STEP_TIMING=off,
+    layerline.worker): hundreds of starts, and no test there reads the time unless marked
+    `step_timing`. Module-scoped and autouse, so it is set before the module's pipelines start; the
+    deploy tiers keep the default, so a deploy still times and records its step factors."""
+    with pytest.MonkeyPatch.context() as mp:
+        if _tier(request.node) == "processes":
+            mp.setenv("LAYERLINE_STEP_TIMING", "off")
+        else:
+            mp.delenv("LAYERLINE_STEP_TIMING", raising=False)
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _step_timing_where_marked(request):
+    """A test marked `step_timing` starts workers that time their step as deployed ones do."""
+    if request.node.get_closest_marker("step_timing") is None:
+        yield
+        return
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("LAYERLINE_STEP_TIMING", raising=False)
+        yield
 
 
 def pytest_xdist_make_scheduler(config, log):

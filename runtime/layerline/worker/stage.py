@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -92,7 +93,9 @@ class StageCompute:
                       f"{timing_lock.lock_path(self.args.time_alone)} (another stage kept it over "
                       f"{timing_lock.WAIT_S:.0f} s, or it cannot be opened): the time may include that "
                       "stage's work", file=sys.stderr, flush=True)
-            self.step_s = self.measure_step()
+            # LAYERLINE_STEP_TIMING=off (the process tests, which start hundreds of workers): no warm-up
+            # timing; step_s is null as when a stage cannot time itself, so no step factor is kept
+            self.step_s = None if os.environ.get("LAYERLINE_STEP_TIMING") == "off" else self.measure_step()
 
     def _timing_lock(self, exclusive: bool):
         """--time-alone's lock (timing_lock.held), or nothing (None) without it."""

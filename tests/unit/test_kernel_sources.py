@@ -19,7 +19,7 @@ import pytest
 
 from layerline.model import cpu_kernels
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CSRC = ROOT / "runtime" / "layerline" / "model" / "csrc"
 LOCAL_INCLUDE = re.compile(r'^#include "([^"]+)"', re.M)
 

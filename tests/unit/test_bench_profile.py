@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 from bench_decode import FRAMEWORK, PROFILE_BUCKETS, profile_bucket  # noqa: E402
 
 GEMV, ATTN, ELEM = PROFILE_BUCKETS

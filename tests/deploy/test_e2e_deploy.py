@@ -15,8 +15,6 @@ import time
 
 from helpers import BIN, ROOT, ansible_env, playbook, recap
 
-# tier: e2e (tests/conftest.py marks by module)
-
 
 @pytest.fixture(scope="module")
 def run_vars(tmp_path_factory):

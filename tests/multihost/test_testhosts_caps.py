@@ -15,9 +15,8 @@ import pytest
 
 from helpers import ROOT
 
-pytestmark = [pytest.mark.multihost,
-              pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("ip"),
-                                 reason="test hosts need root and iproute2 (network namespaces, a bridge)")]
+pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("ip"),
+                                reason="test hosts need root and iproute2 (network namespaces, a bridge)")
 
 SCRIPT = ROOT / "scripts" / "testhosts.py"
 PREFIX = "llcap"

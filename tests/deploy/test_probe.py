@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 from layerline.errors import LayerlineError
 from layerline.probe import NODECAPS_KEYS, DEVICE_KEYS, primary_ipv4, probe
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
 BUDGET = 0.2
 

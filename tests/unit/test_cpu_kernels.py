@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from layerline.model import cpu_kernels
 from layerline.model.quant import _pack_rows, dequantize_int4_rows, quantize_groups, quantize_rows
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _cpu_flags() -> set[str]:

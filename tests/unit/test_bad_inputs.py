@@ -13,8 +13,6 @@ import pytest
 from layerline.checkpoint import write_demo_checkpoint
 from layerline.cli import main
 
-# tier: unit (in-process; tests/conftest.py marks by module)
-
 
 @pytest.fixture(scope="module")
 def good(tmp_path_factory) -> Path:

@@ -12,8 +12,6 @@ import pytest
 
 from helpers import playbook
 
-# tier: e2e (tests/conftest.py marks by module)
-
 PORT_BASE = 29700  # clear of the demo (29100), test_drain (29300), test_e2e_deploy (29400), test_cluster (29500)
 
 

@@ -18,7 +18,7 @@ import pytest
 
 from helpers import alive, kill_leftovers, processes_mentioning, wait_for
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 VENV_PY = REPO / ".venv" / "bin" / "python"
 PY = str(VENV_PY if VENV_PY.exists() else Path(sys.executable))
 

@@ -23,8 +23,6 @@ import pytest
 
 from helpers import BIN, ROOT, playbook, wait_for
 
-# tier: e2e (tests/conftest.py marks by module)
-
 PORT_BASE = 29300  # clear of the demo (29100), test_e2e_deploy (29400), test_cluster (29500), molecule
 URL = f"http://127.0.0.1:{PORT_BASE + 90}"
 N_TOKENS = 48

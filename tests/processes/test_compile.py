@@ -98,6 +98,7 @@ def test_compile_mode_is_checked_and_moe_stays_eager(tmp_path, small_ckpt, one_t
     assert moe(torch.tensor([[4]]), start_pos=3, cache=cache).shape == (1, 1, 300)
 
 
+@pytest.mark.step_timing  # reads the step time
 def test_compiled_worker_serves_without_recompiling(tmp_path):
     """One worker with --compile default: ready only after its warm-up; then prompts of several
     lengths, batch 3 (never warmed up) and batch 1, give the eager tokens and add no compiled graph.

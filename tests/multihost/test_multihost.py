@@ -24,7 +24,6 @@ import pytest
 
 from helpers import BIN, ROOT, ansible_env, playbook, recap
 
-# tier: multihost (tests/conftest.py marks by module)
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("ip"),
                                 reason="test hosts need root and iproute2 (network namespaces, a bridge)")
 

@@ -53,6 +53,7 @@ def test_a_bare_name_is_a_file_in_the_lock_dir_and_an_empty_one_is_refused():
 
 
 @pytest.mark.e2e
+@pytest.mark.step_timing  # reads the step time
 def test_a_worker_with_time_alone_waits_while_another_times(tmp_path):
     """A worker started with --time-alone neither loads nor times its step while another stage
     holds the lock alone; it becomes ready once that one lets go."""
