@@ -101,20 +101,26 @@ class Sockets:
         server = None
         if keymod.curve_on(self.args.curve, addr):
             server = self.keys.server_key(key, "next_key" if names_only else "--next-key", names_only=names_only)
+        s = self._dealer(addr, server, "next")   # on failure the old route stays
+        if self.next is not None:
+            self.next.close(linger=1000)
+        # the next hop's host name is reported (health) even without CURVE on this link: the
+        # server follows it to find each stage's key for the control socket
+        self.next, self.next_addr, self.next_key = s, addr, key
+
+    def _dealer(self, addr: str, server, what: str) -> zmq.Socket:
+        """A DEALER connected to addr (CURVE toward `server`'s key when given); closed again when the
+        connect fails, so no bad address leaks a socket."""
         s = self.ctx.socket(zmq.DEALER)
         s.setsockopt(zmq.LINGER, 1000)
         try:
             if server is not None:
                 keymod.connect_curve(s, self.keys, server)
             s.connect(addr)
-        except zmq.ZMQError as e:  # keep the old route
+        except zmq.ZMQError as e:
             s.close(linger=0)
-            raise wire.WireError(f"next: cannot connect to {addr} ({e})") from None
-        if self.next is not None:
-            self.next.close(linger=1000)
-        # the next hop's host name is reported (health) even without CURVE on this link: the
-        # server follows it to find each stage's key for the control socket
-        self.next, self.next_addr, self.next_key = s, addr, key
+            raise wire.WireError(f"{what}: cannot connect to {addr} ({e})") from None
+        return s
 
     def peer(self, addr: str) -> zmq.Socket:
         """A DEALER to a driver's result socket (reply_to), kept for reuse. Under CURVE it only
@@ -126,15 +132,7 @@ class Sockets:
             server = None
             if keymod.curve_on(self.args.curve, addr):
                 server = self.keys.server_key(keymod.CONTROLLER, "header.reply_to", names_only=True)
-            s = self.ctx.socket(zmq.DEALER)
-            s.setsockopt(zmq.LINGER, 1000)
-            try:
-                if server is not None:
-                    keymod.connect_curve(s, self.keys, server)
-                s.connect(addr)
-            except zmq.ZMQError as e:  # close it, or every such request leaks a socket
-                s.close(linger=0)
-                raise wire.WireError(f"header.reply_to: cannot connect to {addr} ({e})") from None
+            s = self._dealer(addr, server, "header.reply_to")
             while len(self.peers) >= MAX_REPLY_PEERS:
                 self.peers.popitem(last=False)[1].close(linger=0)
         self.peers[addr] = s
