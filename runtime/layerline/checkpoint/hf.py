@@ -91,6 +91,13 @@ def read_dir_config(root: Path) -> dict:
     return cfg
 
 
+def drop_nulls(cfg: dict) -> dict:
+    """cfg without the keys saved as null, in nested objects too: transformers writes a key it
+    fills in at load (`head_dim: null` is hidden / heads) as null, which means "the default",
+    the same as leaving the key out."""
+    return {k: drop_nulls(v) if isinstance(v, dict) else v for k, v in cfg.items() if v is not None}
+
+
 def _staged_range(root: Path) -> tuple[int, int, bool] | None:
     """(start, end, first) of a staged checkpoint, else None (the whole model)."""
     try:
@@ -116,7 +123,7 @@ def check_index(idx: CheckpointIndex, staged: tuple[int, int, bool] | None = Non
     """A Hugging Face checkpoint's config and tensors agree: a supported family, the keys the
     model needs, every layer's tensors (a staged one: its range's) with the shapes the config
     gives (headers only)."""
-    cfg = idx.config
+    cfg = drop_nulls(idx.config)  # a key saved as null means its default
     mtype = cfg.get("model_type", "llama")
     if mtype not in SUPPORTED_MODEL_TYPES:
         raise CheckpointError(f"config.json: model_type {mtype!r} is not supported; layerline runs "
