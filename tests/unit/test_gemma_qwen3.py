@@ -1,4 +1,4 @@
-"""Gemma 3, Gemma 2 and Qwen3 against Hugging Face transformers, in one process.
+"""Gemma 3, Gemma 2, Qwen3 and Phi-3 against Hugging Face transformers, in one process.
 
 transformers makes each random-init model (its own *ForCausalLM class, float32) and saves it;
 layerline loads the saved dir as three stages. Logits must agree, and greedy generation through the
@@ -6,7 +6,7 @@ three stages, each with its own KV cache, must give transformers' generate() tok
 configs are small but keep what makes each family itself: Gemma's window layers (a window
 shorter than the sequences, every other layer global), its own RoPE base on window layers, q/k
 norms, sandwich norms, GeGLU, scaled embeddings, query_pre_attn_scalar, Gemma 2's soft-caps;
-Qwen3's q/k norms. Also: config keys saved as null mean their default.
+Qwen3's q/k norms; Phi-3's fused qkv_proj and gate_up_proj (and its window). Also: config keys saved as null mean their default.
 """
 from __future__ import annotations
 
@@ -39,6 +39,9 @@ CONFIGS = {
         COMMON, sliding_window=WINDOW, query_pre_attn_scalar=20, attn_logit_softcapping=3.0,
         final_logit_softcapping=4.0)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(COMMON, tie_word_embeddings=False)),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(COMMON, hidden_size=96, sliding_window=WINDOW,
+                                                   tie_word_embeddings=False, pad_token_id=0,
+                                                   bos_token_id=1, eos_token_id=2)),
 }
 
 pytestmark = pytest.mark.usefixtures("one_thread")

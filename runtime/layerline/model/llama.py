@@ -132,6 +132,7 @@ class ModelArgs:
     local_rope_theta: float | None = None  # the window layers' RoPE base, unscaled (Gemma3); None: rope_theta
     attn_softcap: float | None = None  # attention scores through cap * tanh(s / cap) (Gemma2)
     final_softcap: float | None = None  # the logits through cap * tanh(l / cap) (Gemma2)
+    fused_proj: bool = False  # q/k/v stored as one qkv_proj, gate/up as one gate_up_proj (Phi-3)
 
     def rope(self, layer: int) -> int:
         """Which RoPE table `layer` uses: 0 the global one, 1 the window layers' own (local_rope_theta)."""
@@ -227,14 +228,14 @@ class ModelArgs:
         # never do (transformers hard-codes bias=False); Llama by the key
         if qwen2:
             attention_bias = True
-        elif model_type in ("mistral", "mixtral"):
+        elif model_type in ("mistral", "mixtral", "phi3"):
             attention_bias = False
         else:
             attention_bias = _bool(cfg, "attention_bias", False)
         n_layers = _pos_int(cfg, "num_hidden_layers")
 
         window, window_layers = None, None
-        if model_type in ("mistral", "mixtral"):
+        if model_type in ("mistral", "mixtral", "phi3"):
             if cfg.get("sliding_window") is not None:
                 window = _pos_int(cfg, "sliding_window")
         elif (model_type in ("qwen2", "qwen3") and _bool(cfg, "use_sliding_window", False)) or gemma:
@@ -276,6 +277,10 @@ class ModelArgs:
                              and _pos_float(cfg, "final_logit_softcapping"))
         elif model_type == "qwen3":
             hooks = dict(qk_norm=True)
+        elif model_type == "phi3":
+            if (rp or {}).get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) != 1.0:
+                raise _cfg_err("partial_rotary_factor", "only 1.0 (RoPE over the whole head) is supported")
+            hooks = dict(fused_proj=True)
         return cls(
             vocab_size=_pos_int(cfg, "vocab_size"),
             hidden_size=hidden,
@@ -480,6 +485,19 @@ class FusedLinears(nn.Module):
         return y.split(self.sizes, dim=-1)
 
 
+class SplitLinear(nn.Module):
+    """One stored matrix whose output is several projections' (Phi-3's qkv_proj, gate_up_proj): the
+    product once, split by output rows; the matrix stays its own module (and checkpoint name)."""
+
+    def __init__(self, linear: nn.Module, sizes: list[int]):
+        super().__init__()
+        self.parts = [linear]  # a plain list: the module stays registered where its owner put it
+        self.sizes = sizes
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.parts[0](x).split(self.sizes, dim=-1)
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs, dtype: torch.dtype, quant=None):
         super().__init__()
@@ -489,11 +507,16 @@ class Attention(nn.Module):
         self.softcap = args.attn_softcap  # scores capped: not what the decode kernel computes
         if args.qk_norm:
             self.q_norm, self.k_norm = RMSNorm.of(args, hd, dtype), RMSNorm.of(args, hd, dtype)
-        self.q_proj = make_linear(h, args.num_heads * hd, args.attention_bias, dtype, quant)
-        self.k_proj = make_linear(h, args.num_kv_heads * hd, args.attention_bias, dtype, quant)
-        self.v_proj = make_linear(h, args.num_kv_heads * hd, args.attention_bias, dtype, quant)
+        sizes = [args.num_heads * hd, args.num_kv_heads * hd, args.num_kv_heads * hd]
+        if args.fused_proj:  # stored as one matrix (Phi-3's qkv_proj): split after the product
+            self.qkv_proj = make_linear(h, sum(sizes), args.attention_bias, dtype, quant)
+            self.qkv = SplitLinear(self.qkv_proj, sizes)
+        else:
+            self.q_proj = make_linear(h, sizes[0], args.attention_bias, dtype, quant)
+            self.k_proj = make_linear(h, sizes[1], args.attention_bias, dtype, quant)
+            self.v_proj = make_linear(h, sizes[2], args.attention_bias, dtype, quant)
+            self.qkv = FusedLinears([self.q_proj, self.k_proj, self.v_proj])
         self.o_proj = make_linear(args.num_heads * hd, h, args.o_proj_bias, dtype, quant)
-        self.qkv = FusedLinears([self.q_proj, self.k_proj, self.v_proj])
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: list,
                 kv: list | None, view: list) -> torch.Tensor:
@@ -577,10 +600,14 @@ class MLP(nn.Module):
     def __init__(self, args: ModelArgs, dtype: torch.dtype, quant=None):
         super().__init__()
         h, i = args.hidden_size, args.intermediate_size
-        self.gate_proj = make_linear(h, i, False, dtype, quant)
-        self.up_proj = make_linear(h, i, False, dtype, quant)
+        if args.fused_proj:  # Phi-3's gate_up_proj: gate rows first, then up
+            self.gate_up_proj = make_linear(h, 2 * i, False, dtype, quant)
+            self.gate_up = SplitLinear(self.gate_up_proj, [i, i])
+        else:
+            self.gate_proj = make_linear(h, i, False, dtype, quant)
+            self.up_proj = make_linear(h, i, False, dtype, quant)
+            self.gate_up = FusedLinears([self.gate_proj, self.up_proj])
         self.down_proj = make_linear(i, h, False, dtype, quant)
-        self.gate_up = FusedLinears([self.gate_proj, self.up_proj])
         self.gelu = args.mlp_act == "gelu_tanh"  # GeGLU (Gemma) instead of SwiGLU
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
