@@ -22,8 +22,8 @@ Everything is expressed in the Hugging Face vocabulary the rest of layerline spe
   but the group's (scale, zero) pair.
 
 Supported: `general.architecture` "llama" (Llama 1/2/3 without rope_freqs, Mistral, SmolLM, ...
-as llama.cpp writes them), "qwen2" (q/k/v biases, no permutation) and "gemma3" (no permutation;
-its norms stored as 1 + weight, read back as HF's weight). A new architecture is a
+as llama.cpp writes them), "qwen2" (q/k/v biases, no permutation), "gemma2" and "gemma3" (no
+permutation; norms stored as 1 + weight, read back as HF's weight). A new architecture is a
 row of `_ARCHS` and its names in `_LAYER_NAMES`; a new block type needs `gguf.quants` to
 dequantize it (or a reader here).
 """
@@ -42,10 +42,11 @@ from .stagefile import write_safetensors, write_tensor
 
 GGUF_MAGIC = b"GGUF"
 # general.architecture -> the HF class its config names
-_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "gemma2": "Gemma2ForCausalLM",
+          "gemma3": "Gemma3ForCausalLM"}
 _MODEL_TYPES = {"gemma3": "gemma3_text"}  # general.architecture -> config model_type, where they differ
 SUPPORTED_ARCHS = tuple(_ARCHS)
-_GEMMA = ("gemma3",)  # llama.cpp stores Gemma's norm weights as 1 + weight (HF: weight, scaled by 1 + weight)
+_GEMMA = ("gemma2", "gemma3")  # llama.cpp stores Gemma's norm weights as 1 + weight (HF: weight, scaled by 1 + weight)
 # GGUF tensor name -> HF tensor name; {n} is the layer index
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -64,11 +65,14 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 # where an architecture's layer differs from llama's: Gemma's four norms a layer and q/k norms
+_GEMMA2_NAMES = {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+                 "post_ffw_norm": "post_feedforward_layernorm"}
 _ARCH_LAYER_NAMES = {
-    "gemma3": {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
-               "post_ffw_norm": "post_feedforward_layernorm", "attn_q_norm": "self_attn.q_norm",
-               "attn_k_norm": "self_attn.k_norm"},
+    "gemma2": _GEMMA2_NAMES,
+    "gemma3": {**_GEMMA2_NAMES, "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"},
 }
+# llama.cpp's query scale for Gemma: hidden / heads for the 27B models (by layer count), else head_dim
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 _PLANNED = {"F32": "F32", "F16": "F16", "BF16": "BF16"}  # anything else (quantized) -> BF16
 _PLANNED_BYTES = {"F32": 4, "F16": 2, "BF16": 2}
@@ -237,12 +241,18 @@ class GGUFCheckpoint(Checkpoint):
             cfg["attention_bias"] = "blk.0.attn_q.bias" in tensors
             cfg["mlp_bias"] = False
         elif arch in _GEMMA:
-            # what llama.cpp assumes for Gemma 3: every 6th layer global, the rest over the window with
-            # their own RoPE base; queries scaled by head_dim ** -0.5 (query_pre_attn_scalar = head_dim)
+            # what llama.cpp assumes for Gemma: Gemma 3 every 6th layer global, the rest over the window
+            # with their own RoPE base; Gemma 2 every other layer, soft-capped
+            big = cfg["num_hidden_layers"] == _GEMMA_27B_LAYERS[arch]
             cfg.update(hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh",
-                       sliding_window=int(need("attention.sliding_window")), sliding_window_pattern=6,
-                       rope_local_base_freq=float(m.get(f"{arch}.rope.freq_base_swa", 10000.0)),
-                       query_pre_attn_scalar=int(head_dim), attention_bias=False)
+                       sliding_window=int(need("attention.sliding_window")),
+                       sliding_window_pattern=6 if arch == "gemma3" else 2,
+                       query_pre_attn_scalar=hidden // heads if big else int(head_dim), attention_bias=False)
+            if arch == "gemma3":
+                cfg["rope_local_base_freq"] = float(m.get(f"{arch}.rope.freq_base_swa", 10000.0))
+            else:
+                cfg.update(attn_logit_softcapping=float(m.get(f"{arch}.attn_logit_softcapping", 50.0)),
+                           final_logit_softcapping=float(m.get(f"{arch}.final_logit_softcapping", 30.0)))
         else:  # qwen2: biased q/k/v, no sliding window in GGUF metadata
             cfg.update(use_sliding_window=False, sliding_window=cfg["max_position_embeddings"],
                        max_window_layers=cfg["num_hidden_layers"])
