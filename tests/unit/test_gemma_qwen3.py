@@ -6,7 +6,8 @@ three stages, each with its own KV cache, must give transformers' generate() tok
 configs are small but keep what makes each family itself: Gemma's window layers (a window
 shorter than the sequences, every other layer global), its own RoPE base on window layers, q/k
 norms, sandwich norms, GeGLU, scaled embeddings, query_pre_attn_scalar, Gemma 2's soft-caps;
-Qwen3's q/k norms; Phi-3's fused qkv_proj and gate_up_proj (and its window). Also: config keys saved as null mean their default.
+Qwen3's q/k norms; Phi-3's fused qkv_proj and gate_up_proj (and its window). Also: config keys
+saved as null mean their default.
 """
 from __future__ import annotations
 

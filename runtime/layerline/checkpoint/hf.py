@@ -133,7 +133,7 @@ def check_index(idx: CheckpointIndex, staged: tuple[int, int, bool] | None = Non
                 num_hidden_layers=_config_int(cfg, "num_hidden_layers"),
                 intermediate_size=_config_int(cfg, "intermediate_size"), vocab_size=_config_int(cfg, "vocab_size"),
                 num_key_value_heads=_config_int(cfg, "num_key_value_heads", heads),
-                head_dim=_config_int(cfg, "head_dim", 256 if mtype in ("gemma2", "gemma3_text")  # transformers' defaults
+                head_dim=_config_int(cfg, "head_dim", 256 if mtype in ("gemma2", "gemma3_text")  # as transformers
                                      else h // heads if h % heads == 0 else None))
     if mtype == "mixtral":
         want["num_local_experts"] = _config_int(cfg, "num_local_experts")

@@ -272,9 +272,8 @@ class ModelArgs:
                 hooks.update(attn_softcap=_pos_float(cfg, "attn_logit_softcapping", 50.0),
                              final_softcap=_pos_float(cfg, "final_logit_softcapping", 30.0))
             else:  # gemma3: none unless the config sets them
-                hooks.update(attn_softcap=cfg.get("attn_logit_softcapping") and _pos_float(cfg, "attn_logit_softcapping"),
-                             final_softcap=cfg.get("final_logit_softcapping")
-                             and _pos_float(cfg, "final_logit_softcapping"))
+                hooks.update({f"{k}_softcap": _pos_float(cfg, f"{k}_logit_softcapping")
+                              for k in ("attn", "final") if cfg.get(f"{k}_logit_softcapping") is not None})
         elif model_type == "qwen3":
             hooks = dict(qk_norm=True)
         elif model_type == "phi3":
