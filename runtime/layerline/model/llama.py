@@ -1,4 +1,5 @@
-"""Llama-family decoder layers (Llama 2/3, Mistral, Qwen2, Mixtral), one pipeline *stage* at a time.
+"""Decoder layers of the Llama family and its relatives (Llama 2/3, Mistral, Qwen2, Qwen3, Mixtral,
+Gemma 2/3, Phi-3), one pipeline *stage* at a time.
 
 gpt-fast style: a dataclass of model args, the KV cache as a module, nothing the forward does
 not need. A `Stage` holds a contiguous, half-open layer range [start, end) of the model, plus the
@@ -21,7 +22,12 @@ Family differences: Qwen2 biases q/k/v; Mistral (and Mixtral, and Qwen2 with use
 attend over a sliding window of the last `sliding_window` positions: a query at position p sees
 keys p-W+1..p. The KV cache still holds every position, and each window layer reads only the
 last W keys of it, so decoding past the window costs O(W). Mixtral replaces the MLP with a
-sparse mixture of experts (`moe.SparseMoE`, experts behind an `ExpertStore`).
+sparse mixture of experts (`moe.SparseMoE`, experts behind an `ExpertStore`). The other families
+are the same layer with hooks `ModelArgs` turns on: q/k norms (Qwen3, Gemma 3); Gemma's norms
+(scaled by 1 + weight, also after attention and around the MLP), GeGLU, embeddings scaled by
+sqrt(hidden), query_pre_attn_scalar, window layers interleaved with global ones, Gemma 3's own RoPE
+table for window layers and Gemma 2's soft-capped attention scores (spelled out: SDPA and the decode
+kernel cannot cap) and logits; Phi-3's fused qkv / gate-up matrices (`SplitLinear`).
 
 Precision int8 (weight-only): every Linear weight, the token embedding and the LM head are held as
 int8 with a float32 scale per output row (`quant`); norms, biases, the Mixtral router, the
@@ -148,7 +154,8 @@ class ModelArgs:
 
     @classmethod
     def from_config(cls, cfg: dict) -> "ModelArgs":
-        """Model args from a Hugging Face config.json dict (Llama, Mistral, Qwen2, Mixtral).
+        """Model args from a Hugging Face config.json dict (any of SUPPORTED_MODEL_TYPES); keys saved as
+        null mean their default, as in transformers.
 
         Missing or invalid keys raise CheckpointError naming the config.json key.
         """
