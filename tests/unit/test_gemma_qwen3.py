@@ -88,6 +88,12 @@ def test_family_matches_transformers(models, mtype):
     assert torch.equal(got, want), f"{mtype}: pipeline {got.tolist()} != transformers {want.tolist()}"
 
 
+def test_phi3_kv_width_from_its_fused_qkv(models):
+    from layerline.cost import model_cost
+    c = COMMON
+    assert model_cost(open_checkpoint(models["phi3"][0]).index).kv_width == 2 * c["num_key_value_heads"] * c["head_dim"]
+
+
 def test_gemma3_args_from_its_config(models):
     a = ModelArgs.from_config(open_checkpoint(models["gemma3_text"][0]).config)
     assert [a.window(i) for i in range(LAYERS)] == [WINDOW, None, WINDOW, None]
