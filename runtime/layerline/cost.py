@@ -158,6 +158,10 @@ def model_cost(index: CheckpointIndex) -> ModelCost:
             rows[layer] += t.shape[0]
         if layer == 0 and re.search(r"\.(k_proj|v_proj)\.weight$", t.name):
             kv_width = (kv_width or 0) + t.shape[0]
+        elif layer == 0 and t.name.endswith(".qkv_proj.weight"):  # fused (Phi-3): K and V are the rows after Q
+            heads = int(cfg.get("num_attention_heads") or 0)
+            q_rows = heads * int(cfg.get("head_dim") or (int(cfg.get("hidden_size") or 0) // max(heads, 1)))
+            kv_width = t.shape[0] - q_rows if 0 < q_rows < t.shape[0] else None
     tied = bool(cfg.get("tie_word_embeddings")) or not any(
         "lm_head" in name or name.startswith("output.") for name in index.tensors)
     return ModelCost(

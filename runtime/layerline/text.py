@@ -64,9 +64,12 @@ def gguf_tokenizer(meta: GGUFMeta, where: str | Path):
     kind = meta.get("tokenizer.ggml.model")
     if kind is None:
         return None
+    if kind == "llama":
+        return _sentencepiece_tokenizer(meta)
     if kind != "gpt2":
         raise CheckpointError(f"{where}: tokenizer.ggml.model {kind!r} is not supported (layerline builds byte-level "
-                              "BPE, 'gpt2', tokenizers from GGUF); give --input-ids, or use the model's HF dir")
+                              "BPE, 'gpt2', and SentencePiece, 'llama', tokenizers from GGUF); give --input-ids, "
+                              "or use the model's HF dir")
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
     tokens = meta.get("tokenizer.ggml.tokens") or []
     merges = meta.get("tokenizer.ggml.merges") or []
@@ -95,6 +98,65 @@ def gguf_tokenizer(meta: GGUFMeta, where: str | Path):
     return tok
 
 
+def _merges_of(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
+    """The BPE merges a SentencePiece vocabulary implies (transformers' `generate_merges`): every
+    split of a token into two tokens, best score first, ties by the pieces' lengths then ids."""
+    merges = []
+    for token, score in scores.items():
+        local = [(token[:i], token[i:], score) for i in range(1, len(token))
+                 if token[:i] in vocab and token[i:] in vocab]
+        local.sort(key=lambda m: (vocab[m[0]], vocab[m[1]]))
+        merges.extend(local)
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(a, b) for a, b, _ in merges]
+
+
+def _sentencepiece_tokenizer(meta: GGUFMeta):
+    """A SentencePiece vocabulary (tokenizer.ggml.model "llama": tokens, scores, token types) as the BPE with
+    byte fallback that transformers' GGUF loader builds: Gemma's (GemmaTokenizer: spaces as "▁", no
+    prefix space, merges in the file's token order) for gemma architectures, else Llama's (Metaspace,
+    a prefix space on the first word, merges by score). Control tokens are special, user-defined ones
+    added whole; the BOS is added when the file says so."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+    tokens = list(meta.get("tokenizer.ggml.tokens") or [])
+    types = meta.get("tokenizer.ggml.token_type") or []
+    gemma = str(meta.get("general.architecture", "")).startswith("gemma")
+    unk_id = meta.get("tokenizer.ggml.unknown_token_id")
+    if gemma:
+        # runs of spaces are stored as spaces but looked up as "▁"s; the scores do not follow the merge order
+        tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
+        vocab = {t: i for i, t in enumerate(tokens)}
+        merges = _merges_of(vocab, {t: -i for i, t in enumerate(tokens)})
+        unk = tokens[int(unk_id)] if unk_id is not None and int(unk_id) < len(tokens) else "<unk>"
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=True, unk_token=unk, byte_fallback=True))
+        tok.normalizer = normalizers.Replace(" ", "\u2581")
+        tok.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous", invert=False)
+        tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    else:
+        vocab = {t: i for i, t in enumerate(tokens)}
+        file_merges = meta.get("tokenizer.ggml.merges")
+        merges = ([tuple(m.split(" ", 1)) for m in file_merges] if file_merges else
+                  _merges_of(vocab, dict(zip(tokens, meta.get("tokenizer.ggml.scores") or []))))
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True))
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
+        tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(content=" ", left=1)])
+    control = [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty == _CONTROL]
+    user = [AddedToken(t, special=False, normalized=False)
+            for t, ty in zip(tokens, types) if ty == _USER_DEFINED and t in vocab]
+    if control:
+        tok.add_special_tokens(control)
+    if user:
+        tok.add_tokens(user)
+    bos_id = meta.get("tokenizer.ggml.bos_token_id")
+    # llama.cpp (and transformers' GGUF loader) add BOS to a SentencePiece vocabulary that does not say otherwise
+    if bool(meta.get("tokenizer.ggml.add_bos_token", True)) and bos_id is not None and int(bos_id) < len(tokens):
+        bos = tokens[int(bos_id)]
+        tok.post_processor = processors.TemplateProcessing(single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1",
+                                                           special_tokens=[(bos, int(bos_id))])
+    return tok
+
+
 def gguf_chat_template(meta: GGUFMeta) -> str | None:
     v = meta.get("tokenizer.chat_template")
     return v if isinstance(v, str) else None
@@ -115,7 +177,8 @@ def gguf_special_tokens(meta: GGUFMeta) -> dict:
     if eot is not None:
         eos.add(int(eot))
     out["eos_ids"] = sorted(eos)
-    out["add_bos"] = bool(meta.get("tokenizer.ggml.add_bos_token", False))
+    # llama.cpp adds BOS to a SentencePiece vocabulary whose file does not say otherwise
+    out["add_bos"] = bool(meta.get("tokenizer.ggml.add_bos_token", meta.get("tokenizer.ggml.model") == "llama"))
     return out
 
 

@@ -25,7 +25,7 @@ LAYER_RE = re.compile(r"^(?:model\.layers|blk|transformer\.h|model\.decoder\.lay
 # a staged checkpoint (layerline.staging) holds one stage's tensors; this file says which
 STAGE_MANIFEST = "layerline-stage.json"
 # the families layerline's model code runs (config.json model_type)
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "mixtral")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "gemma2", "gemma3_text", "phi3")
 ROW_CHUNK_BYTES = 8 * 2**20  # float32 bytes decoded at a time when a matrix is read a block of rows at a time
 
 

@@ -22,7 +22,8 @@ Everything is expressed in the Hugging Face vocabulary the rest of layerline spe
   but the group's (scale, zero) pair.
 
 Supported: `general.architecture` "llama" (Llama 1/2/3 without rope_freqs, Mistral, SmolLM, ...
-as llama.cpp writes them) and "qwen2" (q/k/v biases, no permutation). A new architecture is a
+as llama.cpp writes them), "qwen2" (q/k/v biases, no permutation), "gemma2" and "gemma3" (no
+permutation; norms stored as 1 + weight, read back as HF's weight). A new architecture is a
 row of `_ARCHS` and its names in `_LAYER_NAMES`; a new block type needs `gguf.quants` to
 dequantize it (or a reader here).
 """
@@ -41,8 +42,11 @@ from .stagefile import write_safetensors, write_tensor
 
 GGUF_MAGIC = b"GGUF"
 # general.architecture -> the HF class its config names
-_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "gemma2": "Gemma2ForCausalLM",
+          "gemma3": "Gemma3ForCausalLM"}
+_MODEL_TYPES = {"gemma3": "gemma3_text"}  # general.architecture -> config model_type, where they differ
 SUPPORTED_ARCHS = tuple(_ARCHS)
+_GEMMA = ("gemma2", "gemma3")  # llama.cpp stores Gemma's norm weights as 1 + weight (HF: weight, scaled by 1 + weight)
 # GGUF tensor name -> HF tensor name; {n} is the layer index
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -60,6 +64,15 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# where an architecture's layer differs from llama's: Gemma's four norms a layer and q/k norms
+_GEMMA2_NAMES = {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+                 "post_ffw_norm": "post_feedforward_layernorm"}
+_ARCH_LAYER_NAMES = {
+    "gemma2": _GEMMA2_NAMES,
+    "gemma3": {**_GEMMA2_NAMES, "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"},
+}
+# llama.cpp's query scale for Gemma: hidden / heads for the 27B models (by layer count), else head_dim
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 _PLANNED = {"F32": "F32", "F16": "F16", "BF16": "BF16"}  # anything else (quantized) -> BF16
 _PLANNED_BYTES = {"F32": 4, "F16": 2, "BF16": 2}
@@ -76,13 +89,14 @@ def has_gguf_magic(path: Path) -> bool:
         return False
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """The HF name of a GGUF llama-layout tensor name (None when it has no HF counterpart)."""
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """The HF name of a GGUF tensor name of `arch` (None when it has no HF counterpart)."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     m = _LAYER_RE.match(gguf_name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(arch, {})}
+    if m and m.group(2) in names:
+        return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
     return None
 
 
@@ -171,13 +185,13 @@ class GGUFCheckpoint(Checkpoint):
         """HF name -> the reader's tensor, in file order; unknown tensors refused."""
         out = {}
         for t in self.reader.tensors:
-            hf = hf_tensor_name(t.name)
+            hf = hf_tensor_name(t.name, self.arch)
             if hf is None:
                 if t.name == "rope_freqs.weight":
                     raise CheckpointError(f"{self.path}: has rope_freqs.weight (Llama 3.1-style RoPE scaling), which "
                                           "layerline cannot read from GGUF yet; use the model's Hugging Face dir")
-                raise CheckpointError(f"{self.path}: tensor {t.name} has no place in a Llama-family model; "
-                                      "this GGUF is not a plain llama/qwen2 model")
+                raise CheckpointError(f"{self.path}: tensor {t.name} has no place in a {self.arch} model "
+                                      "as layerline builds it; this GGUF is not a plain model of its architecture")
             out[hf] = t
         return out
 
@@ -206,7 +220,7 @@ class GGUFCheckpoint(Checkpoint):
         head_dim = m.get(f"{arch}.attention.key_length") or hidden // heads
         cfg = {
             "architectures": [_ARCHS[arch]],
-            "model_type": arch,
+            "model_type": _MODEL_TYPES.get(arch, arch),
             "vocab_size": int(vocab),
             "hidden_size": hidden,
             "intermediate_size": int(need("feed_forward_length")),
@@ -226,6 +240,19 @@ class GGUFCheckpoint(Checkpoint):
         if arch == "llama":
             cfg["attention_bias"] = "blk.0.attn_q.bias" in tensors
             cfg["mlp_bias"] = False
+        elif arch in _GEMMA:
+            # what llama.cpp assumes for Gemma: Gemma 3 every 6th layer global, the rest over the window
+            # with their own RoPE base; Gemma 2 every other layer, soft-capped
+            big = cfg["num_hidden_layers"] == _GEMMA_27B_LAYERS[arch]
+            cfg.update(hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh",
+                       sliding_window=int(need("attention.sliding_window")),
+                       sliding_window_pattern=6 if arch == "gemma3" else 2,
+                       query_pre_attn_scalar=hidden // heads if big else int(head_dim), attention_bias=False)
+            if arch == "gemma3":
+                cfg["rope_local_base_freq"] = float(m.get(f"{arch}.rope.freq_base_swa", 10000.0))
+            else:
+                cfg.update(attn_logit_softcapping=float(m.get(f"{arch}.attn_logit_softcapping", 50.0)),
+                           final_logit_softcapping=float(m.get(f"{arch}.final_logit_softcapping", 30.0)))
         else:  # qwen2: biased q/k/v, no sliding window in GGUF metadata
             cfg.update(use_sliding_window=False, sliding_window=cfg["max_position_embeddings"],
                        max_window_layers=cfg["num_hidden_layers"])
@@ -253,6 +280,10 @@ class GGUFCheckpoint(Checkpoint):
         return idx
 
     # --- tensors -----------------------------------------------------------------------------------
+
+    def _stored_plus_one(self, name: str) -> bool:
+        """Whether the file stores this tensor as 1 + the HF weight (llama.cpp's Gemma norms)."""
+        return self.arch in _GEMMA and name.endswith("norm.weight")
 
     def _q_k_heads(self, name: str) -> int | None:
         """The head count whose row permutation llama.cpp applied to this tensor (llama Q and K), else None."""
@@ -295,6 +326,8 @@ class GGUFCheckpoint(Checkpoint):
             n_head = self._q_k_heads(name)
             if n_head:
                 w = _unpermute(w, n_head).contiguous()
+            if self._stored_plus_one(name):
+                w = w - 1
             if device != "cpu":
                 w = w.to(device)
             if planned:

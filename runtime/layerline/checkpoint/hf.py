@@ -91,6 +91,13 @@ def read_dir_config(root: Path) -> dict:
     return cfg
 
 
+def drop_nulls(cfg: dict) -> dict:
+    """cfg without the keys saved as null, in nested objects too: transformers writes a key it
+    fills in at load (`head_dim: null` is hidden / heads) as null, which means "the default",
+    the same as leaving the key out."""
+    return {k: drop_nulls(v) if isinstance(v, dict) else v for k, v in cfg.items() if v is not None}
+
+
 def _staged_range(root: Path) -> tuple[int, int, bool] | None:
     """(start, end, first) of a staged checkpoint, else None (the whole model)."""
     try:
@@ -116,7 +123,7 @@ def check_index(idx: CheckpointIndex, staged: tuple[int, int, bool] | None = Non
     """A Hugging Face checkpoint's config and tensors agree: a supported family, the keys the
     model needs, every layer's tensors (a staged one: its range's) with the shapes the config
     gives (headers only)."""
-    cfg = idx.config
+    cfg = drop_nulls(idx.config)  # a key saved as null means its default
     mtype = cfg.get("model_type", "llama")
     if mtype not in SUPPORTED_MODEL_TYPES:
         raise CheckpointError(f"config.json: model_type {mtype!r} is not supported; layerline runs "
@@ -126,7 +133,8 @@ def check_index(idx: CheckpointIndex, staged: tuple[int, int, bool] | None = Non
                 num_hidden_layers=_config_int(cfg, "num_hidden_layers"),
                 intermediate_size=_config_int(cfg, "intermediate_size"), vocab_size=_config_int(cfg, "vocab_size"),
                 num_key_value_heads=_config_int(cfg, "num_key_value_heads", heads),
-                head_dim=_config_int(cfg, "head_dim", h // heads if h % heads == 0 else None))
+                head_dim=_config_int(cfg, "head_dim", 256 if mtype in ("gemma2", "gemma3_text")  # as transformers
+                                     else h // heads if h % heads == 0 else None))
     if mtype == "mixtral":
         want["num_local_experts"] = _config_int(cfg, "num_local_experts")
     layers = want["num_hidden_layers"]
@@ -134,7 +142,7 @@ def check_index(idx: CheckpointIndex, staged: tuple[int, int, bool] | None = Non
     if beyond:
         raise CheckpointError(f"{idx.path}: the weights hold layer {beyond[-1]} but config.json num_hidden_layers "
                               f"is {layers}; the config and the weights are of different models")
-    for name, shape in demo_tensor_shapes(want):
+    for name, shape in _fused(demo_tensor_shapes(want)) if mtype == "phi3" else demo_tensor_shapes(want):
         t = idx.tensors.get(name)
         if t is None:
             m = LAYER_RE.match(name)
@@ -147,6 +155,23 @@ def check_index(idx: CheckpointIndex, staged: tuple[int, int, bool] | None = Non
         if tuple(t.shape) != tuple(shape):
             raise CheckpointError(f"{idx.path}: tensor {name} has shape {list(t.shape)} but config.json gives "
                                   f"{list(shape)}; the config and the weights are of different models")
+
+
+def _fused(shapes: list[tuple[str, tuple]]) -> list[tuple[str, tuple]]:
+    """Phi-3's names: q/k/v as one qkv_proj, gate/up as one gate_up_proj (rows stacked)."""
+    out, rows = [], {}
+    for name, shape in shapes:
+        for parts, fused in ((("q_proj", "k_proj", "v_proj"), "qkv_proj"), (("gate_proj", "up_proj"), "gate_up_proj")):
+            part = next((x for x in parts if f".{x}.weight" in name), None)
+            if part is not None:
+                key = name.replace(part, fused)
+                rows[key] = rows.get(key, 0) + shape[0]
+                if part == parts[-1]:
+                    out.append((key, (rows[key], shape[1])))
+                break
+        else:
+            out.append((name, shape))
+    return out
 
 
 class HFCheckpoint(Checkpoint):

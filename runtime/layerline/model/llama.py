@@ -1,4 +1,5 @@
-"""Llama-family decoder layers (Llama 2/3, Mistral, Qwen2, Mixtral), one pipeline *stage* at a time.
+"""Decoder layers of the Llama family and its relatives (Llama 2/3, Mistral, Qwen2, Qwen3, Mixtral,
+Gemma 2/3, Phi-3), one pipeline *stage* at a time.
 
 gpt-fast style: a dataclass of model args, the KV cache as a module, nothing the forward does
 not need. A `Stage` holds a contiguous, half-open layer range [start, end) of the model, plus the
@@ -21,7 +22,12 @@ Family differences: Qwen2 biases q/k/v; Mistral (and Mixtral, and Qwen2 with use
 attend over a sliding window of the last `sliding_window` positions: a query at position p sees
 keys p-W+1..p. The KV cache still holds every position, and each window layer reads only the
 last W keys of it, so decoding past the window costs O(W). Mixtral replaces the MLP with a
-sparse mixture of experts (`moe.SparseMoE`, experts behind an `ExpertStore`).
+sparse mixture of experts (`moe.SparseMoE`, experts behind an `ExpertStore`). The other families
+are the same layer with hooks `ModelArgs` turns on: q/k norms (Qwen3, Gemma 3); Gemma's norms
+(scaled by 1 + weight, also after attention and around the MLP), GeGLU, embeddings scaled by
+sqrt(hidden), query_pre_attn_scalar, window layers interleaved with global ones, Gemma 3's own RoPE
+table for window layers and Gemma 2's soft-capped attention scores (spelled out: SDPA and the decode
+kernel cannot cap) and logits; Phi-3's fused qkv / gate-up matrices (`SplitLinear`).
 
 Precision int8 (weight-only): every Linear weight, the token embedding and the LM head are held as
 int8 with a float32 scale per output row (`quant`); norms, biases, the Mixtral router, the
@@ -51,6 +57,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..checkpoint import SUPPORTED_MODEL_TYPES, CheckpointError
+from ..checkpoint.hf import drop_nulls
 from ..errors import LayerlineError
 from ..precision import of_dtype, precision, torch_dtype
 from . import COMPILE_MODES, cpu_kernels
@@ -60,6 +67,8 @@ from .quant import (Int4Linear, Int8Embedding, Int8Linear, Linear, int4_linear, 
                     quant_name, require_int4)
 
 _ROPE_TYPES = ("default", "linear", "llama3")
+GEMMA_TYPES = ("gemma2", "gemma3_text")
+_ACTS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 
 
 def _cfg_err(key: str, what: str) -> CheckpointError:
@@ -119,6 +128,21 @@ class ModelArgs:
     window_layers: tuple[int, ...] | None = None  # layers that use the window; None: all of them
     num_experts: int = 0  # Mixtral: num_local_experts (0: a dense MLP)
     experts_per_tok: int = 0  # Mixtral: num_experts_per_tok
+    # the hooks other families turn on (Gemma 2/3: all but qk_norm for gemma2; Qwen3: qk_norm)
+    norm_offset: bool = False  # RMSNorm scales by (1 + weight), in float32 before the cast (Gemma)
+    qk_norm: bool = False  # an RMSNorm over each head's q and k before RoPE (q_norm, k_norm)
+    sandwich_norm: bool = False  # norms after attention and the MLP too (pre/post_feedforward_layernorm)
+    mlp_act: str = "silu"  # the gate's activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    embed_scale: float | None = None  # the embedding's output times this (Gemma: sqrt(hidden))
+    attn_scale: float | None = None  # query scale (Gemma: query_pre_attn_scalar ** -0.5); None: head_dim ** -0.5
+    local_rope_theta: float | None = None  # the window layers' RoPE base, unscaled (Gemma3); None: rope_theta
+    attn_softcap: float | None = None  # attention scores through cap * tanh(s / cap) (Gemma2)
+    final_softcap: float | None = None  # the logits through cap * tanh(l / cap) (Gemma2)
+    fused_proj: bool = False  # q/k/v stored as one qkv_proj, gate/up as one gate_up_proj (Phi-3)
+
+    def rope(self, layer: int) -> int:
+        """Which RoPE table `layer` uses: 0 the global one, 1 the window layers' own (local_rope_theta)."""
+        return int(self.local_rope_theta is not None and self.window(layer) is not None)
 
     def window(self, layer: int) -> int | None:
         """The attention window of `layer`, or None for full causal attention."""
@@ -130,19 +154,24 @@ class ModelArgs:
 
     @classmethod
     def from_config(cls, cfg: dict) -> "ModelArgs":
-        """Model args from a Hugging Face config.json dict (Llama, Mistral, Qwen2, Mixtral).
+        """Model args from a Hugging Face config.json dict (any of SUPPORTED_MODEL_TYPES); keys saved as
+        null mean their default, as in transformers.
 
         Missing or invalid keys raise CheckpointError naming the config.json key.
         """
         if not isinstance(cfg, dict):
             raise CheckpointError("config.json: not a JSON object")
+        cfg = drop_nulls(cfg)  # a key saved as null means its default
         model_type = cfg.get("model_type", "llama")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise _cfg_err("model_type", f"{model_type!r} is not supported by layerline's model code; "
                                          f"use a {', '.join(SUPPORTED_MODEL_TYPES)} checkpoint")
-        act = cfg.get("hidden_act", "silu")
-        if act not in ("silu", "swish"):
-            raise _cfg_err("hidden_act", f"{act!r} is not supported; only SwiGLU (silu) MLPs are")
+        gemma = model_type in GEMMA_TYPES
+        act_key = "hidden_activation" if gemma and "hidden_activation" in cfg else "hidden_act"
+        act = cfg.get(act_key, "gelu_pytorch_tanh" if gemma else "silu")
+        if act not in _ACTS:
+            raise _cfg_err(act_key, f"{act!r} is not supported; only SwiGLU (silu) and GeGLU (gelu_pytorch_tanh) "
+                                    "MLPs are")
         if model_type == "llama" and cfg.get("mlp_bias"):
             raise _cfg_err("mlp_bias", "true is not supported; only bias-free MLPs are")
         hidden = _pos_int(cfg, "hidden_size")
@@ -154,7 +183,7 @@ class ModelArgs:
         if cfg.get("head_dim") is None and hidden % heads:
             raise _cfg_err("head_dim", f"missing and hidden_size {hidden} does not divide by "
                                        f"num_attention_heads {heads}; add head_dim to config.json")
-        head_dim = _pos_int(cfg, "head_dim", hidden // heads)
+        head_dim = _pos_int(cfg, "head_dim", 256 if gemma else hidden // heads)  # transformers' defaults
         if head_dim % 2:
             raise _cfg_err("head_dim", f"{head_dim} is odd; rotary embeddings need an even head_dim")
         max_pos = _pos_int(cfg, "max_position_embeddings", 2048)
@@ -164,13 +193,22 @@ class ModelArgs:
         rp = cfg.get("rope_parameters")
         if rp is not None and not isinstance(rp, dict):
             raise _cfg_err("rope_parameters", f"{rp!r} is not an object; fix config.json")
+        local_theta = None
+        if model_type == "gemma3_text":  # the window layers' own RoPE base (never scaled); per layer type in 5
+            local = (rp or {}).get("sliding_attention")
+            local_theta = _pos_float(local if isinstance(local, dict) else cfg,
+                                     "rope_theta" if isinstance(local, dict) else "rope_local_base_freq", 10000.0)
+        if rp and ("full_attention" in rp or "sliding_attention" in rp):
+            rp = rp.get("full_attention")
+            if rp is not None and not isinstance(rp, dict):
+                raise _cfg_err("rope_parameters.full_attention", f"{rp!r} is not an object; fix config.json")
         scaling = cfg.get("rope_scaling")
         if scaling is not None and not isinstance(scaling, dict):
             raise _cfg_err("rope_scaling", f"{scaling!r} is not an object or null; fix config.json")
         theta_src = dict(cfg)
         if rp and rp.get("rope_theta") is not None:
             theta_src = rp
-        theta = _pos_float(theta_src, "rope_theta", 10000.0)
+        theta = _pos_float(theta_src, "rope_theta", 1e6 if model_type == "gemma3_text" else 10000.0)
         src_key = "rope_scaling"
         if scaling is None and rp:
             scaling, src_key = rp, "rope_parameters"
@@ -197,20 +235,23 @@ class ModelArgs:
         # never do (transformers hard-codes bias=False); Llama by the key
         if qwen2:
             attention_bias = True
-        elif model_type in ("mistral", "mixtral"):
+        elif model_type in ("mistral", "mixtral", "phi3"):
             attention_bias = False
         else:
             attention_bias = _bool(cfg, "attention_bias", False)
         n_layers = _pos_int(cfg, "num_hidden_layers")
 
         window, window_layers = None, None
-        if model_type in ("mistral", "mixtral"):
+        if model_type in ("mistral", "mixtral", "phi3"):
             if cfg.get("sliding_window") is not None:
                 window = _pos_int(cfg, "sliding_window")
-        elif qwen2 and _bool(cfg, "use_sliding_window", False):
-            window = _pos_int(cfg, "sliding_window")
+        elif (model_type in ("qwen2", "qwen3") and _bool(cfg, "use_sliding_window", False)) or gemma:
+            window = _pos_int(cfg, "sliding_window", 4096 if gemma else None)
             types = cfg.get("layer_types")
-            if types is None:  # transformers' default: window from layer max_window_layers on
+            if types is None and gemma:  # transformers' default: every n-th layer global, the rest windowed
+                every = _pos_int(cfg, "sliding_window_pattern", 6 if model_type == "gemma3_text" else 2)
+                window_layers = tuple(i for i in range(n_layers) if (i + 1) % every)
+            elif types is None:  # transformers' default: window from layer max_window_layers on
                 first = cfg.get("max_window_layers", 28)
                 if isinstance(first, bool) or not isinstance(first, int) or first < 0:
                     raise _cfg_err("max_window_layers", f"{first!r} is not a non-negative integer; fix config.json")
@@ -229,6 +270,23 @@ class ModelArgs:
             if per_tok > experts:
                 raise _cfg_err("num_experts_per_tok", f"{per_tok} is more than num_local_experts {experts}; "
                                                       "fix config.json")
+        hooks = {}
+        if gemma:
+            hooks = dict(norm_offset=True, sandwich_norm=True, qk_norm=model_type == "gemma3_text",
+                         embed_scale=hidden ** 0.5, local_rope_theta=local_theta,
+                         attn_scale=_pos_float(cfg, "query_pre_attn_scalar", 256) ** -0.5)
+            if model_type == "gemma2":
+                hooks.update(attn_softcap=_pos_float(cfg, "attn_logit_softcapping", 50.0),
+                             final_softcap=_pos_float(cfg, "final_logit_softcapping", 30.0))
+            else:  # gemma3: none unless the config sets them
+                hooks.update({f"{k}_softcap": _pos_float(cfg, f"{k}_logit_softcapping")
+                              for k in ("attn", "final") if cfg.get(f"{k}_logit_softcapping") is not None})
+        elif model_type == "qwen3":
+            hooks = dict(qk_norm=True)
+        elif model_type == "phi3":
+            if (rp or {}).get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) != 1.0:
+                raise _cfg_err("partial_rotary_factor", "only 1.0 (RoPE over the whole head) is supported")
+            hooks = dict(fused_proj=True)
         return cls(
             vocab_size=_pos_int(cfg, "vocab_size"),
             hidden_size=hidden,
@@ -242,24 +300,28 @@ class ModelArgs:
             rope_scaling=rope_scaling,
             max_position_embeddings=max_pos,
             attention_bias=attention_bias,
-            tie_word_embeddings=_bool(cfg, "tie_word_embeddings", False),
             o_proj_bias=attention_bias and not qwen2,
             model_type=model_type,
             sliding_window=window,
             window_layers=window_layers,
             num_experts=experts,
             experts_per_tok=per_tok,
+            mlp_act=_ACTS[act],
+            tie_word_embeddings=_bool(cfg, "tie_word_embeddings", gemma),
+            **hooks,
         )
 
 
-def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
-    """Inverse RoPE frequencies [head_dim // 2], float32 on the CPU, as transformers computes them."""
+def rope_inv_freq(args: ModelArgs, local: bool = False) -> torch.Tensor:
+    """Inverse RoPE frequencies [head_dim // 2], float32 on the CPU, as transformers computes them.
+    local: the window layers' table (base local_rope_theta, unscaled)."""
     dim = args.head_dim
+    theta = args.local_rope_theta if local else args.rope_theta
     # explicit device: stages are built under `with torch.device("meta")` by the loader
-    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu")
-                                          .to(dtype=torch.float) / dim))
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu")
+                                .to(dtype=torch.float) / dim))
     sc = args.rope_scaling
-    if not sc:
+    if not sc or local:
         return inv_freq
     if sc["rope_type"] == "linear":
         return inv_freq / sc["factor"]
@@ -281,6 +343,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
 
+    @staticmethod
+    def of(args: ModelArgs, dim: int, dtype: torch.dtype) -> "RMSNorm":
+        """The family's norm over `dim` features."""
+        return (OffsetRMSNorm if args.norm_offset else RMSNorm)(dim, args.rms_norm_eps, dtype)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not torch.compiler.is_compiling():  # eager: one kernel call for eight ops (inductor fuses its own)
             out = cpu_kernels.rms_norm(x, self.weight, self.eps)
@@ -290,6 +357,15 @@ class RMSNorm(nn.Module):
         x = x.to(torch.float32)
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
+
+
+class OffsetRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: scaled by (1 + weight), in float32, cast back last (transformers' Gemma3RMSNorm)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.float()
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * (1.0 + self.weight.float())).to(x.dtype)
 
 
 # compiled one-token steps: one graph per bucket of rows (padded up to it); more rows go through
@@ -415,17 +491,38 @@ class FusedLinears(nn.Module):
         return y.split(self.sizes, dim=-1)
 
 
+class SplitLinear(nn.Module):
+    """One stored matrix whose output is several projections' (Phi-3's qkv_proj, gate_up_proj): the
+    product once, split by output rows; the matrix stays its own module (and checkpoint name)."""
+
+    def __init__(self, linear: nn.Module, sizes: list[int]):
+        super().__init__()
+        self.parts = [linear]  # a plain list: the module stays registered where its owner put it
+        self.sizes = sizes
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.parts[0](x).split(self.sizes, dim=-1)
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs, dtype: torch.dtype, quant=None):
         super().__init__()
         h, hd = args.hidden_size, args.head_dim
         self.n_heads, self.n_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, hd
-        self.scale = hd ** -0.5
-        self.q_proj = make_linear(h, args.num_heads * hd, args.attention_bias, dtype, quant)
-        self.k_proj = make_linear(h, args.num_kv_heads * hd, args.attention_bias, dtype, quant)
-        self.v_proj = make_linear(h, args.num_kv_heads * hd, args.attention_bias, dtype, quant)
+        self.scale = args.attn_scale or hd ** -0.5
+        self.softcap = args.attn_softcap  # scores capped: not what the decode kernel computes
+        if args.qk_norm:
+            self.q_norm, self.k_norm = RMSNorm.of(args, hd, dtype), RMSNorm.of(args, hd, dtype)
+        sizes = [args.num_heads * hd, args.num_kv_heads * hd, args.num_kv_heads * hd]
+        if args.fused_proj:  # stored as one matrix (Phi-3's qkv_proj): split after the product
+            self.qkv_proj = make_linear(h, sum(sizes), args.attention_bias, dtype, quant)
+            self.qkv = SplitLinear(self.qkv_proj, sizes)
+        else:
+            self.q_proj = make_linear(h, sizes[0], args.attention_bias, dtype, quant)
+            self.k_proj = make_linear(h, sizes[1], args.attention_bias, dtype, quant)
+            self.v_proj = make_linear(h, sizes[2], args.attention_bias, dtype, quant)
+            self.qkv = FusedLinears([self.q_proj, self.k_proj, self.v_proj])
         self.o_proj = make_linear(args.num_heads * hd, h, args.o_proj_bias, dtype, quant)
-        self.qkv = FusedLinears([self.q_proj, self.k_proj, self.v_proj])
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: list,
                 kv: list | None, view: list) -> torch.Tensor:
@@ -444,6 +541,8 @@ class Attention(nn.Module):
         q = q.reshape(b, t, nh, hd).transpose(1, 2)
         k = k.reshape(b, t, nkv, hd).transpose(1, 2)
         v = v.reshape(b, t, nkv, hd).transpose(1, 2)
+        if "q_norm" in self._modules:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = _rotary(q, cos, sin), _rotary(k, cos, sin)
         if view is ROWS_OP:  # compiled rows: the caches stay outside the graph
             return self.o_proj(torch.ops.layerline.rows_attention(q, k, v, torch.stack(pos), self.layer))
@@ -456,7 +555,7 @@ class Attention(nn.Module):
         """One sequence (of B rows): write its k/v at `pos` into its (k, v) buffers `kv` (None: no
         cache) and attend over the keys in `view` (lo, hi, mask), read in place."""
         lo, hi, mask = view
-        if kv is not None and q.shape[2] == 1:  # one new token: the decode kernel where it applies
+        if kv is not None and q.shape[2] == 1 and self.softcap is None:  # one new token: the decode kernel
             n = q.shape[0]
             out = cpu_kernels.decode_attention(q, k, v, list(kv[0][:n].unbind(0)), list(kv[1][:n].unbind(0)),
                                                [hi - 1] * n, [lo] * n, self.scale)
@@ -473,10 +572,11 @@ class Attention(nn.Module):
         k/v into its own cache at pos[i] and attends over its own keys in place, one call per row.
         A row's numbers are then those of its sequence stepped alone: at bf16 a padded batch behind
         a mask gave other last bits, and greedy tokens that changed with what else was batched."""
-        out = cpu_kernels.decode_attention(q, k, v, [c[0] for c in kv], [c[1] for c in kv],
-                                           [hi - 1 for _, hi, _ in view], [lo for lo, _, _ in view], self.scale)
-        if out is not None:
-            return out
+        if self.softcap is None:
+            out = cpu_kernels.decode_attention(q, k, v, [c[0] for c in kv], [c[1] for c in kv],
+                                               [hi - 1 for _, hi, _ in view], [lo for lo, _, _ in view], self.scale)
+            if out is not None:
+                return out
         return torch.cat([self._attend_one(q[i:i + 1], k[i:i + 1], v[i:i + 1], pos[i], kv[i], view[i])
                           for i in range(q.shape[0])])
 
@@ -489,6 +589,14 @@ class Attention(nn.Module):
         b, nh, t, hd = q.shape
         if k.dtype != q.dtype:  # a KV cache kept in another dtype than the compute
             k, v = k.to(q.dtype), v.to(q.dtype)
+        if self.softcap is not None:  # SDPA cannot cap the scores: spelled out (transformers' eager attention)
+            g = nh // self.n_kv_heads
+            k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+            s = torch.tanh((q @ k.transpose(2, 3)) * self.scale / self.softcap) * self.softcap
+            if mask is not None:
+                s = s.masked_fill(~mask, float("-inf"))
+            out = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+            return out.transpose(1, 2).reshape(b, t, nh * hd)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
                                              enable_gqa=self.n_kv_heads != nh)
         return out.transpose(1, 2).reshape(b, t, nh * hd)
@@ -498,14 +606,19 @@ class MLP(nn.Module):
     def __init__(self, args: ModelArgs, dtype: torch.dtype, quant=None):
         super().__init__()
         h, i = args.hidden_size, args.intermediate_size
-        self.gate_proj = make_linear(h, i, False, dtype, quant)
-        self.up_proj = make_linear(h, i, False, dtype, quant)
+        if args.fused_proj:  # Phi-3's gate_up_proj: gate rows first, then up
+            self.gate_up_proj = make_linear(h, 2 * i, False, dtype, quant)
+            self.gate_up = SplitLinear(self.gate_up_proj, [i, i])
+        else:
+            self.gate_proj = make_linear(h, i, False, dtype, quant)
+            self.up_proj = make_linear(h, i, False, dtype, quant)
+            self.gate_up = FusedLinears([self.gate_proj, self.up_proj])
         self.down_proj = make_linear(i, h, False, dtype, quant)
-        self.gate_up = FusedLinears([self.gate_proj, self.up_proj])
+        self.gelu = args.mlp_act == "gelu_tanh"  # GeGLU (Gemma) instead of SwiGLU
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj((F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -514,10 +627,16 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.layer = layer
         self.window = args.window(layer)
-        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
+        self.rope = args.rope(layer)
+        self.input_layernorm = RMSNorm.of(args, args.hidden_size, dtype)
         self.self_attn = Attention(args, dtype, quant)
         self.self_attn.layer = layer  # which caches rows_attention reads
-        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
+        # sandwich (Gemma): this one norms the attention's output; two more around the MLP
+        self.post_attention_layernorm = RMSNorm.of(args, args.hidden_size, dtype)
+        self.sandwich = args.sandwich_norm
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm.of(args, args.hidden_size, dtype)
+            self.post_feedforward_layernorm = RMSNorm.of(args, args.hidden_size, dtype)
         if args.num_experts:
             self.block_sparse_moe = SparseMoE(layer, args.hidden_size, args.intermediate_size, args.num_experts,
                                               args.experts_per_tok, dtype, quant, resident_experts)
@@ -530,7 +649,11 @@ class DecoderLayer(nn.Module):
         return self._modules.get("block_sparse_moe") or self._modules["mlp"]
 
     def forward(self, x, cos, sin, pos, kv, view):
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, pos, kv, view)
+        a = self.self_attn(self.input_layernorm(x), cos, sin, pos, kv, view)
+        if self.sandwich:
+            h = x + self.post_attention_layernorm(a)
+            return h + self.post_feedforward_layernorm(self.ffn(self.pre_feedforward_layernorm(h)))
+        h = x + a
         return h + self.ffn(self.post_attention_layernorm(h))
 
 
@@ -608,13 +731,16 @@ class Stage(nn.Module):
                                      for i in range(start, end)})
         self.windows = tuple(dict.fromkeys(layer.window for layer in self.layers.values()))
         if last:
-            self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
+            self.norm = RMSNorm.of(args, args.hidden_size, dtype)
             # the head at the precision table's `edge` (int4 stages: int8)
             self.lm_head = make_linear(args.hidden_size, args.vocab_size, False, dtype,
                                        quant and precision(quant).edge_precision)
             if first and args.tie_word_embeddings:
                 self.tie_head()
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
+        # the window layers' own RoPE table (`ModelArgs.rope` 1), when the family has one
+        self.register_buffer("inv_freq_local", rope_inv_freq(args, local=True)
+                             if args.local_rope_theta is not None else None, persistent=False)
         self.expert_store: ExpertStore | None = None  # set by the loader when experts are paged
         self._step = None  # the compiled _forward, when compile() was asked for
         self._cpp_wrapper = False  # whether _step's graphs call their kernels from C++
@@ -693,19 +819,30 @@ class Stage(nn.Module):
         """
         if self.first:
             h = self.embed_tokens(h)
-        freqs = pos[..., None].float() * self.inv_freq.float()  # [P, T, hd / 2]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [P, 1, T, hd]: broadcast over heads
-        cos, sin = emb.cos().to(h.dtype), emb.sin().to(h.dtype)
+            if self.args.embed_scale is not None:  # as transformers: the scale rounded to the weights' dtype
+                h = h * torch.tensor(self.args.embed_scale, dtype=h.dtype)
+        ropes = []  # per RoPE table (`ModelArgs.rope`), cos and sin [P, 1, T, hd]: broadcast over heads
+        tables = [self.inv_freq]
+        if self.inv_freq_local is not None:  # moved with the stage where the loader moves inv_freq
+            tables.append(self.inv_freq_local.to(self.inv_freq.device))
+        for inv_freq in tables:
+            inv_freq = inv_freq.float()
+            freqs = pos[..., None].float() * inv_freq  # [P, T, hd / 2]
+            emb = torch.cat((freqs, freqs), dim=-1)[:, None]
+            ropes.append((emb.cos().to(h.dtype), emb.sin().to(h.dtype)))
         rows = pos.unbind(0)  # each row group's positions [T]
         if views is ROWS_OP:
             views = dict.fromkeys(self.windows, ROWS_OP)
         for i, layer in enumerate(self.layers.values()):
-            h = layer(h, cos, sin, rows, kv[i] if kv is not None else None, views[layer.window])
+            h = layer(h, *ropes[layer.rope], rows, kv[i] if kv is not None else None, views[layer.window])
         if not self.last:
             return h
         if last_only:
             h = h[:, -1:]
-        return self.lm_head(self.norm(h)).float()
+        logits = self.lm_head(self.norm(h))
+        if self.args.final_softcap is not None:
+            logits = torch.tanh(logits / self.args.final_softcap) * self.args.final_softcap
+        return logits.float()
 
     def tie_head(self) -> None:
         """Make the LM head share the embedding's tensors (tied embeddings, first and last stage)."""
@@ -827,8 +964,11 @@ class Stage(nn.Module):
             view = _views(pos[:n, 0].tolist(), 1, (w,), self.device)[w]
             _ROWS.views[w] = view = (view, [hi - 1 for _, hi, _ in view], [lo for lo, _, _ in view])
         view, his, los = view
-        out = cpu_kernels.decode_attention(q, k, v, [c.layers[i].k for c in caches], [c.layers[i].v for c in caches],
-                                           his, los, mod.self_attn.scale)  # padding rows: zeros
+        out = None
+        if mod.self_attn.softcap is None:
+            out = cpu_kernels.decode_attention(q, k, v, [c.layers[i].k for c in caches],
+                                               [c.layers[i].v for c in caches], his, los,
+                                               mod.self_attn.scale)  # padding rows: zeros
         if out is not None:
             return out
         kv = [(c.layers[i].k, c.layers[i].v) for c in caches]
