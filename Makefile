@@ -8,7 +8,7 @@ export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
 
 setup: $(VENV)/.layerline-stamp
 
-$(VENV)/.layerline-stamp: pyproject.toml constraints.txt
+$(VENV)/.layerline-stamp: pyproject.toml constraints.txt Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	# constraints.txt pins torch to the CPU build; pip never pulls a CUDA one
