@@ -13,6 +13,7 @@ import time
 
 from .model import COMPILE_MODES
 from .errors import LayerlineError
+from .precision import PRECISIONS, precision as precision_row
 from .local import free_ports as _free_ports  # noqa: F401  (tests and benchmarks start local pipelines)
 from .local import local_keys, local_stages, stop_local  # noqa: F401
 
@@ -149,7 +150,8 @@ def cmd_drive(a) -> int:
                    for _ in range(max(1, a.sequences))]
     opts = DriveOptions(generate=a.generate, sampling=Sampling(a.temperature, a.top_p, a.seed),
                         eos=_eos(a.checkpoint, a.ignore_eos), reference=a.checkpoint if a.reference else None,
-                        precision=a.precision, tokenizer=tok, questions=a.chat or a.prompt)
+                        precision=a.precision, stages=_stages(a.stage), tokenizer=tok,
+                        questions=a.chat or a.prompt)
     with Pipeline(a.first, reply_host=a.reply_host, timeout_s=a.timeout, keys_dir=a.keys, first_key=a.first_key,
                   curve=a.curve) as pipe:
         result = drive(pipe, prompts, opts)
@@ -183,6 +185,21 @@ def _prompts(a) -> tuple[list[list[int]], object | None]:
     if not out:
         raise LayerlineError("give --input-ids 1,2,3 (repeat for several sequences), --prompt TEXT or --chat TEXT")
     return out, None
+
+
+def _stages(specs: list[str] | None) -> list[tuple[int, int, str]] | None:
+    """--stage A:B:PRECISION flags as (start, end, precision) tuples."""
+    if not specs:
+        return None
+    out = []
+    for spec in specs:
+        try:
+            a, b, prec = spec.split(":")
+            out.append((int(a), int(b), precision_row(prec).name))
+        except (ValueError, LayerlineError):
+            raise LayerlineError(f"--stage {spec!r}: give A:B:PRECISION, e.g. 0:5:bf16 "
+                                 f"(precisions: {', '.join(PRECISIONS)})") from None
+    return out
 
 
 def _eos(checkpoint: str, ignore: bool) -> list[int] | None:
@@ -317,6 +334,9 @@ def build_parser() -> argparse.ArgumentParser:
     dr.add_argument("--seed", type=int, default=0)
     dr.add_argument("--precision", default="fp32")
     dr.add_argument("--reference", action="store_true", help="compare with a one-process forward")
+    dr.add_argument("--stage", action="append", default=None, metavar="A:B:PRECISION",
+                    help="with --reference: an active stage's layers and precision (repeat, in pipeline order); "
+                         "the reference then runs stage by stage at the stages' own precisions")
     dr.add_argument("--generate", type=int, default=0, help="also generate this many tokens")
     dr.add_argument("--input-ids", action="append", help="prompt token ids 1,2,3 (repeat: several sequences)")
     dr.add_argument("--prompt", action="append", help="prompt text, with the checkpoint's tokenizer")

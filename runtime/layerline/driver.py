@@ -40,6 +40,9 @@ class DriveOptions:
     warm: bool = True                      # one short pass first (connections, first allocations)
     reference: str | None = None           # checkpoint to check the forward against in one process
     precision: str = "bf16"                # the plan's precision: the reference's and its tolerance's
+    # each active stage's (start, end, precision): the reference runs stage by stage, each at the
+    # precision its worker runs (a pinned host may differ from the plan's), one stage in memory at a time
+    stages: list[tuple[int, int, str]] | None = None
     tokenizer: object | None = None        # a tokenizers.Tokenizer: the report shows text, not ids
     questions: list[str] | None = None     # the prompts as the user wrote them, for the report
 
@@ -96,16 +99,32 @@ def drive(pipe: Pipeline, prompts: list[list[int]], options: DriveOptions | None
         if o.questions:
             res.generate["questions"] = list(o.questions)
     if o.reference:
-        from .checkpoint import open_checkpoint
-        from .model.loader import load_stage
-        with torch.no_grad():
-            layers = open_checkpoint(o.reference).index.num_layers
-            full = load_stage(o.reference, 0, layers, True, True, precision=o.precision)
-            ref = full(ids)
+        ref, precisions = reference_forward(o.reference, ids, o.stages, o.precision)
         diff = float((ref.float() - r.logits.float()).abs().max())
-        tol = tolerance(o.precision, ref)
-        res.check = {"max_abs_diff": diff, "tolerance": tol, "ok": diff <= tol, "precision": o.precision}
+        tol = max(tolerance(p, ref) for p in precisions)
+        label = "/".join(dict.fromkeys(precisions))
+        res.check = {"max_abs_diff": diff, "tolerance": tol, "ok": diff <= tol, "precision": label}
     return res
+
+
+def reference_forward(checkpoint: str, ids: torch.Tensor, stages: list[tuple[int, int, str]] | None,
+                      precision: str) -> tuple[torch.Tensor, list[str]]:
+    """The pipeline's logits computed in this process a stage at a time, each stage at its own
+    precision and freed before the next loads (so the controller never holds the whole model);
+    without stages, the whole model as one stage at `precision`. Returns (logits, the precisions)."""
+    from .checkpoint import open_checkpoint
+    from .model.loader import load_stage
+    layers = open_checkpoint(checkpoint).index.num_layers
+    stages = stages or [(0, layers, precision)]
+    if stages[0][0] != 0 or stages[-1][1] != layers or any(a[1] != b[0] for a, b in zip(stages, stages[1:])):
+        raise DriveError(f"--stage: {stages} must cover layers 0..{layers} in order, each once")
+    h = ids
+    with torch.no_grad():
+        for start, end, prec in stages:
+            stage = load_stage(checkpoint, start, end, start == 0, end == layers, precision=prec)
+            h = stage(h)
+            del stage
+    return h, [p for _, _, p in stages]
 
 
 def drive_report(result: DriveResult | dict) -> str:

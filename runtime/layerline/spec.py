@@ -149,9 +149,11 @@ def drive_argv(plan: Plan | dict, hvars: SettingsLike, python: str = "python3", 
             "--seq", str(hs.seq), "--seed", str(hs.rng_seed), "--generate", str(hs.generate),
             "--reply-host", reply, "--keys", ControllerHome.of(hs.home or ".").keys_controller,
             "--first-key", first.host, "--curve", hs.curve, "--json"]
-    # the reference loads the whole model in one process: only where that fits (the demo)
-    if hs.drive_reference:
+    # the reference runs the whole model on the controller, one stage in memory at a time
+    if hs.drive_reference:  # stage by stage, each at the precision its worker runs
         argv.append("--reference")
+        for st in plan.actives:
+            argv += ["--stage", f"{st.layers[0]}:{st.layers[1]}:{st.precision}"]
     ids = hs.prompt_ids
     if ids:  # one prompt [1, 2, 3] or several [[1, 2], [3, 4]]
         for p in (ids if isinstance(ids[0], list) else [ids]):
