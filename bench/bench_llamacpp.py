@@ -69,6 +69,11 @@ def cpu_line() -> str:
             f"({' '.join(simd)})")
 
 
+def load() -> str:
+    """The 1/5/15-minute load average: other work on the machine skews both sides' figures."""
+    return " ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
 # --- the files ----------------------------------------------------------------------------------
 
 def smollm2_file() -> Path:
@@ -243,7 +248,7 @@ def free_ports(n: int) -> list[int]:
 class RpcServers:
     """Three local ggml-rpc-servers on 127.0.0.1, stopped on every way out."""
 
-    def __init__(self, n: int, threads: int):
+    def __init__(self, n: int, threads: int):  # threads: each server's -t
         self.n, self.threads, self.procs, self.ports = n, threads, [], []
 
     def __enter__(self) -> "RpcServers":
@@ -328,7 +333,7 @@ def layerline_generate(path: Path, stages: int, s: Setting, vocab: int) -> tuple
         assert rate
     except (ValueError, KeyError, IndexError, AssertionError) as e:
         raise Broken(f"layerline generate: no decode_tokens_per_s in its JSON ({e!r})") from None
-    shown = cmd[:7] + [f"<{s.depth} ids>"] + cmd[8:]
+    shown = cmd[:9] + [f"<{s.depth} random ids>"] + cmd[10:]
     return float(rate), shown
 
 
@@ -374,14 +379,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--depth", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=3, help="llama-bench -r: repetitions inside one turn")
+    ap.add_argument("--rpc-threads", type=int, default=None,
+                    help="each rpc-server's -t (default: --threads, as each layerline worker gets)")
     ap.add_argument("--no-rpc", action="store_true", help="skip the three-process split")
     a = ap.parse_args(argv)
     if a.rounds < 1:
         raise SystemExit("--rounds: must be at least 1")
     keys = [k for k in a.files.split(",") if k]
 
-    log(f"CPU: {cpu_line()}")
-    llamacpp.build()
+    log(f"CPU: {cpu_line()}; load average {load()}")
+    try:
+        llamacpp.build()
+    except (subprocess.CalledProcessError, OSError, SystemExit) as e:
+        log(f"BROKEN: building llama.cpp failed ({e}); see the output above")
+        return 1
     log(f"llama.cpp: llama-cpp-python {llamacpp.VERSION} sdist, binaries in {llamacpp.bin_dir()}")
     files: dict[str, Path] = {}
     rows: list[Row] = []
@@ -403,12 +414,12 @@ def main(argv: list[str] | None = None) -> int:
             shown.add(key)
             log(f"$ {line}")
 
-    rpc = RpcServers(RPC_SERVERS, a.threads) if not a.no_rpc else None
+    rpc = RpcServers(RPC_SERVERS, a.rpc_threads or a.threads) if not a.no_rpc else None
     try:
         if rpc:
             rpc.__enter__()
         for rnd in range(1, a.rounds + 1):
-            log(f"\n=== round {rnd}/{a.rounds} ===")
+            log(f"\n=== round {rnd}/{a.rounds} (load average {load()}) ===")
             for row in rows:
                 if row.broken or row.file not in files:
                     continue
@@ -425,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
                     try:
                         rate, cmd = layerline_generate(path, stages, s, vocab[row.file])
                     except NotSupported as e:
-                        row.unsupported = str(e)
+                        row.unsupported = str(e).removeprefix("layerline generate: ").replace(f"{path}: ", "")
                         log(f"  {row.file} {row.split:<5} layerline  not supported ({e})")
                         continue
                     show(cmd)
@@ -438,9 +449,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if rpc:
             rpc.__exit__()
-    log(f"\nCPU: {cpu_line()}")
+    log(f"\nCPU: {cpu_line()}; load average now {load()}")
     log(f"settings: batch 1, {a.depth} tokens of context, {a.new} generated, {a.threads} threads per process; "
-        f"layerline at the file's deploy defaults (no --precision, no --compile)")
+        f"layerline at the file's deploy defaults (no --precision, no --compile); "
+        f"rpc-servers -t {a.rpc_threads or a.threads}")
     report(rows)
     return 1 if any(r.broken for r in rows) else 0
 
