@@ -22,16 +22,15 @@ bench/llamacpp.py (once, under .cache/llamacpp).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -209,80 +208,16 @@ def vocab_size(path: Path) -> int:
 
 # --- processes ----------------------------------------------------------------------------------
 
-def _stop(p: subprocess.Popen) -> None:
-    """Stop a process we started and everything it started (its own session)."""
-    if p.poll() is None:
-        try:
-            os.killpg(p.pid, signal.SIGTERM)
-            p.wait(10)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            p.wait()
-
-
 def run(cmd: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
+    """subprocess.run, but a timeout or Ctrl-C also stops what the command started (its session)."""
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                          start_new_session=True)
     try:
         out, err = p.communicate(timeout=RUN_TIMEOUT)
     except BaseException:
-        _stop(p)
+        llamacpp.stop(p)
         raise
     return subprocess.CompletedProcess(cmd, p.returncode, out, err)
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-class RpcServers:
-    """Three local ggml-rpc-servers on 127.0.0.1, stopped on every way out."""
-
-    def __init__(self, n: int, threads: int):  # threads: each server's -t
-        self.n, self.threads, self.procs, self.ports = n, threads, [], []
-
-    def __enter__(self) -> "RpcServers":
-        self.ports = free_ports(self.n)
-        try:
-            for port in self.ports:
-                cmd = [str(llamacpp.binary("rpc-server")), "-H", "127.0.0.1", "-p", str(port), "-t", str(self.threads)]
-                log(f"$ {' '.join(cmd)} &")
-                self.procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                                   start_new_session=True))
-            for port, p in zip(self.ports, self.procs):
-                deadline = time.time() + 30
-                while True:
-                    if p.poll() is not None:
-                        raise Broken(f"rpc-server on port {port} exited with {p.returncode}")
-                    try:
-                        socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                        break
-                    except OSError:
-                        if time.time() > deadline:
-                            raise Broken(f"rpc-server on port {port} did not listen within 30 s") from None
-                        time.sleep(0.2)
-        except BaseException:
-            self.__exit__()
-            raise
-        return self
-
-    def endpoints(self) -> str:
-        return ",".join(f"127.0.0.1:{p}" for p in self.ports)
-
-    def __exit__(self, *exc) -> None:
-        for p in self.procs:
-            _stop(p)
-        self.procs = []
 
 
 # --- measurements -------------------------------------------------------------------------------
@@ -371,6 +306,33 @@ def report(rows: list[Row]) -> None:
         log(f"{r.file:<12} {what:<34} {fmt(r.llama):<16} {layer:<16} {tail}")
 
 
+def measure(row: Row, path: Path, vocab: int, s: Setting, reps: int, show) -> None:
+    """One turn: llama.cpp, then layerline, on the same file and setting."""
+    try:
+        rate, cmd = llama_bench(path, s, reps)
+        show(cmd)
+        row.llama.append(rate)
+        log(f"  {row.file} {row.split:<5} llama.cpp  {rate:7.1f} tokens/s")
+        if row.unsupported:
+            return
+        try:
+            rate, cmd = layerline_generate(path, 1 if row.split == "local" else RPC_SERVERS, s, vocab)
+        except NotSupported as e:
+            row.unsupported = str(e).removeprefix("layerline generate: ").replace(f"{path}: ", "")
+            log(f"  {row.file} {row.split:<5} layerline  not supported ({row.unsupported})")
+            return
+        show(cmd)
+        row.layerline.append(rate)
+        log(f"  {row.file} {row.split:<5} layerline  {rate:7.1f} tokens/s  ({rate / row.llama[-1]:.2f}x)")
+    except Broken as e:
+        row.broken = str(e)
+        log(f"  {row.file} {row.split:<5} BROKEN: {e}")
+
+
+def _interrupted(signum, frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=2)
@@ -385,6 +347,10 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.rounds < 1:
         raise SystemExit("--rounds: must be at least 1")
+    # a TERM (or an INT where a background shell ignores it) unwinds like Ctrl-C, so every
+    # process started here is stopped on the way out
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _interrupted)
     keys = [k for k in a.files.split(",") if k]
 
     log(f"CPU: {cpu_line()}; load average {load()}")
@@ -414,41 +380,21 @@ def main(argv: list[str] | None = None) -> int:
             shown.add(key)
             log(f"$ {line}")
 
-    rpc = RpcServers(RPC_SERVERS, a.rpc_threads or a.threads) if not a.no_rpc else None
-    try:
-        if rpc:
-            rpc.__enter__()
+    with contextlib.ExitStack() as stack:  # the rpc-servers stop on every way out
+        endpoints = None
+        if not a.no_rpc:
+            try:
+                endpoints = stack.enter_context(llamacpp.RpcServers(RPC_SERVERS, a.rpc_threads or a.threads)).endpoints()
+            except (RuntimeError, OSError) as e:
+                log(f"BROKEN: {e}")
+                for r in rows:
+                    r.broken = r.broken or (f"rpc-servers: {e}" if r.split == "rpc" else None)
         for rnd in range(1, a.rounds + 1):
             log(f"\n=== round {rnd}/{a.rounds} (load average {load()}) ===")
             for row in rows:
-                if row.broken or row.file not in files:
-                    continue
-                path = files[row.file]
-                s = Setting(a.threads, a.depth, a.new, rpc.endpoints() if row.split == "rpc" else None)
-                stages = 1 if row.split == "local" else RPC_SERVERS
-                try:
-                    rate, cmd = llama_bench(path, s, a.reps)
-                    show(cmd)
-                    row.llama.append(rate)
-                    log(f"  {row.file} {row.split:<5} llama.cpp  {rate:7.1f} tokens/s")
-                    if row.unsupported:
-                        continue
-                    try:
-                        rate, cmd = layerline_generate(path, stages, s, vocab[row.file])
-                    except NotSupported as e:
-                        row.unsupported = str(e).removeprefix("layerline generate: ").replace(f"{path}: ", "")
-                        log(f"  {row.file} {row.split:<5} layerline  not supported ({e})")
-                        continue
-                    show(cmd)
-                    row.layerline.append(rate)
-                    log(f"  {row.file} {row.split:<5} layerline  {rate:7.1f} tokens/s  "
-                        f"({rate / row.llama[-1]:.2f}x)")
-                except Broken as e:
-                    row.broken = str(e)
-                    log(f"  {row.file} {row.split:<5} BROKEN: {e}")
-    finally:
-        if rpc:
-            rpc.__exit__()
+                if not row.broken and row.file in files:
+                    measure(row, files[row.file], vocab[row.file],
+                            Setting(a.threads, a.depth, a.new, endpoints if row.split == "rpc" else None), a.reps, show)
     log(f"\nCPU: {cpu_line()}; load average now {load()}")
     log(f"settings: batch 1, {a.depth} tokens of context, {a.new} generated, {a.threads} threads per process; "
         f"layerline at the file's deploy defaults (no --precision, no --compile); "

@@ -14,10 +14,13 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 import tarfile
 import time
+import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -124,6 +127,131 @@ def build(version: str = VERSION, jobs: int = 2) -> Path:
         shutil.copy2(found, out / t)
     log(f"built in {time.time() - t0:.0f} s: {out}")
     return out
+
+
+# --- the tools as processes (rpc-servers, llama-server), stopped on every way out ------------------
+
+def stop(p: subprocess.Popen) -> None:
+    """Stop a process started here (in its own session) and whatever it started: INT first, so
+    a `layerline generate` stops its workers and removes its temp dir, then TERM, then KILL."""
+    for sig, grace in ((signal.SIGINT, 10), (signal.SIGTERM, 5), (signal.SIGKILL, None)):
+        if p.poll() is not None:
+            return
+        try:
+            os.killpg(p.pid, sig)
+        except ProcessLookupError:
+            pass
+        try:
+            p.wait(grace)
+            return
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _wait_listening(p: subprocess.Popen, port: int, what: str, timeout: float) -> None:
+    deadline = time.time() + timeout
+    while True:
+        if p.poll() is not None:
+            raise RuntimeError(f"{what} on port {port} exited with {p.returncode}")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            if time.time() > deadline:
+                raise RuntimeError(f"{what} on port {port} did not listen within {timeout:.0f} s") from None
+            time.sleep(0.2)
+
+
+def _start(cmd: list[str], log_to) -> subprocess.Popen:
+    log("$ " + " ".join(cmd) + " &")
+    return subprocess.Popen(cmd, stdout=log_to, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+class RpcServers:
+    """n local ggml-rpc-servers on 127.0.0.1 (`with RpcServers(3, threads=2) as r: r.endpoints()`)."""
+
+    def __init__(self, n: int, threads: int, version: str = VERSION):
+        self.n, self.threads, self.version = n, threads, version
+        self.procs: list[subprocess.Popen] = []
+        self.ports: list[int] = []
+
+    def __enter__(self) -> "RpcServers":
+        self.ports = free_ports(self.n)
+        try:
+            for port in self.ports:
+                self.procs.append(_start([str(binary("rpc-server", self.version)), "-H", "127.0.0.1",
+                                          "-p", str(port), "-t", str(self.threads)], subprocess.DEVNULL))
+            for port, p in zip(self.ports, self.procs):
+                _wait_listening(p, port, "rpc-server", 30)
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def endpoints(self) -> str:
+        """--rpc's value."""
+        return ",".join(f"127.0.0.1:{p}" for p in self.ports)
+
+    def __exit__(self, *exc) -> None:
+        for p in self.procs:
+            stop(p)
+        self.procs = []
+
+
+class LlamaServer:
+    """llama-server on 127.0.0.1 (OpenAI API at .url + "/v1"), `slots` parallel sequences with
+    continuous batching, ready once /health answers 200; rpc: endpoints to spread it over
+    rpc-servers (-ngl 99). Its log goes to log_path."""
+
+    def __init__(self, model: str | os.PathLike, log_path: str | os.PathLike, slots: int = 16,
+                 threads: int = 2, ctx_per_slot: int = 4096, rpc: str | None = None, version: str = VERSION):
+        self.port = free_ports(1)[0]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.cmd = [str(binary("llama-server", version)), "-m", str(model), "--host", "127.0.0.1",
+                    "--port", str(self.port), "-np", str(slots), "-cb", "-c", str(slots * ctx_per_slot),
+                    "-t", str(threads), "--no-webui"]
+        if rpc:
+            self.cmd += ["-ngl", "99", "--rpc", rpc]
+        self.log_path = Path(log_path)
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> "LlamaServer":
+        self._log = open(self.log_path, "wb")
+        self.proc = _start(self.cmd, self._log)
+        try:
+            deadline = time.time() + 300
+            while True:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"llama-server exited with {self.proc.returncode}; see {self.log_path}")
+                try:
+                    with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                        if r.status == 200:
+                            return self
+                except OSError:
+                    pass
+                if time.time() > deadline:
+                    raise RuntimeError(f"llama-server not healthy within 300 s; see {self.log_path}")
+                time.sleep(0.5)
+        except BaseException:
+            self.__exit__()
+            raise
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is not None:
+            stop(self.proc)
+            self.proc = None
+        self._log.close()
 
 
 def main(argv: list[str] | None = None) -> int:
