@@ -61,6 +61,10 @@ molecule: setup
 bench: setup
 	$(BIN)/python bench/run_all.py
 
+# decode tokens/s beside llama.cpp on the same GGUF files, in turns (builds llama.cpp once under .cache)
+bench-llamacpp: setup
+	$(BIN)/python bench/bench_llamacpp.py
+
 clean:
 	-$(BIN)/ansible-playbook teardown.yml
 	rm -rf .cache
