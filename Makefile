@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
 
-.PHONY: setup demo test test-unit fuzz lint molecule bench clean teardown
+.PHONY: setup demo test test-unit fuzz lint molecule bench bench-llamacpp clean teardown
 
 setup: $(VENV)/.layerline-stamp
 
