@@ -9,12 +9,15 @@ torch when a caller actually wants a dtype object.
     fp16   float16    2                    no          fp16
     int8   bfloat16   1 (+ 4 per row)      yes         bf16   (weight-only: activations and KV stay bf16)
     int4   bfloat16   0.625                yes         bf16   (weight-only; embedding and LM head at int8)
+    gguf   float32    as the file stores   yes         fp16   (each matrix in its GGUF file's own blocks)
 
 int8 carries one float32 scale per output row of every matrix (`row_bytes`, `QUANT_ROW_BYTES`).
 int4 holds two weights a byte plus a bf16 scale and a bf16 zero per group of `INT4_GROUP` (32)
 weights along the input dimension: 0.5 + 4/32 = 0.625 bytes a weight, nothing per row. Its token
 embedding and LM head stay int8 (`edge`): a lookup wants whole rows, and the head is the layer
-most sensitive to rounding. The KV cache is held in one of `KV_DTYPES` (a plan's `kv_dtype`, the worker's
+most sensitive to rounding. gguf holds every matrix in the blocks its GGUF file stores (Q4_K, Q6_K,
+Q8_0, ...; `stored`), run by ggml's kernels as llama.cpp runs them, so its bytes are the file's
+(the cost model reads them from the index, not from `weight_bytes`). The KV cache is held in one of `KV_DTYPES` (a plan's `kv_dtype`, the worker's
 `--kv-dtype`); without one it follows its precision's `kv` column.
 """
 from __future__ import annotations
@@ -33,6 +36,7 @@ class Precision:
     kv: str               # the KV cache's dtype (a KV_DTYPES name) unless a plan says otherwise
     row_bytes: int = 0    # bytes per output row of every matrix on top of `weight_bytes` (int8's scales)
     edge: str = ""        # the precision the embedding and LM head are held at ("": this one)
+    stored: bool = False  # weights as the checkpoint stores them (bytes from the index, not weight_bytes)
 
     @property
     def edge_precision(self) -> str:
@@ -47,6 +51,7 @@ PRECISIONS: dict[str, Precision] = {p.name: p for p in (
     Precision("fp16", "float16", 2.0, False, "fp16"),
     Precision("int8", "bfloat16", 1.0, True, "bf16", row_bytes=4),  # weight-only: its KV cache is bf16
     Precision("int4", "bfloat16", 0.5 + 4 / INT4_GROUP, True, "bf16", edge="int8"),
+    Precision("gguf", "float32", 0.0, True, "fp16", stored=True),
 )}
 QUANT_ROW_BYTES = 4  # int8's float32 scale per output row
 

@@ -18,13 +18,15 @@ from layerline.model.loader import precision_name, resolve_precision
 
 def test_the_table():
     t = precision.PRECISIONS
-    assert list(t) == ["fp32", "bf16", "fp16", "int8", "int4"]
+    assert list(t) == ["fp32", "bf16", "fp16", "int8", "int4", "gguf"]
     assert {n: (p.compute, p.weight_bytes, p.quantized, p.kv, p.row_bytes, p.edge_precision)
-            for n, p in t.items()} == {
+            for n, p in t.items() if not p.stored} == {
         "fp32": ("float32", 4.0, False, "fp32", 0, "fp32"), "bf16": ("bfloat16", 2.0, False, "bf16", 0, "bf16"),
         "fp16": ("float16", 2.0, False, "fp16", 0, "fp16"), "int8": ("bfloat16", 1.0, True, "bf16", 4, "int8"),
         # int4: two weights a byte + a bf16 scale and zero per 32; embedding and head held at int8
         "int4": ("bfloat16", 0.625, True, "bf16", 0, "int8")}
+    # gguf: the file's own blocks, whose bytes the cost model takes from the index
+    assert [n for n, p in t.items() if p.stored] == ["gguf"] and t["gguf"].quantized
     assert cost.PRECISION_BYTES == {n: p.weight_bytes for n, p in t.items()}
     assert cost.KV_DTYPE_BYTES == {"fp32": 4, "bf16": 2, "fp16": 2, "float32": 4, "bfloat16": 2, "float16": 2}
     assert COMPILE_MODES == ("off", "default", "max-autotune") and not hasattr(cost, "COMPILE_MODES")
@@ -51,7 +53,7 @@ def test_kv_rule_and_overrides():
     assert precision.kv_name("int8", "float32") == "fp32"
     with pytest.raises(LayerlineError, match="--kv-dtype int4: must be one of fp32, bf16, fp16"):
         precision.kv_name("bf16", "int4")
-    with pytest.raises(LayerlineError, match="--precision fp8: unknown; choose one of fp32, bf16, fp16, int8, int4$"):
+    with pytest.raises(LayerlineError, match="--precision fp8: unknown; choose one of fp32, bf16, fp16, int8, int4, gguf$"):
         precision.precision("fp8")
     c = cost.ModelCost(num_layers=1, stored_precision="bf16", dense_params=[100], expert_params=[0], rows=[10],
                        embed_params=0, head_params=0, kv_width=8)
