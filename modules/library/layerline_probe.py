@@ -195,9 +195,14 @@ ansible_facts:
           type: int
           sample: 68719476736
         ram_available_bytes:
-          description: RAM available now.
+          description: RAM available now (under a cgroup limit, the limit less the cgroup's working set).
           type: int
           sample: 60129542144
+        ram_capped:
+          description: True when a memory cgroup holds this host below the machine's RAM; the planner
+            then counts the cap as this host's own instead of sharing the machine's RAM among its hosts.
+          type: bool
+          sample: false
         disk_free_bytes:
           description: Free bytes on the checkpoint's filesystem; null when unreadable.
           type: int

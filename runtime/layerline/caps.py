@@ -49,6 +49,7 @@ class NodeCaps:
     cores: int = 1
     ram_total_bytes: int | None = None
     ram_available_bytes: int | None = None
+    ram_capped: bool = False           # a memory cgroup's own limit: not a share of its machine's RAM
     disk_free_bytes: int | None = None
     disk_read_bytes_per_s: float | None = None   # measured; None when not measured, never 0
     disk_read_cached: bool = False

@@ -265,10 +265,11 @@ def parse_layers(value, host: str) -> tuple[int, int] | None:
 
 
 def _hosts(nodes: list[Node], opts: CostOptions) -> list[_Host]:
-    """Budget and speeds per node. Hosts on one machine (NodeCaps.machine) share its RAM."""
+    """Budget and speeds per node. Hosts on one machine (NodeCaps.machine) share its RAM, unless a
+    memory cgroup gives each its own (NodeCaps.ram_capped)."""
     share: dict[str, int] = {}
     for n in nodes:
-        if n.role != "draining" and n.device == "cpu":
+        if n.role != "draining" and n.device == "cpu" and not n.caps.ram_capped:
             share[n.caps.machine] = share.get(n.caps.machine, 0) + 1
     shared = machine_step_factors(n.caps for n in nodes)
     out = []
@@ -285,7 +286,7 @@ def _hosts(nodes: list[Node], opts: CostOptions) -> list[_Host]:
             avail = n.caps.ram_available_bytes
             if not isinstance(avail, int):
                 raise PlanError(f"{n.host}: probe facts have no ram_available_bytes; re-run the probe")
-            budget = avail // max(1, share.get(n.caps.machine, 1)) - opts.reserve_ram_bytes
+            budget = avail // (1 if n.caps.ram_capped else max(1, share.get(n.caps.machine, 1))) - opts.reserve_ram_bytes
         else:
             budget = int(d.memory_free_bytes or d.memory_bytes or 0) - opts.reserve_ram_bytes
         if n.max_ram_bytes is not None:

@@ -29,7 +29,7 @@ from .errors import LayerlineError
 __all__ = ["probe", "machine_id", "NODECAPS_KEYS", "DEVICE_KEYS", "with_step_factor", "carry_step_factors"]
 
 NODECAPS_KEYS = (
-    "addr", "hostname", "machine_id", "os", "cores", "ram_total_bytes", "ram_available_bytes",
+    "addr", "hostname", "machine_id", "os", "cores", "ram_total_bytes", "ram_available_bytes", "ram_capped",
     "disk_free_bytes", "disk_read_bytes_per_s", "disk_read_cached", "devices", "probe_seconds",
 )
 DEVICE_KEYS = ("name", "kind", "memory_bytes", "memory_free_bytes", "flops_per_s", "mem_bw_bytes_per_s")
@@ -67,7 +67,7 @@ def probe(checkpoint: str | None = None, device: str = "cpu", addr: str | None =
     if want_cuda is not None:
         _check_cuda_request(torch, device, want_cuda, cuda_count)
 
-    ram_total, ram_available = _ram()
+    ram_total, ram_available, ram_capped = _ram()
     devices = [_cpu_device(torch, ram_total, ram_available, budget_s)]
     for index in range(cuda_count):
         devices.append(_cuda_device(torch, index, budget_s))
@@ -90,6 +90,7 @@ def probe(checkpoint: str | None = None, device: str = "cpu", addr: str | None =
         "cores": usable_cores(),
         "ram_total_bytes": ram_total,
         "ram_available_bytes": ram_available,
+        "ram_capped": ram_capped,
         "disk_free_bytes": _disk_free(disk_path),
         "disk_read_bytes_per_s": disk_rate,
         "disk_read_cached": disk_cached,
@@ -396,27 +397,44 @@ def _read_int(path: str) -> int | None:
 
 
 def _cgroup_memory() -> tuple[int | None, int | None]:
-    """(limit, usage) of this process's memory cgroup, or Nones when unlimited/unknown."""
+    """(limit, usage) of this process's memory cgroup, or Nones when unlimited/unknown. The usage
+    leaves out inactive file pages (page cache the kernel reclaims before it kills), so a host that
+    has just been sent its stage is not read as full."""
     for d in _cgroup_dirs(""):
         limit = _read_int(os.path.join(d, "memory.max"))  # "max" reads as None
         if limit is not None:
-            return limit, _read_int(os.path.join(d, "memory.current"))
+            return limit, _working_set(d, "memory.current", "inactive_file")
     for d in _cgroup_dirs("memory"):
         limit = _read_int(os.path.join(d, "memory.limit_in_bytes"))
         if limit is not None and limit < (1 << 60):
-            return limit, _read_int(os.path.join(d, "memory.usage_in_bytes"))
+            return limit, _working_set(d, "memory.usage_in_bytes", "total_inactive_file")
     return None, None
 
 
-def _ram() -> tuple[int, int]:
+def _working_set(d: str, usage_file: str, inactive_key: str) -> int | None:
+    usage = _read_int(os.path.join(d, usage_file))
+    if usage is None:
+        return None
+    try:
+        with open(os.path.join(d, "memory.stat"), encoding="ascii") as fh:
+            stat = dict(line.split() for line in fh if len(line.split()) == 2)
+        return max(0, usage - int(stat.get(inactive_key, 0)))
+    except (OSError, ValueError):
+        return usage
+
+
+def _ram() -> tuple[int, int, bool]:
+    """(total, available, capped): capped when a memory cgroup holds this host below the machine's
+    RAM, so the figures are its own, not a share of the machine's."""
     vm = psutil.virtual_memory()
     total, available = int(vm.total), int(vm.available)
     limit, usage = _cgroup_memory()
-    if limit is not None and limit < total:
+    capped = limit is not None and limit < total
+    if capped:
         total = limit
         if usage is not None:
             available = min(available, max(0, limit - usage))
-    return total, min(available, total)
+    return total, min(available, total), capped
 
 
 def usable_cores() -> int:
