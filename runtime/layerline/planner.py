@@ -507,6 +507,12 @@ def _order(actives: list[_Host]) -> list[_Host]:
     return [next(it) if n.layers else n for n in actives]
 
 
+def _largest(actives: list[_Host]) -> str:
+    """The host with the largest budget, its budget and the RAM (or cgroup cap) it came from."""
+    h = max(actives, key=lambda n: n.budget)
+    return f"{h.node.host}: budget {h.budget} bytes of its {h.node.caps.ram_total_bytes} RAM"
+
+
 def _shortfall(cost: ModelCost, opts: CostOptions, rung: str, actives: list[_Host]) -> str:
     kvp = kv_profile(cost, opts, rung)
     tab = _Table(cost, rung, kvp.bytes_per_token * opts.context * opts.batch)
@@ -515,7 +521,8 @@ def _shortfall(cost: ModelCost, opts: CostOptions, rung: str, actives: list[_Hos
     if need > have:
         return (f"model does not fit: needs {need} bytes at {rung} (weights {tab.weight(0, cost.num_layers)}, "
                 f"KV {need - tab.weight(0, cost.num_layers)} for context {opts.context}) but the active hosts have "
-                f"{have}; {need - have} bytes short. Add a host or memory, lower layerline_objective.context, "
+                f"{have}; {need - have} bytes short (largest host {_largest(actives)}). Add a host or memory, "
+                f"lower layerline_objective.context, "
                 f"or add a lower rung to layerline_objective.precision_ladder")
     biggest = max(tab.mem(i, i + 1) for i in range(cost.num_layers))
     return (f"model does not fit as split: {need} bytes at {rung} fit the hosts' {have} in total, but no "

@@ -423,6 +423,18 @@ def _working_set(d: str, usage_file: str, inactive_key: str) -> int | None:
         return usage
 
 
+def _own_anon_bytes() -> int:
+    """This process's anonymous resident memory (RssAnon), 0 where unreadable."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
 def _ram() -> tuple[int, int, bool]:
     """(total, available, capped): capped when a memory cgroup holds this host below the machine's
     RAM, so the figures are its own, not a share of the machine's."""
@@ -432,8 +444,8 @@ def _ram() -> tuple[int, int, bool]:
     capped = limit is not None and limit < total
     if capped:
         total = limit
-        if usage is not None:
-            available = min(available, max(0, limit - usage))
+        if usage is not None:  # less the probe's own memory: it is gone when the worker starts
+            available = min(available, max(0, limit - max(0, usage - _own_anon_bytes())))
     return total, min(available, total), capped
 
 
