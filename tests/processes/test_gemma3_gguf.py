@@ -20,6 +20,7 @@ transformers = pytest.importorskip("transformers")
 
 from layerline.checkpoint import open_checkpoint  # noqa: E402
 from layerline.model.llama import ModelArgs  # noqa: E402
+from layerline.server.chat import TextSide  # noqa: E402
 
 PROMPTS = ["What is the capital of France?", "The three primary colors are", "def fibonacci(n):"]
 TEXTS = PROMPTS + ["  two leading spaces,\ttabs\n\nand blank lines", "Ünïcödé 漢字 🙂 12345.67",
@@ -71,6 +72,15 @@ def test_gemma3_tokenizer_equals_transformers_gguf_tokenizer(gemma, reference):
     assert got == ids
     assert got[0][0] == 2  # BOS, as the file's add_bos_token says
     assert ours.decode(got[0], skip_special_tokens=True) == hf_tok.decode(ids[0], skip_special_tokens=True)
+
+
+def test_the_server_encodes_a_completion_prompt_as_transformers_does(gemma, reference):
+    """A base model's completion prompt starts with BOS as the file asks (vLLM and llama-server encode
+    prompts so); without it Gemma answers badly. A rendered chat template carries its own BOS text."""
+    ids, _want, _tok = reference
+    side = TextSide.load(str(gemma))
+    assert [side.encode(t, add_special_tokens=True) for t in TEXTS] == ids
+    assert side.encode(TEXTS[0])[0] != 2 and side.encode(TEXTS[0]) == ids[0][1:]
 
 
 def test_gemma3_three_stage_fp32_greedy_equals_transformers(gemma, reference, tmp_path):

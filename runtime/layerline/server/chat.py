@@ -52,10 +52,13 @@ class TextSide:
 
     # -- prompts
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of text. add_special_tokens: what the tokenizer's post-processor adds (BOS where
+        the checkpoint asks for it) — a completion's prompt, as vLLM and llama-server encode it; a
+        rendered chat template carries its own BOS text, so chat prompts go without."""
         if self.tokenizer is None:
             raise TemplateError("this checkpoint has no tokenizer.json: send the prompt as a list of token ids")
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def render(self, messages: list[dict]) -> str:
         """The chat template applied to messages, with the generation prompt."""

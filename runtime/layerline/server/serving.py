@@ -129,7 +129,7 @@ class OpenAIServing:
                     raise BadRequest(f"prompt: one prompt per request (got {len(p)})", "prompt", "invalid_parameter")
                 p = p[0]
             try:
-                ids = self.text.encode(p) if isinstance(p, str) else list(p)
+                ids = self.text.encode(p, add_special_tokens=True) if isinstance(p, str) else list(p)
             except TemplateError as e:
                 raise BadRequest(str(e), "prompt", "no_tokenizer") from None
             self.check_ids(ids, "prompt")
