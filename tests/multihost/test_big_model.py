@@ -232,12 +232,15 @@ def deploy(big: dict, *more: str, kill_in: str | None = None, timeout: int = 180
 
 
 def one_line_failure(r: subprocess.CompletedProcess) -> str:
-    """The failed task's message: one line (no traceback, no multi-line dump)."""
+    """The failed task's message (Ansible's own wrapping peeled off), with no traceback beside it."""
     assert r.returncode != 0, r.stdout[-3000:]
     assert "Traceback" not in r.stdout + r.stderr, r.stdout[-4000:] + r.stderr[-2000:]
-    msgs = re.findall(r'^\s*"?msg"?:\s*(.+)$', r.stdout, re.M)
-    assert msgs, r.stdout[-3000:]
-    return msgs[-1].strip().strip("'\"")
+    blocks = re.findall(r"(?:fatal|failed): \[[^\]]+\].*?FAILED! =>(.*?)(?:\n\S|\Z)", r.stdout, re.S)
+    assert blocks, r.stdout[-3000:]
+    text = " ".join(blocks[-1].split())
+    m = re.search(r"msg: (.*)", text)
+    msg = (m.group(1) if m else text).strip("'\" ")
+    return msg.rsplit(" failed: ", 1)[-1] if msg.startswith("Task failed") else msg
 
 
 @pytest.fixture(scope="module")
