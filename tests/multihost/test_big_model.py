@@ -55,7 +55,7 @@ FIGURES = ROOT / ".cache" / "big-model.json"
 
 def stored_bytes_runtime(ckpt: Path) -> bool:
     """Whether this runtime plans, stages and runs a quantized GGUF at its stored bytes (precision gguf);
-    without that, the file is deployed shared at int4 and the staging checks are skipped."""
+    without that the model does not fit the caps at all (it plans at bf16), and only the not-fit case runs."""
     from layerline.checkpoint import open_checkpoint
     from layerline.cost import model_cost
     return model_cost(open_checkpoint(str(ckpt)).index).stored_precision == "gguf"
@@ -264,12 +264,10 @@ def big():
         home = work / "home"
         home.mkdir()
         vars_ = {"layerline_home": str(home), "layerline_checkpoint": str(ckpt), "layerline_demo_checkpoint": False,
-                 "layerline_checkpoint_shared": not stored, "layerline_policy": "uniform",
+                 "layerline_checkpoint_shared": False, "layerline_policy": "uniform",
                  "layerline_serve_port": SERVE_PORT, "layerline_seq": 8, "layerline_generate": 16,
                  "layerline_objective": {"context": CONTEXT}, "layerline_reserve_ram_gb": RUNTIME_GB,
-                 "layerline_nice": 10}
-        if not stored:   # the file deployed in place, at int4 (Q4_K's codes directly, the rest requantized)
-            vars_["layerline_precision"] = "int4"
+                 "layerline_nice": 10, "layerline_worker_ready_timeout": 900}
         extra = json.dumps(vars_)
         yield {"info": info, "inventory": str(inventory), "home": home, "extra": extra, "ckpt": ckpt,
                "stored": stored, "work": work, "figures": {}}
@@ -310,6 +308,9 @@ def test_too_small_caps_fail_at_the_plan_before_anything_is_staged(big):
 
 def test_capped_hosts_hold_the_model_no_host_could(big):
     info, home, figs = big["info"], big["home"], big["figures"]
+    if not big["stored"]:
+        pytest.skip("this runtime plans a GGUF at bf16, not at its stored bytes: the model cannot fit any "
+                    "caps below its size until precision gguf and byte-range staging are in")
     model_bytes = SHAPE.tensor_bytes()
     assert model_bytes >= 1.5e9 and all(h["mem_limit_bytes"] == CAP < model_bytes for h in info["hosts"].values())
 
@@ -337,16 +338,15 @@ def test_capped_hosts_hold_the_model_no_host_could(big):
     cutter_growth = max((a - base for a, _ in watch.cutters.values()), default=0)
     stage_s = (watch.stage_end or 0) - (watch.stage_start or 0)
     shipped = {}
-    if big["stored"]:
-        for s in actives:
-            files = staged_files(big, s["host"])
-            got = sum(v[0] for v in files.values())
-            shipped[s["host"]] = got
-            assert abs(got - s["weight_bytes"]) <= 0.05 * s["weight_bytes"], (s["host"], got, s["weight_bytes"])
-        assert watch.cutters and cutter_growth < 200 * MiB, \
-            f"a stage cutter held {cutter_growth >> 20} MiB beyond its imports ({base >> 20} MiB)"
-        m = re.search(r"shipped (\d+) bytes to 3 hosts; the whole model is (\d+) bytes", out)
-        assert m and int(m.group(1)) == sum(shipped.values()), out[-3000:]
+    for s in actives:
+        files = staged_files(big, s["host"])
+        got = sum(v[0] for v in files.values())
+        shipped[s["host"]] = got
+        assert abs(got - s["weight_bytes"]) <= 0.05 * s["weight_bytes"], (s["host"], got, s["weight_bytes"])
+    assert watch.cutters and cutter_growth < 200 * MiB, \
+        f"a stage cutter held {cutter_growth >> 20} MiB beyond its imports ({base >> 20} MiB)"
+    m = re.search(r"shipped (\d+) bytes to 3 hosts; the whole model is (\d+) bytes", out)
+    assert m and int(m.group(1)) == sum(shipped.values()), out[-3000:]
 
     # launched workers, each inside its host's cgroup, under its cap; nothing OOM-killed
     workers = {}
@@ -402,8 +402,8 @@ def test_capped_hosts_hold_the_model_no_host_could(big):
 
 def test_a_copy_killed_while_staging_fails_in_one_line_and_the_rerun_ships_only_what_is_missing(big):
     if not big["stored"]:
-        pytest.skip("this runtime stages a GGUF dequantized, not as its stored blocks: the staging checks "
-                    "need precision gguf and byte-range stages")
+        pytest.skip("this runtime plans a GGUF at bf16, not at its stored bytes (precision gguf and "
+                    "byte-range staging are not in yet)")
     info, home = big["info"], big["home"]
     playbook("teardown.yml", "-i", big["inventory"], "-e", big["extra"], timeout=300)
     before = {h: staged_files(big, h) for h in HOSTS}
