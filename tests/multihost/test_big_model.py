@@ -120,9 +120,10 @@ class Watch(threading.Thread):
 
     COPIERS = {"sftp-server", "scp", "dd"}
 
-    def __init__(self, root_pid: int, kill_in: str | None = None):
+    def __init__(self, root_pid: int, hosts: list[str], kill_in: str | None = None):
         super().__init__(daemon=True)
         self.root_pid, self.stop = root_pid, threading.Event()
+        self.host_inos = {netns_inode(ns) for ns in hosts}   # workers of other deployments do not count
         self.kill_ino = netns_inode(kill_in) if kill_in else None
         self.killed: list[str] = []
         self.samples: list[tuple[float, int, int]] = []    # (t, tree RssAnon, tree VmRSS)
@@ -168,19 +169,26 @@ class Watch(threading.Thread):
             self.samples.append((t, anon, rss))
             if self.stage_start is not None and self.stage_end is None:
                 for d in os.listdir("/proc"):
-                    if d.isdigit() and "layerline.worker" in self._cmdline(int(d)):
+                    if d.isdigit() and "layerline.worker" in self._cmdline(int(d)) and self._ns(d) in self.host_inos:
                         self.stage_end = t
                         break
             if self.kill_ino is not None and self.stage_start is not None and self.stage_end is None:
                 self._kill_copies()
             self.stop.wait(0.05)
 
+    @staticmethod
+    def _ns(pid: str) -> int | None:
+        try:
+            return os.stat(f"/proc/{pid}/ns/net").st_ino
+        except OSError:
+            return None
+
     def _kill_copies(self) -> None:
         for d in os.listdir("/proc"):
             if not d.isdigit():
                 continue
             try:
-                if os.stat(f"/proc/{d}/ns/net").st_ino != self.kill_ino:
+                if self._ns(d) != self.kill_ino:
                     continue
                 comm = Path(f"/proc/{d}/comm").read_text().strip()
             except OSError:
@@ -217,7 +225,7 @@ def deploy(big: dict, *more: str, kill_in: str | None = None, timeout: int = 180
     cmd = [str(BIN / "ansible-playbook"), "deploy.yml", "-i", big["inventory"], "-e", big["extra"], *more]
     t0 = time.perf_counter()
     p = subprocess.Popen(cmd, cwd=ROOT, env=ansible_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    w = Watch(p.pid, kill_in)
+    w = Watch(p.pid, [h["namespace"] for h in big["info"]["hosts"].values()], kill_in)
     w.start()
     try:
         out, err = p.communicate(timeout=timeout)
@@ -255,6 +263,11 @@ def big():
                     "--mem-limit", f"{CAP // MiB}M", "--json")
         assert r.returncode == 0, f"testhosts up failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
         info = json.loads(r.stdout)
+        # the CPU kernels (ggml's block kernels among them) are built once into the shared cache, here,
+        # outside the caps: g++ against torch's headers needs more than a capped host has
+        k = subprocess.run([info["python"], "-c", "from layerline.model import cpu_kernels as k; "
+                            "assert k.load(), k.status()"], capture_output=True, text=True, timeout=600)
+        assert k.returncode == 0, f"the CPU kernels did not build: {k.stderr[-2000:]}"
         # each host stages onto the disk (its /tmp is a tmpfs: staged bytes there would count against its cap)
         inv = json.loads(Path(info["inventory"]).read_text().split("\n", 1)[1])
         for h, hv in inv["layerline"]["hosts"].items():
