@@ -166,8 +166,8 @@ def _prompts(a) -> tuple[list[list[int]], object | None]:
     if chats:
         from .server.chat import TextSide
         side = TextSide.load(a.checkpoint)
-        if side.template is None:  # no chat template: the turn goes in as plain text
-            return [side.encode(t) for t in chats], side.tokenizer
+        if side.template is None:  # no chat template (a base model): the turn goes in as a plain prompt
+            return [side.encode(t, add_special_tokens=True) for t in chats], side.tokenizer
         return [side.chat_ids([{"role": "user", "content": t}]) for t in chats], side.tokenizer
     if a.prompt:
         from .checkpoint import open_checkpoint

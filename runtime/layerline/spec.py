@@ -231,9 +231,10 @@ def server_spec(hvars: SettingsLike, python: str = "python3", host: str = "contr
     argv += ["--restart-wait", _num(hs.serve_restart_wait), "--health-deadline", _num(hs.serve_health_deadline)]
     argv += ["--on-stage-lost", hs.serve_on_stage_lost] if hs.serve_on_stage_lost else []
     model = os.path.basename(hs.checkpoint.rstrip("/"))
-    chat = hs.checkpoint.endswith(".gguf")
+    chat = _has_chat_template(hs.checkpoint)
     request = ({"model": model, "messages": [{"role": "user", "content": "Name three colors."}], "max_tokens": 32}
-               if chat else {"model": model, "prompt": [1, 2, 3], "max_tokens": 8})
+               if chat else {"model": model, "prompt": "The capital of France is", "max_tokens": 16}
+               if hs.checkpoint.endswith(".gguf") else {"model": model, "prompt": [1, 2, 3], "max_tokens": 8})
     return ServerSpec(argv=tuple(argv), python=python, state_dir=state, ready_timeout=hs.server_ready_timeout,
                       bind=bind, port=port, url=url, keyed=keyed, api_keys_file=home.api_keys,
                       admin_key_file=home.admin_key,
@@ -242,6 +243,16 @@ def server_spec(hvars: SettingsLike, python: str = "python3", host: str = "contr
                       request=request, request_path=home.request,
                       curl=curl_line(f"{url}/v1/{'chat/completions' if chat else 'completions'}", request,
                                      home.api_keys if keyed else None))
+
+
+def _has_chat_template(checkpoint: str) -> bool:
+    """Whether the example request can be a chat: the checkpoint (on the controller, where the server
+    runs) has a chat template. A base model's GGUF has none: its example is a text completion."""
+    from .checkpoint import CheckpointError, open_checkpoint
+    try:
+        return open_checkpoint(checkpoint).chat_template is not None
+    except (CheckpointError, OSError):
+        return False
 
 
 def curl_line(url: str, body: dict, api_keys_file: str | None = None) -> str:
