@@ -34,6 +34,9 @@ int8 with a float32 scale per output row (`quant`); norms, biases, the Mixtral r
 activations and the KV cache are bf16 (the precision table, `layerline.precision`). Precision int4
 holds every layer's Linear weights as int4 in groups of 32 (`quant.Int4Linear`: layerline's CPU int4
 kernel, or torch's where that cannot run) and the embedding and LM head as int8; the rest as at int8.
+Precision gguf is a float32 stage whose matrices the loader replaces by the GGUF file's own blocks
+(`blocks.BlockLinearModule`, `Stage.replace`); FusedLinears fuses such parts when their block types
+agree.
 
 One forward (`Stage._forward`, after gpt-fast's `Transformer.forward`): the new tokens come with a
 positions tensor, each layer writes their K/V there with one update (`kv_update`) and attends to

@@ -9,7 +9,12 @@ Precision int8 quantizes each Linear weight (and the embedding / LM head) a bloc
 time as it is read (`Checkpoint.row_blocks`), so no float copy of a whole matrix is made; int4
 quantizes into the int4 layers' packed weights and group scales (embedding and LM head int8),
 taking 4-bit codes as the file stores them where it does (`Checkpoint.int4_codes`: a GGUF's
-Q4_0 / Q4_1 / Q4_K blocks). Mixtral's experts are
+Q4_0 / Q4_1 / Q4_K blocks). Precision gguf (a GGUF file only) holds each Linear weight and the
+embedding as the file's own blocks (`Checkpoint.stored_blocks`; `blocks.BlockLinearModule`,
+`blocks.BlockEmbedding`, run by ggml's CPU kernels), a tied head sharing the embedding's; the
+modules are made at load, since the block type is the file's, matrix by matrix. A block type
+without a kernel here, and every matrix on a CUDA device, is read as floats at the compute dtype
+a block of rows at a time. Mixtral's experts are
 either loaded with the stage (default) or, given `expert_cache_bytes`, left on disk and served by an
 `LRUExpertStore` that reads them when routed to.
 """
@@ -35,7 +40,7 @@ _FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
 
 
 def precision_name(precision: str) -> str:
-    """The canonical precision name (fp32 | bf16 | fp16 | int8 | int4) of a name or alias."""
+    """The canonical precision name (fp32 | bf16 | fp16 | int8 | int4 | gguf) of a name or alias."""
     return precision_row(precision).name
 
 
@@ -160,7 +165,8 @@ def load_stage(ckpt_dir: str, start: int, end: int, first: bool, last: bool,
     """Build the stage for layers [start, end) from `ckpt_dir`, reading only its tensors.
 
     precision: fp32 | bf16 | fp16 | int8 (weight-only int8, per-row scales, bf16 compute) | int4
-    (weight-only int4 in groups of 32, CPU only; embedding and LM head int8).
+    (weight-only int4 in groups of 32, CPU only; embedding and LM head int8) | gguf (a GGUF file's
+    matrices as its own blocks, float32 compute; on CUDA dequantized to float32 instead).
     expert_cache_bytes (MoE models only): None loads every expert of the stage's layers; a number
     leaves experts on disk and serves them through an LRUExpertStore holding at most that many
     bytes (`stage.expert_store`, with hit/miss/bytes_read counters in `.stats`).
