@@ -384,6 +384,22 @@ class GGUFCheckpoint(Checkpoint):
         n_head = self._q_k_heads(name)
         return tuple(_unpermute(x, n_head).contiguous() if n_head else x for x in (codes, s, m))
 
+    def stored_blocks(self, name: str):
+        """The matrix's own blocks, read from the map (no float copy), rows in HF order: llama Q/K
+        rows un-permuted as whole rows of blocks (each row's blocks are its own, so this is exact)."""
+        import numpy as np
+        import torch
+
+        from .base import STORED_BLOCK_TYPES  # imported here: this method is the stored-bits work's part of the file
+        t, raw, _n, _k = self._matrix_rows(name)
+        if t.tensor_type.name not in STORED_BLOCK_TYPES:
+            return None
+        blocks = torch.from_numpy(np.array(raw, dtype=np.uint8))  # a copy: the map is read-only
+        n_head = self._q_k_heads(name)
+        if n_head:
+            blocks = _unpermute(blocks, n_head).contiguous()
+        return blocks, t.tensor_type.name
+
     # --- staging -----------------------------------------------------------------------------------
 
     def write_stage(self, names: list[str], out: Path) -> dict[str, str]:
