@@ -29,6 +29,7 @@ dequantize it (or a reader here).
 """
 from __future__ import annotations
 
+import json
 import math
 import re
 from functools import cached_property, lru_cache
@@ -38,9 +39,12 @@ from typing import Any, Iterable, Iterator
 from .. import text
 from ..errors import CheckpointError
 from .base import ROW_CHUNK_BYTES, Checkpoint, CheckpointIndex, TensorEntry
-from .stagefile import write_safetensors, write_tensor
+from .stagefile import ByteRanges, GGUFTensorInfo, gguf_kv_string, write_gguf
 
 GGUF_MAGIC = b"GGUF"
+STAGE_GGUF = "model.gguf"  # a staged GGUF stage's file in its stage dir
+# metadata key of a stage file: the whole model's config, JSON (a stage lacks tensors it is read from)
+STAGE_CONFIG_KEY = "layerline.config"
 # general.architecture -> the HF class its config names
 _ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "gemma2": "Gemma2ForCausalLM",
           "gemma3": "Gemma3ForCausalLM"}
@@ -197,6 +201,12 @@ class GGUFCheckpoint(Checkpoint):
 
     def _read_config(self) -> dict:
         m, arch, path = self.meta, self.arch, self.path
+        staged = m.get(STAGE_CONFIG_KEY)
+        if staged is not None:  # a stage file: the model's config as the whole file gave it
+            try:
+                return json.loads(staged)
+            except ValueError:
+                raise CheckpointError(f"{path}: metadata {STAGE_CONFIG_KEY} is not JSON; stage the checkpoint again") from None
         tensors = {t.name: t for t in self.reader.tensors}
 
         def need(key):
@@ -387,25 +397,28 @@ class GGUFCheckpoint(Checkpoint):
     # --- staging -----------------------------------------------------------------------------------
 
     def write_stage(self, names: list[str], out: Path) -> dict[str, str]:
-        """A Hugging Face stage dir: the tensors dequantized to their planned dtype (a matrix a block of
-        rows at a time, anything else whole), and the config and text side as files."""
-        import torch
-
-        def write_one(e: TensorEntry, w) -> None:
-            if len(e.shape) != 2:
-                write_tensor(next(self.tensors([e.name], planned=True))[1], w)
-                return
-            dtype = getattr(torch, _TORCH_DTYPE_NAME[e.dtype])
-            for _a, rows in self.row_blocks(e.name):
-                write_tensor(rows.to(dtype), w)
-
-        model = write_safetensors(out / "model.safetensors", [self.entry(n) for n in names], write_one)
-        try:
-            tok = self.tokenizer
-        except CheckpointError:  # a vocabulary layerline cannot build: the stage carries none either
-            tok = None
-        text.write_side_files(out, self.config, self.special_tokens, tok, self.chat_template)
-        return {"model.safetensors": model}
+        """A GGUF stage file (`STAGE_GGUF` in dir `out`): every metadata key/value of this file (the
+        tokenizer's too) plus the model's config (`STAGE_CONFIG_KEY`: a stage lacks tensors the config
+        is read from), and the tensors `names` as this file stores them, copied as byte ranges."""
+        r = self.reader
+        if r.byte_order == "S":
+            raise CheckpointError(f"{self.path}: a big-endian GGUF file; layerline stages little-endian GGUF files only")
+        entries = sorted((self.entry(n) for n in names), key=lambda e: e.offset or 0)
+        infos = []
+        for e in entries:
+            t = self._tensor(e.name)
+            infos.append(GGUFTensorInfo(e, t.name, tuple(int(d) for d in t.shape), int(t.tensor_type)))
+        kv: list = []
+        for key, f in r.fields.items():
+            if key.startswith("GGUF.") or key == STAGE_CONFIG_KEY:
+                continue
+            size = sum(int(p.nbytes) for p in f.parts)
+            kv.append(memoryview(r.data[f.offset:f.offset + size]))
+        kv.append(gguf_kv_string(STAGE_CONFIG_KEY, json.dumps(self.config, sort_keys=True)))
+        version = int(r.fields["GGUF.version"].parts[0][0])
+        with ByteRanges(self.file_path) as src:
+            sha1 = write_gguf(out / STAGE_GGUF, version, kv, infos, int(r.alignment), src.copy)
+        return {STAGE_GGUF: sha1}
 
     # --- the text side -----------------------------------------------------------------------------
 
@@ -465,5 +478,5 @@ def _int4_blocks(raw, qtype):
     return codes, (d * sc).reshape(r, -1), (-dmin * mn).reshape(r, -1)
 
 
-__all__ = ["GGUF_MAGIC", "SUPPORTED_ARCHS", "INT4_DIRECT", "GGUFCheckpoint", "has_gguf_magic", "hf_tensor_name",
+__all__ = ["GGUF_MAGIC", "STAGE_GGUF", "STAGE_CONFIG_KEY", "SUPPORTED_ARCHS", "INT4_DIRECT", "GGUFCheckpoint", "has_gguf_magic", "hf_tensor_name",
            "permute_for_gguf"]
