@@ -135,3 +135,30 @@ def test_a_staged_stage_gives_the_whole_files_logits(model, tmp_path):
         want = load_stage(str(path), start, end, first, last, precision="fp32")(x)
         got = load_stage(str(out), start, end, first, last, precision="fp32")(x)
         assert torch.equal(got, want), f"{name} {start}:{end}"
+
+
+_GROWTH = """
+import json, re, sys
+from layerline.checkpoint import open_checkpoint
+from layerline.staging import stage_checkpoint
+import layerline.model.loader  # noqa: F401  (what staging imports, loaded before the baseline)
+def status(key):
+    return int(re.search(key + r":\\s+(\\d+) kB", open("/proc/self/status").read()).group(1)) * 1024
+ck = open_checkpoint(sys.argv[1]); ck.index; ck.config  # the reader and its metadata, before the baseline
+base = status("VmRSS")
+man = stage_checkpoint(sys.argv[1], 0, int(sys.argv[2]), True, False, sys.argv[3])
+print(json.dumps({"growth": status("VmHWM") - base, "bytes": man["bytes"]}))
+"""
+
+
+def test_staging_streams_the_blocks(model, tmp_path):
+    """The staging process's peak memory grows by a copy chunk and the header, not by the stage."""
+    name, path, ck = model
+    n = ck.index.num_layers // 3
+    r = subprocess.run([sys.executable, "-c", _GROWTH, str(path), str(n), str(tmp_path / "st")],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    print(f"\n{name}: staging layers 0:{n} ({out['bytes'] / 2**20:.1f} MiB) grew the process by "
+          f"{out['growth'] / 2**20:.1f} MiB")
+    assert out["growth"] < min(64 * 2**20, out["bytes"] / 2)
