@@ -6,11 +6,13 @@ Everything is expressed in the Hugging Face vocabulary the rest of layerline spe
   read). Tensors are keyed by their HF names (`blk.3.attn_q.weight` ->
   `model.layers.3.self_attn.q_proj.weight`) with torch-order shapes (GGUF stores dimensions
   innermost first, ne0 = columns, so they are reversed). Each entry's `dtype` is the precision
-  the tensor is *planned* at once dequantized, and `nbytes` its size at that precision: F32 ->
-  F32, F16 -> F16, BF16 -> BF16, every quantized type (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K, ...) -> BF16.
-  So a quantized file costs and plans as bf16. The block type, stored bytes and byte range are
-  in `stored_type` / `stored_bytes` / `offset`.
-- The config: a config.json-style dict from the `<arch>.*` metadata keys.
+  the tensor is dequantized to, and `nbytes` its size at that dtype: F32 -> F32, F16 -> F16,
+  BF16 -> BF16, every quantized type (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K, ...) -> BF16. The block type,
+  stored bytes and byte range are in `stored_type` / `stored_bytes` / `offset`; a file with
+  quantized matrices costs and plans at precision gguf, from the stored bytes (layerline.cost).
+- The config: a config.json-style dict from the `<arch>.*` metadata keys (a stage file: the whole
+  model's, kept as JSON under `STAGE_CONFIG_KEY`).
+- `write_stage`: a GGUF stage file of this file's metadata and the stage's tensors' own bytes.
 - Tensors are dequantized with `gguf.quants.dequantize`. llama.cpp's converter permutes the rows
   of Q and K (per head, interleaving the two rotary halves for its RoPE); the inverse permutation
   is applied here, so the weights come back in HF's rotate_half layout.
