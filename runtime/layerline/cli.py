@@ -93,7 +93,8 @@ def cmd_index(a) -> int:
           f"({100 * idx.stored_bytes / max(file_bytes, 1):.1f}%; the rest: headers, metadata, tokenizer)")
     print(f"  embedding {cost.embed_params:,} params, head {cost.head_params:,} params"
           f"{' (tied)' if cost.tied_embeddings else ''}")
-    print(f"  per layer: dense {cost.dense_params[0]:,} params, experts {cost.expert_params[0]:,}, "
+    k = next((i for i, p in enumerate(cost.dense_params) if p), 0)  # a stage's first layer may not be 0
+    print(f"  per layer (layer {k}): dense {cost.dense_params[k]:,} params, experts {cost.expert_params[k]:,}, "
           f"KV width {cost.kv_width} elements/token")
     return 0
 

@@ -148,6 +148,7 @@ def model_cost(index: CheckpointIndex) -> ModelCost:
     stored = None
     blocks = False  # a GGUF whose matrices are (some of them) quantized blocks
     kv_width = None
+    first = min(t.layer for t in index.tensors.values() if t.layer is not None)  # 0 but in a stage's own index
     for t in index.tensors.values():
         params = t.nbytes // DTYPE_BYTES[t.dtype]
         sbytes = t.stored_bytes if t.stored_bytes is not None else t.nbytes
@@ -172,9 +173,9 @@ def model_cost(index: CheckpointIndex) -> ModelCost:
             sdense[layer] += sbytes
         if len(t.shape) == 2:
             rows[layer] += t.shape[0]
-        if layer == 0 and re.search(r"\.(k_proj|v_proj)\.weight$", t.name):
+        if layer == first and re.search(r"\.(k_proj|v_proj)\.weight$", t.name):
             kv_width = (kv_width or 0) + t.shape[0]
-        elif layer == 0 and t.name.endswith(".qkv_proj.weight"):  # fused (Phi-3): K and V are the rows after Q
+        elif layer == first and t.name.endswith(".qkv_proj.weight"):  # fused (Phi-3): K and V are the rows after Q
             heads = int(cfg.get("num_attention_heads") or 0)
             q_rows = heads * int(cfg.get("head_dim") or (int(cfg.get("hidden_size") or 0) // max(heads, 1)))
             kv_width = t.shape[0] - q_rows if 0 < q_rows < t.shape[0] else None

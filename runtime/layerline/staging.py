@@ -51,8 +51,9 @@ def stage_checkpoint(src: str, start: int, end: int, first: bool, last: bool, ou
     ck, dest = open_checkpoint(src), Path(out)
     idx = ck.index
     stamp = [[p.name, p.stat().st_size, int(p.stat().st_mtime)] for p in ck.source_files()]
+    # the stage's format too: a stage written in another format by an older layerline is made again
     want = {"source": str(Path(src).resolve()), "stamp": stamp, "layers": [start, end],
-            "first": first, "last": last}
+            "first": first, "last": last, "format": getattr(ck, "stage_format", "safetensors")}
     man = _reusable(dest, want)
     if man is not None:
         return {**man, "changed": False}

@@ -234,6 +234,10 @@ def test_random_gguf_stages_as_its_own_blocks(random_pair, tmp_path):
             assert (s.tensor_type, s.shape.tolist()) == (t.tensor_type, t.shape.tolist())
             assert bytes(s.data.reshape(-1).view(np.uint8)) == bytes(t.data.reshape(-1).view(np.uint8)), t.name
     assert stage_checkpoint(str(path), 2, 4, False, True, str(tmp_path / "st"))["changed"] is False
+    # a stage an older layerline wrote as a bf16 Hugging Face dir (its manifest names no format) is made again
+    manifest = tmp_path / "st" / "layerline-stage.json"
+    manifest.write_text(json.dumps({k: v for k, v in json.loads(manifest.read_text()).items() if k != "format"}))
+    assert stage_checkpoint(str(path), 2, 4, False, True, str(tmp_path / "st"))["changed"] is True
     ck = open_checkpoint(tmp_path / "st")
     assert ck.config == read_config(path) and set(ck.index.tensors) == set(names)
     h = torch.randn(1, 5, 256, generator=torch.Generator().manual_seed(1))

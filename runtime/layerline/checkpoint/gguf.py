@@ -157,6 +157,8 @@ class _Meta:
 class GGUFCheckpoint(Checkpoint):
     """A .gguf file."""
 
+    stage_format = "gguf"  # what write_stage makes (a Hugging Face dir's stages: safetensors)
+
     @cached_property
     def reader(self):
         try:
