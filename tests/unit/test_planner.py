@@ -809,3 +809,8 @@ def test_a_quantized_gguf_plans_at_its_stored_bytes():
     assert st["predicted_s"] >= read / 1e9 and read < idx.total_bytes / 3
     table = plan_table(p)
     assert "precision gguf (weights: the file's own blocks)" in table and " gguf " in table
+    # the ladder may still go lower; a host may pin gguf on a ladder that names other rungs
+    low = plan([spec("a", 2**30)], mc, CostOptions(context=64, precision_ladder=["int4"]))
+    assert low["precision"] == "int4" and actives(low)[0]["weight_bytes"] > 0
+    pinned = plan([spec("a", 2**30, precision="gguf")], mc, CostOptions(context=64, precision_ladder=["bf16"]))
+    assert actives(pinned)[0]["precision"] == "gguf" and actives(pinned)[0]["weight_bytes"] == idx.stored_bytes
