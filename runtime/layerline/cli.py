@@ -55,20 +55,46 @@ def cmd_demo_checkpoint(a) -> int:
     return 0
 
 
+def _stored_by_type(idx) -> list[tuple[str, int, int]]:
+    """(stored type, tensors, bytes) of an index, most bytes first."""
+    by: dict[str, list[int]] = {}
+    for t in idx.tensors.values():
+        row = by.setdefault(t.stored_type or t.dtype, [0, 0])
+        row[0] += 1
+        row[1] += t.stored_bytes if t.stored_bytes is not None else t.nbytes
+    return sorted(((k, n, b) for k, (n, b) in by.items()), key=lambda r: (-r[2], r[0]))
+
+
 def cmd_index(a) -> int:
     from .checkpoint import open_checkpoint
     from .cost import model_cost
-    idx = open_checkpoint(a.checkpoint).index
+    ck = open_checkpoint(a.checkpoint)
+    idx = ck.index
     cost = model_cost(idx)
+    by_type = _stored_by_type(idx)
+    file_bytes = sum(p.stat().st_size for p in ck.source_files())
     if a.json:
         print(json.dumps({"path": idx.path, "num_layers": idx.num_layers, "total_bytes": idx.total_bytes,
+                          "stored_bytes": idx.stored_bytes, "file_bytes": file_bytes,
+                          "stored_by_type": {k: {"tensors": n, "bytes": b} for k, n, b in by_type},
                           "tensors": len(idx.tensors), "cost": cost.to_dict()}))
         return 0
-    print(f"{idx.path}: {idx.num_layers} layers, {len(idx.tensors)} tensors, {idx.total_bytes / 2**20:.1f} MiB "
-          f"stored as {cost.stored_precision}")
+    mib = 2**20
+    if cost.stored_precision == "gguf":  # quantized blocks: planned and staged as the file stores them
+        print(f"{idx.path}: {idx.num_layers} layers, {len(idx.tensors)} tensors, {idx.stored_bytes / mib:.1f} MiB "
+              f"stored in the file's own blocks (precision gguf)")
+    else:
+        print(f"{idx.path}: {idx.num_layers} layers, {len(idx.tensors)} tensors, {idx.total_bytes / mib:.1f} MiB "
+              f"stored as {cost.stored_precision}")
+    width = max(len(k) for k, _n, _b in by_type)
+    for k, n, b in by_type:
+        print(f"  {k:<{width}}  {n:>4} tensor{'' if n == 1 else 's'}  {b / mib:8.1f} MiB")
+    print(f"  tensor bytes {idx.stored_bytes / mib:.1f} MiB of {file_bytes / mib:.1f} MiB in the file(s) "
+          f"({100 * idx.stored_bytes / max(file_bytes, 1):.1f}%; the rest: headers, metadata, tokenizer)")
     print(f"  embedding {cost.embed_params:,} params, head {cost.head_params:,} params"
           f"{' (tied)' if cost.tied_embeddings else ''}")
-    print(f"  per layer: dense {cost.dense_params[0]:,} params, experts {cost.expert_params[0]:,}, "
+    k = next((i for i, p in enumerate(cost.dense_params) if p), 0)  # a stage's first layer may not be 0
+    print(f"  per layer (layer {k}): dense {cost.dense_params[k]:,} params, experts {cost.expert_params[k]:,}, "
           f"KV width {cost.kv_width} elements/token")
     return 0
 
