@@ -246,8 +246,12 @@ def _check_generate(a, prompts: list[list[int]]) -> None:
         raise LayerlineError(f"--max-new-tokens {a.max_new_tokens}: must be 0 or more")
     if a.threads is not None and a.threads < 1:
         raise LayerlineError(f"--threads {a.threads}: must be at least 1")
+    ck = open_checkpoint(a.checkpoint)
+    if a.precision is None:  # what a deploy of this file plans at: the precision it is stored at
+        from .cost import model_cost
+        a.precision = model_cost(ck.index).stored_precision
     precision(a.precision)
-    vocab = open_checkpoint(a.checkpoint).config.get("vocab_size")
+    vocab = ck.config.get("vocab_size")
     for p in prompts:
         bad = [t for t in p if not 0 <= t < (vocab or 1 << 62)]
         if bad:
@@ -395,7 +399,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens")
-    g.add_argument("--precision", default="bf16")
+    g.add_argument("--precision", default=None,
+                   help="default: the precision a deploy of the file picks, the one it is stored at "
+                        "(gguf for a quantized GGUF: its own blocks)")
     g.add_argument("--threads", type=int, default=None)
     g.add_argument("--policy", default="uniform", choices=["auto", "ram_balanced", "uniform"],
                    help="how the planner splits the layers over the local stages")
