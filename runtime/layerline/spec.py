@@ -40,6 +40,21 @@ class WorkerSpec:
         return asdict(self) | {"argv": list(self.argv)}
 
 
+def planned_worker(plan: Plan | dict, host: str, hvars: SettingsLike, python: str = "python3") -> dict:
+    """What the worker role reads: {"planned": False} for a host the plan holds no stage on (its worker
+    is stopped), else the host's WorkerSpec as a dict with "planned": True."""
+    plan = Plan.from_dict(plan)
+    if plan.stage(host) is None:
+        return {"planned": False}
+    return worker_spec(plan, host, hvars, python).to_dict() | {"planned": True}
+
+
+def ships_stage(plan: Plan | dict, host: str, hvars: SettingsLike) -> bool:
+    """Whether staging ships this host its own tensors: it runs a stage of the plan and does not share
+    the controller's checkpoint path (its worker then opens HostSettings.worker_checkpoint's staged dir)."""
+    return not HostSettings.of(host, hvars).checkpoint_shared and Plan.from_dict(plan).stage(host) is not None
+
+
 def worker_spec(plan: Plan | dict, host: str, hvars: SettingsLike, python: str = "python3") -> WorkerSpec:
     """This host's worker launch, from its stage of the plan (looked up by host name)."""
     plan = Plan.from_dict(plan)
