@@ -29,7 +29,8 @@ try:
     from layerline.planner import plan_table
     from layerline.routes import host_order, load_route, next_route, promote_in_place
     from layerline.settings import ANSIBLE_KEYS, PREFIX, HostSettings, server_host
-    from layerline.spec import drive_argv, host_report, server_spec, stage_checkpoint_argv, worker_spec
+    from layerline.spec import (drive_argv, host_report, planned_worker, server_spec, ships_stage,
+                                stage_checkpoint_argv, worker_spec)
     IMPORT_ERROR = None
 except ImportError as e:  # the controller's interpreter lacks the package
     IMPORT_ERROR = e
@@ -102,20 +103,25 @@ def layerline_home_paths(home, host=None):
     return _adapt("layerline_home_paths", paths)
 
 
-def layerline_worker_spec(plan, host, hvars, python="python3", ready_timeout=None):
-    """The host's WorkerSpec as a dict: argv, state_dir, ready_file, keys_dir, ready_timeout, endpoint.
-
-    ready_timeout: the role's layerline_worker_ready_timeout (the spec raises it for compiling stages)."""
+def layerline_worker_spec(plan, host, hvars, python="python3"):
+    """The host's worker launch (layerline.spec.planned_worker): {"planned": false} where the plan holds
+    no stage on it, else the WorkerSpec as a dict (argv, state_dir, ready_file, keys_dir, ready_timeout,
+    endpoint, step) with "planned": true."""
     _need_runtime()
-    hv = _vars(hvars)
-    if ready_timeout is not None:
-        hv["layerline_worker_ready_timeout"] = _plain(ready_timeout)
-    return _adapt("layerline_worker_spec", lambda: worker_spec(_plain(plan), str(host), hv,
-                                                               python=str(python)).to_dict())
+    return _adapt("layerline_worker_spec", lambda: planned_worker(_plain(plan), str(host), _vars(hvars),
+                                                                  python=str(python)))
+
+
+def layerline_ships_stage(plan, host, hvars):
+    """Whether staging ships this host its own tensors (layerline.spec.ships_stage)."""
+    _need_runtime()
+    return _adapt("layerline_ships_stage", lambda: ships_stage(_plain(plan), str(host), _vars(hvars)))
 
 
 def layerline_argv(plan, host, hvars, python="python3"):
-    return layerline_worker_spec(plan, host, hvars, python)["argv"]
+    _need_runtime()
+    return _adapt("layerline_argv", lambda: list(worker_spec(_plain(plan), str(host), _vars(hvars),
+                                                             python=str(python)).argv))
 
 
 def layerline_host_report(hvars, host, plan=None, host_python=None):
@@ -208,6 +214,6 @@ class FilterModule:
     def filters(self):
         return {f.__name__: f for f in (
             layerline_plan, layerline_check_vars, layerline_settings, layerline_server_host, layerline_home_paths,
-            layerline_worker_spec, layerline_argv, layerline_host_report, layerline_server_spec, layerline_drive_argv,
+            layerline_worker_spec, layerline_ships_stage, layerline_argv, layerline_host_report, layerline_server_spec, layerline_drive_argv,
             layerline_stage_argv, layerline_state_dir, layerline_saved_plan,
             layerline_route, layerline_host_errors, layerline_known_addresses, layerline_peers, layerline_plan_table, layerline_drive_report)}

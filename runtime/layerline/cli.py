@@ -55,20 +55,46 @@ def cmd_demo_checkpoint(a) -> int:
     return 0
 
 
+def _stored_by_type(idx) -> list[tuple[str, int, int]]:
+    """(stored type, tensors, bytes) of an index, most bytes first."""
+    by: dict[str, list[int]] = {}
+    for t in idx.tensors.values():
+        row = by.setdefault(t.stored_type or t.dtype, [0, 0])
+        row[0] += 1
+        row[1] += t.stored_bytes if t.stored_bytes is not None else t.nbytes
+    return sorted(((k, n, b) for k, (n, b) in by.items()), key=lambda r: (-r[2], r[0]))
+
+
 def cmd_index(a) -> int:
     from .checkpoint import open_checkpoint
     from .cost import model_cost
-    idx = open_checkpoint(a.checkpoint).index
+    ck = open_checkpoint(a.checkpoint)
+    idx = ck.index
     cost = model_cost(idx)
+    by_type = _stored_by_type(idx)
+    file_bytes = sum(p.stat().st_size for p in ck.source_files())
     if a.json:
         print(json.dumps({"path": idx.path, "num_layers": idx.num_layers, "total_bytes": idx.total_bytes,
+                          "stored_bytes": idx.stored_bytes, "file_bytes": file_bytes,
+                          "stored_by_type": {k: {"tensors": n, "bytes": b} for k, n, b in by_type},
                           "tensors": len(idx.tensors), "cost": cost.to_dict()}))
         return 0
-    print(f"{idx.path}: {idx.num_layers} layers, {len(idx.tensors)} tensors, {idx.total_bytes / 2**20:.1f} MiB "
-          f"stored as {cost.stored_precision}")
+    mib = 2**20
+    if cost.stored_precision == "gguf":  # quantized blocks: planned and staged as the file stores them
+        print(f"{idx.path}: {idx.num_layers} layers, {len(idx.tensors)} tensors, {idx.stored_bytes / mib:.1f} MiB "
+              f"stored in the file's own blocks (precision gguf)")
+    else:
+        print(f"{idx.path}: {idx.num_layers} layers, {len(idx.tensors)} tensors, {idx.total_bytes / mib:.1f} MiB "
+              f"stored as {cost.stored_precision}")
+    width = max(len(k) for k, _n, _b in by_type)
+    for k, n, b in by_type:
+        print(f"  {k:<{width}}  {n:>4} tensor{'' if n == 1 else 's'}  {b / mib:8.1f} MiB")
+    print(f"  tensor bytes {idx.stored_bytes / mib:.1f} MiB of {file_bytes / mib:.1f} MiB in the file(s) "
+          f"({100 * idx.stored_bytes / max(file_bytes, 1):.1f}%; the rest: headers, metadata, tokenizer)")
     print(f"  embedding {cost.embed_params:,} params, head {cost.head_params:,} params"
           f"{' (tied)' if cost.tied_embeddings else ''}")
-    print(f"  per layer: dense {cost.dense_params[0]:,} params, experts {cost.expert_params[0]:,}, "
+    k = next((i for i, p in enumerate(cost.dense_params) if p), 0)  # a stage's first layer may not be 0
+    print(f"  per layer (layer {k}): dense {cost.dense_params[k]:,} params, experts {cost.expert_params[k]:,}, "
           f"KV width {cost.kv_width} elements/token")
     return 0
 
@@ -166,8 +192,8 @@ def _prompts(a) -> tuple[list[list[int]], object | None]:
     if chats:
         from .server.chat import TextSide
         side = TextSide.load(a.checkpoint)
-        if side.template is None:  # no chat template: the turn goes in as plain text
-            return [side.encode(t) for t in chats], side.tokenizer
+        if side.template is None:  # no chat template (a base model): the turn goes in as a plain prompt
+            return [side.encode(t, add_special_tokens=True) for t in chats], side.tokenizer
         return [side.chat_ids([{"role": "user", "content": t}]) for t in chats], side.tokenizer
     if a.prompt:
         from .checkpoint import open_checkpoint
@@ -220,8 +246,12 @@ def _check_generate(a, prompts: list[list[int]]) -> None:
         raise LayerlineError(f"--max-new-tokens {a.max_new_tokens}: must be 0 or more")
     if a.threads is not None and a.threads < 1:
         raise LayerlineError(f"--threads {a.threads}: must be at least 1")
+    ck = open_checkpoint(a.checkpoint)
+    if a.precision is None:  # what a deploy of this file plans at: the precision it is stored at
+        from .cost import model_cost
+        a.precision = model_cost(ck.index).stored_precision
     precision(a.precision)
-    vocab = open_checkpoint(a.checkpoint).config.get("vocab_size")
+    vocab = ck.config.get("vocab_size")
     for p in prompts:
         bad = [t for t in p if not 0 <= t < (vocab or 1 << 62)]
         if bad:
@@ -369,7 +399,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens")
-    g.add_argument("--precision", default="bf16")
+    g.add_argument("--precision", default=None,
+                   help="default: the precision a deploy of the file picks, the one it is stored at "
+                        "(gguf for a quantized GGUF: its own blocks)")
     g.add_argument("--threads", type=int, default=None)
     g.add_argument("--policy", default="uniform", choices=["auto", "ram_balanced", "uniform"],
                    help="how the planner splits the layers over the local stages")

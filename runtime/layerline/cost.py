@@ -20,6 +20,8 @@ from .precision import precision as precision_row
 PRECISION_BYTES = {name: p.weight_bytes for name, p in PRECISIONS.items()}
 KV_DTYPE_BYTES = {name: kv_bytes(name) for name in KV_NAMES}
 STORED_PRECISION = {"F32": "fp32", "BF16": "bf16", "F16": "fp16", "I8": "int8"}
+# GGUF block types held as plain floats; any other (Q4_K, Q8_0, ...) makes a file "gguf": run at its own bits
+GGUF_FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
 EXPERT_RE = re.compile(r"\.(?:block_sparse_moe|mlp)\.experts\.\d+\.|\.ffn_(?:gate|up|down)_exps\.")
 OBJECTIVES = ("throughput", "latency", "memory")
 
@@ -43,6 +45,11 @@ class ModelCost:
     hidden_size: int = 0
     vocab_size: int = 0
     tied_embeddings: bool = False
+    # the bytes the checkpoint stores (a GGUF: its blocks), what precision "gguf" costs; an HF dir: as stored
+    stored_dense_bytes: list[int] = field(default_factory=list)   # per layer, non-expert tensors (norms too)
+    stored_expert_bytes: list[int] = field(default_factory=list)  # per layer, routed experts
+    stored_embed_bytes: int = 0
+    stored_head_bytes: int = 0       # final norm + lm_head (nothing extra when tied)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -136,41 +143,52 @@ def model_cost(index: CheckpointIndex) -> ModelCost:
     if n == 0:
         raise CostError(f"{index.path}: no layer tensors found (expected names like model.layers.N.*)")
     dense, expert, rows = [0] * n, [0] * n, [0] * n
-    embed = head = 0
+    sdense, sexpert = [0] * n, [0] * n
+    embed = head = sembed = shead = 0
     stored = None
+    blocks = False  # a GGUF whose matrices are (some of them) quantized blocks
     kv_width = None
+    first = min(t.layer for t in index.tensors.values() if t.layer is not None)  # 0 but in a stage's own index
     for t in index.tensors.values():
         params = t.nbytes // DTYPE_BYTES[t.dtype]
+        sbytes = t.stored_bytes if t.stored_bytes is not None else t.nbytes
         if t.dtype in STORED_PRECISION and len(t.shape) >= 2:
             stored = stored or STORED_PRECISION[t.dtype]
+        if "gguf" in cfg and len(t.shape) >= 2 and t.stored_type not in (None, *GGUF_FLOAT_TYPES):
+            blocks = True
         layer = t.layer
         if layer is None:
             if "embed_tokens" in t.name or t.name.startswith(("tok_embeddings", "token_embd")):
                 embed += params
+                sembed += sbytes
             else:  # final norm, lm_head, output
                 head += params
+                shead += sbytes
             continue
         if EXPERT_RE.search(t.name):
             expert[layer] += params
+            sexpert[layer] += sbytes
         else:
             dense[layer] += params
+            sdense[layer] += sbytes
         if len(t.shape) == 2:
             rows[layer] += t.shape[0]
-        if layer == 0 and re.search(r"\.(k_proj|v_proj)\.weight$", t.name):
+        if layer == first and re.search(r"\.(k_proj|v_proj)\.weight$", t.name):
             kv_width = (kv_width or 0) + t.shape[0]
-        elif layer == 0 and t.name.endswith(".qkv_proj.weight"):  # fused (Phi-3): K and V are the rows after Q
+        elif layer == first and t.name.endswith(".qkv_proj.weight"):  # fused (Phi-3): K and V are the rows after Q
             heads = int(cfg.get("num_attention_heads") or 0)
             q_rows = heads * int(cfg.get("head_dim") or (int(cfg.get("hidden_size") or 0) // max(heads, 1)))
             kv_width = t.shape[0] - q_rows if 0 < q_rows < t.shape[0] else None
     tied = bool(cfg.get("tie_word_embeddings")) or not any(
         "lm_head" in name or name.startswith("output.") for name in index.tensors)
     return ModelCost(
-        num_layers=n, stored_precision=stored or "fp32", dense_params=dense, expert_params=expert,
-        rows=rows, embed_params=embed, head_params=head,
+        num_layers=n, stored_precision="gguf" if blocks else (stored or "fp32"), dense_params=dense,
+        expert_params=expert, rows=rows, embed_params=embed, head_params=head,
         num_experts=int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0),
         experts_per_token=int(cfg.get("num_experts_per_tok") or 0),
         kv_width=kv_width, hidden_size=int(cfg.get("hidden_size") or 0),
-        vocab_size=int(cfg.get("vocab_size") or 0), tied_embeddings=tied)
+        vocab_size=int(cfg.get("vocab_size") or 0), tied_embeddings=tied,
+        stored_dense_bytes=sdense, stored_expert_bytes=sexpert, stored_embed_bytes=sembed, stored_head_bytes=shead)
 
 
 def kv_profile(cost: ModelCost, opts: CostOptions, precision: str) -> KvProfile:
@@ -189,27 +207,66 @@ def kv_profile(cost: ModelCost, opts: CostOptions, precision: str) -> KvProfile:
                     "layerline_objective.kv_bytes_per_layer_token, or on_unknown_kv: assume | ignore")
 
 
+def _stored(cost: ModelCost, precision: str) -> bool:
+    """Whether `precision` costs the checkpoint's stored bytes (gguf); CostError when the cost lacks them."""
+    if not PRECISIONS[precision].stored:
+        return False
+    if len(cost.stored_dense_bytes) != cost.num_layers or len(cost.stored_expert_bytes) != cost.num_layers:
+        raise CostError(f"model cost: has no stored bytes per layer, which precision {precision} is costed by; "
+                        "regenerate it with `layerline index CKPT --json`")
+    return True
+
+
 def weight_bytes(cost: ModelCost, layer: int, precision: str, experts: bool = True) -> int:
+    """A layer's weight bytes at `precision` (gguf: the bytes its file stores, norms included)."""
+    if _stored(cost, precision):
+        return cost.stored_dense_bytes[layer] + (cost.stored_expert_bytes[layer] if experts else 0)
     p = cost.dense_params[layer] + (cost.expert_params[layer] if experts else 0)
     extra = cost.rows[layer] * PRECISIONS[precision].row_bytes
     return int(p * PRECISION_BYTES[precision]) + extra
 
 
+def read_bytes(cost: ModelCost, layer: int, precision: str) -> tuple[float, float]:
+    """Weight bytes one decode step reads in a layer: (dense, the active experts' share of theirs)."""
+    if _stored(cost, precision):
+        dense, experts = float(cost.stored_dense_bytes[layer]), float(cost.stored_expert_bytes[layer])
+    else:
+        per = PRECISION_BYTES[precision]
+        dense, experts = cost.dense_params[layer] * per, cost.expert_params[layer] * per
+    if experts and cost.num_experts:
+        experts = experts * cost.experts_per_token / cost.num_experts
+    return dense, experts
+
+
 def edge_param_bytes(precision: str) -> float:
-    """Bytes per parameter of the embedding and LM head (int4 holds them at int8)."""
+    """Bytes per parameter of the embedding and LM head (int4 holds them at int8; gguf: see edge_bytes)."""
     return PRECISION_BYTES[PRECISIONS[precision].edge_precision]
 
 
-def edge_bytes(cost: ModelCost, precision: str, first: bool, last: bool) -> int:
+def _edges(cost: ModelCost, precision: str) -> tuple[float, float]:
+    """(embedding bytes, final norm + head bytes) at `precision`."""
+    if _stored(cost, precision):
+        return float(cost.stored_embed_bytes), float(cost.stored_head_bytes)
     per = edge_param_bytes(precision)
-    b = 0
+    return cost.embed_params * per, cost.head_params * per
+
+
+def edge_bytes(cost: ModelCost, precision: str, first: bool, last: bool) -> int:
+    embed, head = _edges(cost, precision)
+    b = 0.0
     if first:
-        b += cost.embed_params * per
+        b += embed
     if last:
-        b += cost.head_params * per
+        b += head
         if cost.tied_embeddings and not first:
-            b += cost.embed_params * per  # the head is the embedding
+            b += embed  # the head is the embedding
     return int(b)
+
+
+def head_read_bytes(cost: ModelCost, precision: str) -> float:
+    """Weight bytes the last stage's head reads a step: final norm and LM head (the embedding when tied)."""
+    embed, head = _edges(cost, precision)
+    return head + (embed if cost.tied_embeddings else 0.0)
 
 
 def edge_flops(cost: ModelCost, last: bool) -> float:

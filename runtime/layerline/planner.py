@@ -20,10 +20,11 @@ import math
 from dataclasses import dataclass, field
 
 from .caps import CapsError, NodeCaps
-from .cost import (PRECISION_BYTES, CostOptions, KvProfile, ModelCost, edge_bytes, edge_flops, edge_param_bytes,
-                   factor_for, kv_profile, usable_factor, weight_bytes)
+from .cost import (PRECISION_BYTES, CostOptions, KvProfile, ModelCost, edge_bytes, edge_flops, factor_for,
+                   head_read_bytes, kv_profile, read_bytes, usable_factor, weight_bytes)
 from .errors import LayerlineError
 from .model import COMPILE_MODES  # how a worker runs its step: the model's to say
+from .precision import PRECISIONS
 
 POLICIES = ("auto", "ram_balanced", "uniform", "manual")
 ROLES = ("active", "standby", "draining")
@@ -194,14 +195,16 @@ class _Table:
 
     def __post_init__(self):
         c, p = self.cost, self.precision
-        self.wsum, self.fsum, self.dsum, self.esum = [0], [0.0], [0], [0.0]
+        self.wsum, self.fsum, self.dsum, self.esum, self.rsum = [0], [0.0], [0], [0.0], [0.0]
         for i in range(c.num_layers):
             self.wsum.append(self.wsum[-1] + weight_bytes(c, i, p))
             self.dsum.append(self.dsum[-1] + weight_bytes(c, i, p, experts=False))
             # FLOPs per token: dense + the active experts' share
             self.fsum.append(self.fsum[-1] + 2.0 * c.active_params(i))
             # expert bytes one token reads
-            self.esum.append(self.esum[-1] + (c.active_params(i) - c.dense_params[i]) * PRECISION_BYTES[p])
+            dense, experts = read_bytes(c, i, p)
+            self.esum.append(self.esum[-1] + experts)
+            self.rsum.append(self.rsum[-1] + dense + experts)
         # a paged stage keeps at least one layer's active experts resident
         self.min_cache = max((self.esum[i + 1] - self.esum[i] for i in range(c.num_layers)), default=0.0)
 
@@ -241,12 +244,9 @@ class _Table:
         L = self.cost.num_layers
         flops = (self.fsum[b] - self.fsum[a] + edge_flops(self.cost, b == L)) * batch
         # decode reads each weight once per step: dense bytes + the active experts' bytes
-        read = (self.fsum[b] - self.fsum[a]) / 2.0 * PRECISION_BYTES[self.precision]
+        read = self.rsum[b] - self.rsum[a]
         if b == L:
-            edge = edge_param_bytes(self.precision)
-            read += self.cost.head_params * edge
-            if self.cost.tied_embeddings:
-                read += self.cost.embed_params * edge
+            read += head_read_bytes(self.cost, self.precision)
         # each layer's fixed cost (its ops, norms, attention) on top of the bytes it streams
         model = max(flops / node.flops, read / node.mem_bw) + (b - a) * node.layer_s
         return model * node.factor(self.precision) + self.disk_time(node, a, b) * batch
@@ -762,7 +762,9 @@ def plan_table(plan: Plan | dict) -> str:
     line = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
     kv = plan.kv
     out = [line(head), line(["-" * w for w in widths])] + [line(r) for r in rows]
-    out.append(f"precision {plan.precision}, objective {plan.objective}, policy {plan.policy}, "
+    row = PRECISIONS.get(plan.precision)
+    stored = " (weights: the file's own blocks)" if row is not None and row.stored else ""
+    out.append(f"precision {plan.precision}{stored}, objective {plan.objective}, policy {plan.policy}, "
                f"KV {kv.dtype} x {kv.context} tokens ({kv.bytes_per_token} B/token/layer)")
     out.append(f"predicted token time {_secs(plan.predicted_token_s)}, bottleneck {_secs(plan.bottleneck_s)}, "
                f"hop {_secs(plan.hop_s)} ({plan.hop_source})")

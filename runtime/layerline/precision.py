@@ -9,7 +9,7 @@ torch when a caller actually wants a dtype object.
     fp16   float16    2                    no          fp16
     int8   bfloat16   1 (+ 4 per row)      yes         bf16   (weight-only: activations and KV stay bf16)
     int4   bfloat16   0.625                yes         bf16   (weight-only; embedding and LM head at int8)
-    gguf   float32    as the file stores   yes         fp16   (each matrix in its GGUF file's own blocks)
+    gguf   float32    as the file stores   yes         fp32   (each matrix in its GGUF file's own blocks)
 
 int8 carries one float32 scale per output row of every matrix (`row_bytes`, `QUANT_ROW_BYTES`).
 int4 holds two weights a byte plus a bf16 scale and a bf16 zero per group of `INT4_GROUP` (32)
@@ -17,7 +17,11 @@ weights along the input dimension: 0.5 + 4/32 = 0.625 bytes a weight, nothing pe
 embedding and LM head stay int8 (`edge`): a lookup wants whole rows, and the head is the layer
 most sensitive to rounding. gguf holds every matrix in the blocks its GGUF file stores (Q4_K, Q6_K,
 Q8_0, ...; `stored`), run by ggml's kernels as llama.cpp runs them, so its bytes are the file's
-(the cost model reads them from the index, not from `weight_bytes`). The KV cache is held in one of `KV_DTYPES` (a plan's `kv_dtype`, the worker's
+(the cost model reads them from the index, not from `weight_bytes`). Its activations are float32, as
+llama.cpp's CPU backend keeps them (ggml's kernels take and give float32; bf16 activations decoded no
+faster, only adding casts), and so is its KV cache by default: the decode attention kernel wants the
+cache in the activations' dtype, and an fp16 cache (llama.cpp's) decoded 13-20% slower at 128 tokens
+of context, by casting the cache each step. The KV cache is held in one of `KV_DTYPES` (a plan's `kv_dtype`, the worker's
 `--kv-dtype`); without one it follows its precision's `kv` column.
 """
 from __future__ import annotations
@@ -51,7 +55,7 @@ PRECISIONS: dict[str, Precision] = {p.name: p for p in (
     Precision("fp16", "float16", 2.0, False, "fp16"),
     Precision("int8", "bfloat16", 1.0, True, "bf16", row_bytes=4),  # weight-only: its KV cache is bf16
     Precision("int4", "bfloat16", 0.5 + 4 / INT4_GROUP, True, "bf16", edge="int8"),
-    Precision("gguf", "float32", 0.0, True, "fp16", stored=True),
+    Precision("gguf", "float32", 0.0, True, "fp32", stored=True),
 )}
 QUANT_ROW_BYTES = 4  # int8's float32 scale per output row
 

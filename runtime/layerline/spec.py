@@ -40,6 +40,21 @@ class WorkerSpec:
         return asdict(self) | {"argv": list(self.argv)}
 
 
+def planned_worker(plan: Plan | dict, host: str, hvars: SettingsLike, python: str = "python3") -> dict:
+    """What the worker role reads: {"planned": False} for a host the plan holds no stage on (its worker
+    is stopped), else the host's WorkerSpec as a dict with "planned": True."""
+    plan = Plan.from_dict(plan)
+    if plan.stage(host) is None:
+        return {"planned": False}
+    return worker_spec(plan, host, hvars, python).to_dict() | {"planned": True}
+
+
+def ships_stage(plan: Plan | dict, host: str, hvars: SettingsLike) -> bool:
+    """Whether staging ships this host its own tensors: it runs a stage of the plan and does not share
+    the controller's checkpoint path (its worker then opens HostSettings.worker_checkpoint's staged dir)."""
+    return not HostSettings.of(host, hvars).checkpoint_shared and Plan.from_dict(plan).stage(host) is not None
+
+
 def worker_spec(plan: Plan | dict, host: str, hvars: SettingsLike, python: str = "python3") -> WorkerSpec:
     """This host's worker launch, from its stage of the plan (looked up by host name)."""
     plan = Plan.from_dict(plan)
@@ -231,9 +246,10 @@ def server_spec(hvars: SettingsLike, python: str = "python3", host: str = "contr
     argv += ["--restart-wait", _num(hs.serve_restart_wait), "--health-deadline", _num(hs.serve_health_deadline)]
     argv += ["--on-stage-lost", hs.serve_on_stage_lost] if hs.serve_on_stage_lost else []
     model = os.path.basename(hs.checkpoint.rstrip("/"))
-    chat = hs.checkpoint.endswith(".gguf")
+    chat = _has_chat_template(hs.checkpoint)
     request = ({"model": model, "messages": [{"role": "user", "content": "Name three colors."}], "max_tokens": 32}
-               if chat else {"model": model, "prompt": [1, 2, 3], "max_tokens": 8})
+               if chat else {"model": model, "prompt": "The capital of France is", "max_tokens": 16}
+               if hs.checkpoint.endswith(".gguf") else {"model": model, "prompt": [1, 2, 3], "max_tokens": 8})
     return ServerSpec(argv=tuple(argv), python=python, state_dir=state, ready_timeout=hs.server_ready_timeout,
                       bind=bind, port=port, url=url, keyed=keyed, api_keys_file=home.api_keys,
                       admin_key_file=home.admin_key,
@@ -242,6 +258,16 @@ def server_spec(hvars: SettingsLike, python: str = "python3", host: str = "contr
                       request=request, request_path=home.request,
                       curl=curl_line(f"{url}/v1/{'chat/completions' if chat else 'completions'}", request,
                                      home.api_keys if keyed else None))
+
+
+def _has_chat_template(checkpoint: str) -> bool:
+    """Whether the example request can be a chat: the checkpoint (on the controller, where the server
+    runs) has a chat template. A base model's GGUF has none: its example is a text completion."""
+    from .checkpoint import CheckpointError, open_checkpoint
+    try:
+        return open_checkpoint(checkpoint).chat_template is not None
+    except (CheckpointError, OSError):
+        return False
 
 
 def curl_line(url: str, body: dict, api_keys_file: str | None = None) -> str:

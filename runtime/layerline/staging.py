@@ -1,14 +1,14 @@
 """Weight staging: a checkpoint dir holding only one stage's tensors, for hosts that do not
 share the model's filesystem.
 
-The stage checkpoint keeps the full config.json (the model's shape is the model's), and one
-`model.safetensors` with the tensors of layers [start, end) plus the embedding on the first
-stage and the final norm and head on the last, written by the source checkpoint itself
-(`Checkpoint.write_stage`: byte ranges of a Hugging Face dir's files, or a GGUF's rows
-dequantized a block at a time, streamed; layerline.checkpoint.stagefile). A manifest records
-where it came from and each file's SHA-1 (what Ansible's copy checks after transfer); a stage
-already made from the same source and range is reused. The controller's memory grows by a
-chunk, not by the stage.
+The stage holds the tensors of layers [start, end) plus the embedding on the first stage and the
+final norm and head on the last, written by the source checkpoint itself (`Checkpoint.write_stage`,
+streamed; layerline.checkpoint.stagefile): from a Hugging Face dir, the full config.json, the text
+files and one `model.safetensors` of byte ranges of its files; from a GGUF file, one `model.gguf`
+of the file's own blocks copied as byte ranges, with all its metadata and the model's config. A
+manifest records where it came from and each file's SHA-1 (what Ansible's copy checks after
+transfer); a stage already made from the same source and range is reused. The controller's
+memory grows by a chunk, not by the stage.
 """
 from __future__ import annotations
 
@@ -51,8 +51,9 @@ def stage_checkpoint(src: str, start: int, end: int, first: bool, last: bool, ou
     ck, dest = open_checkpoint(src), Path(out)
     idx = ck.index
     stamp = [[p.name, p.stat().st_size, int(p.stat().st_mtime)] for p in ck.source_files()]
+    # the stage's format too: a stage written in another format by an older layerline is made again
     want = {"source": str(Path(src).resolve()), "stamp": stamp, "layers": [start, end],
-            "first": first, "last": last}
+            "first": first, "last": last, "format": getattr(ck, "stage_format", "safetensors")}
     man = _reusable(dest, want)
     if man is not None:
         return {**man, "changed": False}
@@ -68,7 +69,8 @@ def stage_checkpoint(src: str, start: int, end: int, first: bool, last: bool, ou
     files = sorted(p.name for p in tmp.iterdir())
     man = {**want, "tensors": len(names),
            "files": {f: {"bytes": (tmp / f).stat().st_size, "sha1": sums.get(f) or _sha1(tmp / f)} for f in files},
-           "bytes": sum((tmp / f).stat().st_size for f in files), "model_bytes": idx.total_bytes}
+           "bytes": sum((tmp / f).stat().st_size for f in files), "model_bytes": idx.total_bytes,
+           "stored_bytes": idx.stored_bytes}
     (tmp / MANIFEST).write_text(json.dumps(man, indent=2))
     if dest.exists():
         shutil.rmtree(dest)

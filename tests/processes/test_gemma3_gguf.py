@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +22,7 @@ transformers = pytest.importorskip("transformers")
 from layerline.checkpoint import open_checkpoint  # noqa: E402
 from layerline.model.llama import ModelArgs  # noqa: E402
 from layerline.server.chat import TextSide  # noqa: E402
+from layerline.spec import server_spec  # noqa: E402
 
 PROMPTS = ["What is the capital of France?", "The three primary colors are", "def fibonacci(n):"]
 TEXTS = PROMPTS + ["  two leading spaces,\ttabs\n\nand blank lines", "Ünïcödé 漢字 🙂 12345.67",
@@ -81,6 +83,14 @@ def test_the_server_encodes_a_completion_prompt_as_transformers_does(gemma, refe
     side = TextSide.load(str(gemma))
     assert [side.encode(t, add_special_tokens=True) for t in TEXTS] == ids
     assert side.encode(TEXTS[0])[0] != 2 and side.encode(TEXTS[0]) == ids[0][1:]
+
+
+def test_a_base_models_example_request_is_a_text_completion(gemma, tmp_path):
+    """Without a chat template (a base model) a chat would be answered with a 400: the printed curl
+    line asks for a completion of text."""
+    s = server_spec({"layerline_home": str(tmp_path), "layerline_checkpoint": str(gemma)}, python="/venv/bin/python")
+    words = shlex.split(s.curl)
+    assert words[2].endswith("/v1/completions") and isinstance(s.request["prompt"], str)
 
 
 def test_gemma3_three_stage_fp32_greedy_equals_transformers(gemma, reference, tmp_path):

@@ -63,7 +63,7 @@ def test_smollm2_index_and_cost_from_header():
     assert idx.tensors["model.layers.0.mlp.down_proj.weight"].shape == (576, 1536)
     assert idx.tensors["model.norm.weight"].stored_type == "F32"
     cost = model_cost(idx)
-    assert cost.num_layers == 30 and cost.stored_precision == "bf16" and cost.tied_embeddings
+    assert cost.num_layers == 30 and cost.stored_precision == "gguf" and cost.tied_embeddings
     assert cost.kv_width == 2 * 3 * 64 and cost.vocab_size == 49152 and cost.hidden_size == 576
     per_layer = 2 * 576 * 576 + 2 * 192 * 576 + 3 * 576 * 1536 + 2 * 576  # q,o + k,v + mlp + norms
     assert cost.dense_params == [per_layer] * 30 and cost.embed_params == 49152 * 576
@@ -73,7 +73,7 @@ def test_cli_index_of_a_gguf(capsys):
     from layerline.cli import main
     assert main(["index", str(SMOL), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["num_layers"] == 30 and out["cost"]["kv_width"] == 384 and out["cost"]["stored_precision"] == "bf16"
+    assert out["num_layers"] == 30 and out["cost"]["kv_width"] == 384 and out["cost"]["stored_precision"] == "gguf"
 
 
 def test_smollm2_tokenizer_and_template_equal_transformers():
@@ -217,23 +217,33 @@ def test_random_gguf_equals_its_safetensors_twin(random_pair):
     assert load_stage(str(path), 2, 4, False, True, precision="int8") is not None
 
 
-def test_random_gguf_stages_as_an_hf_dir(random_pair, tmp_path):
+def test_random_gguf_stages_as_its_own_blocks(random_pair, tmp_path):
     from layerline.staging import stage_checkpoint
     path, same = random_pair
     man = stage_checkpoint(str(path), 2, 4, False, True, str(tmp_path / "st"))
-    assert man["changed"] and (tmp_path / "st" / "config.json").exists()
-    # written a block of rows at a time, the file is save_file's of the stage's tensors at their planned dtypes
+    assert man["changed"] and set(man["files"]) == {"model.gguf"} and not (tmp_path / "st" / "config.json").exists()
+    # the stage's tensors under their GGUF names, types and shapes, each one's bytes the source's own
+    src, st = gguf.GGUFReader(str(path)), gguf.GGUFReader(str(tmp_path / "st" / "model.gguf"))
     from layerline.model.loader import stage_tensor_names
-    from safetensors.torch import save_file
     names = stage_tensor_names(read_index(path), 2, 4, False, True)
-    save_file(dict(open_checkpoint(path).tensors(names, planned=True)),
-              str(tmp_path / "ref.safetensors"), metadata={"format": "pt"})
-    assert (tmp_path / "st" / "model.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
+    have = {t.name: t for t in st.tensors}
+    assert len(have) == len(names) and all(n.startswith(("blk.2.", "blk.3.", "output")) for n in have)
+    for t in src.tensors:
+        if t.name in have:
+            s = have[t.name]
+            assert (s.tensor_type, s.shape.tolist()) == (t.tensor_type, t.shape.tolist())
+            assert bytes(s.data.reshape(-1).view(np.uint8)) == bytes(t.data.reshape(-1).view(np.uint8)), t.name
     assert stage_checkpoint(str(path), 2, 4, False, True, str(tmp_path / "st"))["changed"] is False
+    # a stage an older layerline wrote as a bf16 Hugging Face dir (its manifest names no format) is made again
+    manifest = tmp_path / "st" / "layerline-stage.json"
+    manifest.write_text(json.dumps({k: v for k, v in json.loads(manifest.read_text()).items() if k != "format"}))
+    assert stage_checkpoint(str(path), 2, 4, False, True, str(tmp_path / "st"))["changed"] is True
+    ck = open_checkpoint(tmp_path / "st")
+    assert ck.config == read_config(path) and set(ck.index.tensors) == set(names)
     h = torch.randn(1, 5, 256, generator=torch.Generator().manual_seed(1))
-    want = load_stage(str(same), 2, 4, False, True, precision="fp32")(h)
-    got = load_stage(str(tmp_path / "st"), 2, 4, False, True, precision="fp32")(h)  # Q8_0 tensors staged as bf16
-    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+    want = load_stage(str(path), 2, 4, False, True, precision="fp32")(h)
+    got = load_stage(str(tmp_path / "st"), 2, 4, False, True, precision="fp32")(h)
+    assert torch.equal(got, want)
 
 
 # --- quantized blocks straight to int8 and int4 -------------------------------------------------------

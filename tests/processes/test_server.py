@@ -370,6 +370,25 @@ def test_bad_chat_messages_are_400(server):
     assert "tool messages are not supported" in err["message"]  # the template's raise_exception
 
 
+@pytest.mark.parametrize("field,value", [
+    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]),
+    ("tool_choice", "required"), ("response_format", {"type": "json_object"}), ("logit_bias", {"5": 10}),
+    ("presence_penalty", 0.5), ("frequency_penalty", 1.0), ("top_logprobs", 2)])
+def test_an_openai_field_the_server_would_ignore_is_a_400_naming_it(client, field, value):
+    """Through the official client: never a silently different answer."""
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=2,
+                                       **{field: value})
+    assert e.value.body["param"] == field and e.value.body["code"] == "unsupported_parameter", e.value.body
+
+
+def test_openai_fields_at_values_that_change_nothing_are_accepted(client):
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=2,
+                                       presence_penalty=0, frequency_penalty=0.0, response_format={"type": "text"},
+                                       logit_bias={}, store=False, metadata={"k": "v"}, user="u1")
+    assert r.choices[0].message is not None and r.usage.completion_tokens >= 1
+
+
 def test_prompt_plus_max_tokens_beyond_context_is_400(server):
     err = _error(post(server, "/v1/completions", {"model": MODEL, "prompt": [5] * 100, "max_tokens": 5000}), 400)
     assert "100" in err["message"] and "5000" in err["message"] and "4096" in err["message"]

@@ -284,3 +284,69 @@ def test_step_factor_is_measured_over_the_unfactored_model():
     assert factor_for(factors, "bf16", "off") == 1.0  # not measured
     assert factor_for(factors, "bf16", "max-autotune") == 1.0 and factor_for(factors, "int4", "off") == 1.0
     assert factor_for(None, "bf16", "off") == 1.0 and factor_for([1], "bf16", "off") == 1.0
+
+
+# --- a GGUF at the bytes its file stores -------------------------------------------------------
+
+def _gguf_entry(name: str, shape: tuple[int, ...], stype: str) -> TensorEntry:
+    """A GGUF index entry: planned at BF16 when quantized (as layerline.checkpoint.gguf indexes it),
+    stored as `stype` (Q4_0: 32 weights in 18 bytes; Q8_0: in 34)."""
+    n = math.prod(shape)
+    stored = {"F32": 4 * n, "F16": 2 * n, "Q4_0": n // 32 * 18, "Q8_0": n // 32 * 34}[stype]
+    planned = stype if stype in ("F32", "F16") else "BF16"
+    return TensorEntry(name, planned, tuple(shape), "m.gguf", n * ELT[planned], stored_type=stype,
+                       stored_bytes=stored, offset=0)
+
+
+def _gguf_model(matrix: str, tied: bool = True, layers: int = 2, h: int = 64, v: int = 256,
+                embed: str = "Q8_0") -> CheckpointIndex:
+    entries = [_gguf_entry("model.embed_tokens.weight", (v, h), embed), _gguf_entry("model.norm.weight", (h,), "F32")]
+    if not tied:
+        entries.append(_gguf_entry("lm_head.weight", (v, h), embed))
+    for layer in range(layers):
+        p = f"model.layers.{layer}."
+        entries += [_gguf_entry(p + "input_layernorm.weight", (h,), "F32"),
+                    _gguf_entry(p + "self_attn.k_proj.weight", (32, h), matrix),
+                    _gguf_entry(p + "self_attn.v_proj.weight", (32, h), matrix),
+                    _gguf_entry(p + "mlp.up_proj.weight", (128, h), matrix)]
+    cfg = {"hidden_size": h, "vocab_size": v, "tie_word_embeddings": tied, "gguf": {"file": "m.gguf"}}
+    return _index(entries, cfg)
+
+
+def test_a_quantized_gguf_costs_its_stored_bytes():
+    from layerline.cost import edge_bytes, head_read_bytes, read_bytes, weight_bytes
+    h, v = 64, 256
+    idx = _gguf_model("Q4_0")
+    mc = model_cost(idx)
+    assert mc.stored_precision == "gguf"
+    layer = 4 * h + (32 + 32 + 128) * h // 32 * 18  # the F32 norm and three Q4_0 matrices
+    assert [weight_bytes(mc, i, "gguf") for i in range(2)] == mc.stored_dense_bytes == [layer, layer]
+    assert read_bytes(mc, 0, "gguf") == (layer, 0)
+    embed, norm = v * h // 32 * 34, 4 * h
+    assert edge_bytes(mc, "gguf", True, False) == embed
+    assert edge_bytes(mc, "gguf", False, True) == norm + embed  # the tied head is the embedding
+    assert edge_bytes(mc, "gguf", True, True) == embed + norm  # counted once on a stage holding both
+    assert head_read_bytes(mc, "gguf") == norm + embed
+    whole = sum(weight_bytes(mc, i, "gguf") for i in range(2)) + edge_bytes(mc, "gguf", True, True)
+    assert whole == idx.stored_bytes
+    # the other precisions keep their bytes per parameter
+    assert weight_bytes(mc, 0, "bf16") == 2 * mc.dense_params[0]
+    assert edge_bytes(mc, "int4", True, False) == mc.embed_params  # int4's embedding at int8
+    untied = model_cost(_gguf_model("Q4_0", tied=False))
+    assert edge_bytes(untied, "gguf", False, True) == norm + embed and not untied.tied_embeddings
+    # a round trip keeps the stored bytes
+    assert ModelCost.from_dict(json.loads(json.dumps(mc.to_dict()))) == mc
+
+
+def test_a_float_gguf_keeps_its_float_precision_and_old_costs_say_regenerate():
+    from layerline.cost import weight_bytes
+    assert model_cost(_gguf_model("F16", embed="F16")).stored_precision == "fp16"
+    assert model_cost(_gguf_model("F16")).stored_precision == "gguf"  # a Q8_0 embedding is a quantized matrix
+    old = model_cost(_gguf_model("Q4_0")).to_dict()
+    for k in ("stored_dense_bytes", "stored_expert_bytes", "stored_embed_bytes", "stored_head_bytes"):
+        old.pop(k)
+    mc = ModelCost.from_dict(old)
+    assert weight_bytes(mc, 0, "bf16") == 2 * mc.dense_params[0]
+    with pytest.raises(CostError, match="regenerate it with `layerline index CKPT --json`"):
+        weight_bytes(mc, 0, "gguf")
+

@@ -1,7 +1,7 @@
 """open_checkpoint: one object for a Hugging Face dir and for a GGUF file. The same model written
 both ways (float32, so the GGUF holds the very values; Q and K rows permuted as llama.cpp does,
 a byte-level BPE vocabulary and a chat template in its metadata) opens to the same config,
-index names, tensors, tokenizer, chat template and stop tokens, and stages to the same bytes;
+index names, tensors, tokenizer, chat template and stop tokens, and stages to the same tensors;
 a path that is neither is one clear error."""
 from __future__ import annotations
 
@@ -174,23 +174,26 @@ def test_same_tokenizer_template_and_stop_tokens(pair):
     assert hf.special_tokens["eos_ids"] == gg.special_tokens["eos_ids"] == [2]
 
 
-def test_both_stage_to_the_same_bytes(pair, tmp_path):
-    """A float32 GGUF plans at float32, so its stage file is the HF dir's byte for byte; the GGUF's
-    stage also carries its config and text side as files, and opens as a Hugging Face dir."""
+def test_both_stage_to_the_same_tensors(pair, tmp_path):
+    """An HF dir stages as an HF dir, a GGUF as a GGUF file of its own bytes with all its metadata (the
+    config and text side inside it); both open again with the same tensors, config and tokenizer."""
     hf, gg = pair
     names = stage_tensor_names(hf.index, 1, 3, False, True)
-    sums = {}
     for ck in (hf, gg):
         out = tmp_path / type(ck).__name__
         out.mkdir()
-        sums[out.name] = ck.write_stage(names, out)
+        ck.write_stage(names, out)
     a, b = tmp_path / "HFCheckpoint", tmp_path / "GGUFCheckpoint"
-    assert sums["HFCheckpoint"] == sums["GGUFCheckpoint"]
-    assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
-    staged = open_checkpoint(b)
-    assert isinstance(staged, HFCheckpoint) and staged.chat_template == TEMPLATE
-    assert staged.tokenizer.encode(TEXTS[0]).ids == hf.tokenizer.encode(TEXTS[0]).ids
-    assert _args(staged.config) == _args(hf.config)
+    assert sorted(p.name for p in b.iterdir()) == ["model.gguf"]
+    staged = {"hf": open_checkpoint(a, check=False), "gguf": open_checkpoint(b)}
+    assert isinstance(staged["hf"], HFCheckpoint) and isinstance(staged["gguf"], GGUFCheckpoint)
+    assert staged["gguf"].config == gg.config and set(staged["gguf"].index.tensors) == set(names)
+    want = dict(hf.tensors(names))
+    for ck in staged.values():
+        assert ck.chat_template == TEMPLATE and _args(ck.config) == _args(hf.config)
+        assert ck.tokenizer.encode(TEXTS[0]).ids == hf.tokenizer.encode(TEXTS[0]).ids
+        for name, t in ck.tensors(names):
+            assert torch.equal(t, want[name]), name
 
 
 def test_a_dir_without_text_files_has_no_tokenizer(tmp_path):

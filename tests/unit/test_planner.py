@@ -777,3 +777,40 @@ def test_each_layer_adds_the_probed_fixed_cost_and_the_head_streams_at_its_bytes
                              spec("c", BIG, layers=(L - 1, L), precision=prec)], mc, opts, "manual"))
         # the last stage less the same layer alone (not last): what the head adds
         assert close(st[1]["predicted_s"] - base[1]["predicted_s"], head_only * per / 1e11), prec
+
+
+def test_a_quantized_gguf_plans_at_its_stored_bytes():
+    """Precision gguf (a quantized GGUF's default): each stage weighs and streams what its file stores."""
+    from layerline.checkpoint import CheckpointIndex, TensorEntry
+    from layerline.cost import head_read_bytes, model_cost
+    h, v, L = 256, 1024, 4
+
+    def e(name, shape, stype):
+        n = math.prod(shape)
+        stored = 4 * n if stype == "F32" else n // 32 * 18  # Q4_0: 32 weights in 18 bytes
+        return TensorEntry(name, "F32" if stype == "F32" else "BF16", shape, "m.gguf",
+                           n * (4 if stype == "F32" else 2), stored_type=stype, stored_bytes=stored, offset=0)
+    entries = [e("model.embed_tokens.weight", (v, h), "Q4_0"), e("model.norm.weight", (h,), "F32")]
+    for i in range(L):
+        entries += [e(f"model.layers.{i}.input_layernorm.weight", (h,), "F32"),
+                    e(f"model.layers.{i}.self_attn.k_proj.weight", (64, h), "Q4_0"),
+                    e(f"model.layers.{i}.self_attn.v_proj.weight", (64, h), "Q4_0"),
+                    e(f"model.layers.{i}.mlp.up_proj.weight", (4 * h, h), "Q4_0")]
+    idx = CheckpointIndex("/synthetic.gguf", {"hidden_size": h, "vocab_size": v, "tie_word_embeddings": True,
+                                              "gguf": {"file": "m.gguf"}}, {x.name: x for x in entries})
+    mc = model_cost(idx)
+    opts = CostOptions(context=64)
+    p = plan([spec("a", 2**30, bw=1e9)], mc, opts)
+    assert p["precision"] == "gguf"
+    (st,) = actives(p)
+    assert st["weight_bytes"] == idx.stored_bytes  # the tied embedding once
+    # decode streams the stored layers and the stored head (the tied embedding), not bf16's bytes
+    read = sum(mc.stored_dense_bytes) + head_read_bytes(mc, "gguf")
+    assert st["predicted_s"] >= read / 1e9 and read < idx.total_bytes / 3
+    table = plan_table(p)
+    assert "precision gguf (weights: the file's own blocks)" in table and " gguf " in table
+    # the ladder may still go lower; a host may pin gguf on a ladder that names other rungs
+    low = plan([spec("a", 2**30)], mc, CostOptions(context=64, precision_ladder=["int4"]))
+    assert low["precision"] == "int4" and actives(low)[0]["weight_bytes"] > 0
+    pinned = plan([spec("a", 2**30, precision="gguf")], mc, CostOptions(context=64, precision_ladder=["bf16"]))
+    assert actives(pinned)[0]["precision"] == "gguf" and actives(pinned)[0]["weight_bytes"] == idx.stored_bytes

@@ -27,6 +27,8 @@ def test_the_table():
         "int4": ("bfloat16", 0.625, True, "bf16", 0, "int8")}
     # gguf: the file's own blocks, whose bytes the cost model takes from the index
     assert [n for n, p in t.items() if p.stored] == ["gguf"] and t["gguf"].quantized
+    # computed in float32 as llama.cpp does; its KV cache in the activations' dtype (the decode kernel's)
+    assert (t["gguf"].compute, t["gguf"].kv) == ("float32", "fp32")
     assert cost.PRECISION_BYTES == {n: p.weight_bytes for n, p in t.items()}
     assert cost.KV_DTYPE_BYTES == {"fp32": 4, "bf16": 2, "fp16": 2, "float32": 4, "bfloat16": 2, "float16": 2}
     assert COMPILE_MODES == ("off", "default", "max-autotune") and not hasattr(cost, "COMPILE_MODES")

@@ -192,7 +192,8 @@ def test_the_controllers_home_keeps_its_files_atomically(tmp_path):
 
 
 def _server(tmp_path, **hvars):
-    return server_spec({"layerline_home": str(tmp_path), "layerline_checkpoint": "/m/SmolLM2.Q4_1.gguf", **hvars},
+    from layerline.cli import packaged_smollm2  # a chat model: its example request is a chat
+    return server_spec({"layerline_home": str(tmp_path), "layerline_checkpoint": packaged_smollm2(), **hvars},
                        python="/venv/bin/python")
 
 

@@ -1,12 +1,14 @@
 """Checkpoints, opened in one place: `open_checkpoint(path)` decides the format once and returns a
 `Checkpoint` with `config`, `index`, `tensors(names)`, `tokenizer`, `chat_template`,
-`special_tokens` and `write_stage` (what weight staging ships). Nothing else asks which format a
+`special_tokens` and `write_stage` (what weight staging ships: an HF dir's stage as an HF dir, a
+GGUF file's stage as a GGUF file of its own blocks). Nothing else asks which format a
 path is.
 
 - hf: a Hugging Face model dir (config.json + *.safetensors, sharded or not).
 - gguf: a .gguf file (llama.cpp's format), read with the `gguf` package.
 - demo: deterministic random-init demo checkpoints (Hugging Face layout).
-- stagefile: a stage's safetensors file written from index entries, streamed.
+- stagefile: a stage's file written from index entries, streamed: safetensors (an HF source) or
+  GGUF (a GGUF source's own blocks, copied as byte ranges).
 A new format is a module here with a `Checkpoint` subclass and a branch in `open_checkpoint`; the
 text side of every format lives in layerline.text.
 """
@@ -24,11 +26,16 @@ from .hf import MAX_HEADER_BYTES, HFCheckpoint, check_index, read_safetensors_he
 
 
 def open_checkpoint(path: str | os.PathLike, *, check: bool = True) -> Checkpoint:
-    """The checkpoint at `path`: a Hugging Face model dir or a GGUF file (known by its magic bytes).
+    """The checkpoint at `path`: a Hugging Face model dir, a GGUF file (known by its magic bytes), or a
+    dir without config.json holding one GGUF file (a staged GGUF stage).
     Nothing is read beyond that until asked for. check (a dir): its index also refuses files cut
     short and a config that disagrees with the weights."""
     p = Path(path)
     if p.is_dir():
+        if not (p / "config.json").exists():  # a staged GGUF stage: its one .gguf file
+            ggufs = sorted(f for f in p.glob("*.gguf") if f.is_file())
+            if len(ggufs) == 1 and has_gguf_magic(ggufs[0]):
+                return GGUFCheckpoint(ggufs[0])
         return HFCheckpoint(p, check)
     if p.is_file():
         if has_gguf_magic(p):

@@ -26,6 +26,8 @@ LAYER_RE = re.compile(r"^(?:model\.layers|blk|transformer\.h|model\.decoder\.lay
 STAGE_MANIFEST = "layerline-stage.json"
 # the families layerline's model code runs (config.json model_type)
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "gemma2", "gemma3_text", "phi3")
+# GGUF block types a matrix may be held and run in as stored (model.gguf_blocks.BLOCK_TYPES's names)
+STORED_BLOCK_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 ROW_CHUNK_BYTES = 8 * 2**20  # float32 bytes decoded at a time when a matrix is read a block of rows at a time
 
 
@@ -145,6 +147,12 @@ class Checkpoint(ABC):
         `name` as 4-bit codes in groups of 32 (weight = code * scale + offset), else None."""
         return None
 
+    def stored_blocks(self, name: str) -> tuple["torch.Tensor", str] | None:
+        """(uint8 [N, row_bytes] of the file's own quantized blocks, rows in Hugging Face order; the
+        block type's name, e.g. "Q4_K") when matrix `name` is stored in one of `STORED_BLOCK_TYPES`,
+        else None (a float tensor, another format, a block type without kernels here)."""
+        return None
+
     # --- staging -----------------------------------------------------------------------------------
 
     @abstractmethod
@@ -190,5 +198,5 @@ class Checkpoint(ABC):
         return tok
 
 
-__all__ = ["DTYPE_BYTES", "LAYER_RE", "STAGE_MANIFEST", "SUPPORTED_MODEL_TYPES", "ROW_CHUNK_BYTES",
+__all__ = ["DTYPE_BYTES", "LAYER_RE", "STAGE_MANIFEST", "SUPPORTED_MODEL_TYPES", "ROW_CHUNK_BYTES", "STORED_BLOCK_TYPES",
            "TensorEntry", "CheckpointIndex", "Checkpoint", "CheckpointError"]

@@ -6,11 +6,13 @@ Everything is expressed in the Hugging Face vocabulary the rest of layerline spe
   read). Tensors are keyed by their HF names (`blk.3.attn_q.weight` ->
   `model.layers.3.self_attn.q_proj.weight`) with torch-order shapes (GGUF stores dimensions
   innermost first, ne0 = columns, so they are reversed). Each entry's `dtype` is the precision
-  the tensor is *planned* at once dequantized, and `nbytes` its size at that precision: F32 ->
-  F32, F16 -> F16, BF16 -> BF16, every quantized type (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K, ...) -> BF16.
-  So a quantized file costs and plans as bf16. The block type, stored bytes and byte range are
-  in `stored_type` / `stored_bytes` / `offset`.
-- The config: a config.json-style dict from the `<arch>.*` metadata keys.
+  the tensor is dequantized to, and `nbytes` its size at that dtype: F32 -> F32, F16 -> F16,
+  BF16 -> BF16, every quantized type (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K, ...) -> BF16. The block type,
+  stored bytes and byte range are in `stored_type` / `stored_bytes` / `offset`; a file with
+  quantized matrices costs and plans at precision gguf, from the stored bytes (layerline.cost).
+- The config: a config.json-style dict from the `<arch>.*` metadata keys (a stage file: the whole
+  model's, kept as JSON under `STAGE_CONFIG_KEY`).
+- `write_stage`: a GGUF stage file of this file's metadata and the stage's tensors' own bytes.
 - Tensors are dequantized with `gguf.quants.dequantize`. llama.cpp's converter permutes the rows
   of Q and K (per head, interleaving the two rotary halves for its RoPE); the inverse permutation
   is applied here, so the weights come back in HF's rotate_half layout.
@@ -29,6 +31,7 @@ dequantize it (or a reader here).
 """
 from __future__ import annotations
 
+import json
 import math
 import re
 from functools import cached_property, lru_cache
@@ -38,9 +41,12 @@ from typing import Any, Iterable, Iterator
 from .. import text
 from ..errors import CheckpointError
 from .base import ROW_CHUNK_BYTES, Checkpoint, CheckpointIndex, TensorEntry
-from .stagefile import write_safetensors, write_tensor
+from .stagefile import ByteRanges, GGUFTensorInfo, gguf_kv_string, write_gguf
 
 GGUF_MAGIC = b"GGUF"
+STAGE_GGUF = "model.gguf"  # a staged GGUF stage's file in its stage dir
+# metadata key of a stage file: the whole model's config, JSON (a stage lacks tensors it is read from)
+STAGE_CONFIG_KEY = "layerline.config"
 # general.architecture -> the HF class its config names
 _ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "gemma2": "Gemma2ForCausalLM",
           "gemma3": "Gemma3ForCausalLM"}
@@ -151,6 +157,8 @@ class _Meta:
 class GGUFCheckpoint(Checkpoint):
     """A .gguf file."""
 
+    stage_format = "gguf"  # what write_stage makes (a Hugging Face dir's stages: safetensors)
+
     @cached_property
     def reader(self):
         try:
@@ -197,6 +205,12 @@ class GGUFCheckpoint(Checkpoint):
 
     def _read_config(self) -> dict:
         m, arch, path = self.meta, self.arch, self.path
+        staged = m.get(STAGE_CONFIG_KEY)
+        if staged is not None:  # a stage file: the model's config as the whole file gave it
+            try:
+                return json.loads(staged)
+            except ValueError:
+                raise CheckpointError(f"{path}: metadata {STAGE_CONFIG_KEY} is not JSON; stage the checkpoint again") from None
         tensors = {t.name: t for t in self.reader.tensors}
 
         def need(key):
@@ -384,28 +398,47 @@ class GGUFCheckpoint(Checkpoint):
         n_head = self._q_k_heads(name)
         return tuple(_unpermute(x, n_head).contiguous() if n_head else x for x in (codes, s, m))
 
+    def stored_blocks(self, name: str):
+        """The matrix's own blocks, read from the map (no float copy), rows in HF order: llama Q/K
+        rows un-permuted as whole rows of blocks (each row's blocks are its own, so this is exact)."""
+        import numpy as np
+        import torch
+
+        from .base import STORED_BLOCK_TYPES  # imported here: this method is the stored-bits work's part of the file
+        t, raw, _n, _k = self._matrix_rows(name)
+        if t.tensor_type.name not in STORED_BLOCK_TYPES:
+            return None
+        blocks = torch.from_numpy(np.array(raw, dtype=np.uint8))  # a copy: the map is read-only
+        n_head = self._q_k_heads(name)
+        if n_head:
+            blocks = _unpermute(blocks, n_head).contiguous()
+        return blocks, t.tensor_type.name
+
     # --- staging -----------------------------------------------------------------------------------
 
     def write_stage(self, names: list[str], out: Path) -> dict[str, str]:
-        """A Hugging Face stage dir: the tensors dequantized to their planned dtype (a matrix a block of
-        rows at a time, anything else whole), and the config and text side as files."""
-        import torch
-
-        def write_one(e: TensorEntry, w) -> None:
-            if len(e.shape) != 2:
-                write_tensor(next(self.tensors([e.name], planned=True))[1], w)
-                return
-            dtype = getattr(torch, _TORCH_DTYPE_NAME[e.dtype])
-            for _a, rows in self.row_blocks(e.name):
-                write_tensor(rows.to(dtype), w)
-
-        model = write_safetensors(out / "model.safetensors", [self.entry(n) for n in names], write_one)
-        try:
-            tok = self.tokenizer
-        except CheckpointError:  # a vocabulary layerline cannot build: the stage carries none either
-            tok = None
-        text.write_side_files(out, self.config, self.special_tokens, tok, self.chat_template)
-        return {"model.safetensors": model}
+        """A GGUF stage file (`STAGE_GGUF` in dir `out`): every metadata key/value of this file (the
+        tokenizer's too) plus the model's config (`STAGE_CONFIG_KEY`: a stage lacks tensors the config
+        is read from), and the tensors `names` as this file stores them, copied as byte ranges."""
+        r = self.reader
+        if r.byte_order == "S":
+            raise CheckpointError(f"{self.path}: a big-endian GGUF file; layerline stages little-endian GGUF files only")
+        entries = sorted((self.entry(n) for n in names), key=lambda e: e.offset or 0)
+        infos = []
+        for e in entries:
+            t = self._tensor(e.name)
+            infos.append(GGUFTensorInfo(e, t.name, tuple(int(d) for d in t.shape), int(t.tensor_type)))
+        kv: list = []
+        for key, f in r.fields.items():
+            if key.startswith("GGUF.") or key == STAGE_CONFIG_KEY:
+                continue
+            size = sum(int(p.nbytes) for p in f.parts)
+            kv.append(memoryview(r.data[f.offset:f.offset + size]))
+        kv.append(gguf_kv_string(STAGE_CONFIG_KEY, json.dumps(self.config, sort_keys=True)))
+        version = int(r.fields["GGUF.version"].parts[0][0])
+        with ByteRanges(self.file_path) as src:
+            sha1 = write_gguf(out / STAGE_GGUF, version, kv, infos, int(r.alignment), src.copy)
+        return {STAGE_GGUF: sha1}
 
     # --- the text side -----------------------------------------------------------------------------
 
@@ -465,5 +498,5 @@ def _int4_blocks(raw, qtype):
     return codes, (d * sc).reshape(r, -1), (-dmin * mn).reshape(r, -1)
 
 
-__all__ = ["GGUF_MAGIC", "SUPPORTED_ARCHS", "INT4_DIRECT", "GGUFCheckpoint", "has_gguf_magic", "hf_tensor_name",
+__all__ = ["GGUF_MAGIC", "STAGE_GGUF", "STAGE_CONFIG_KEY", "SUPPORTED_ARCHS", "INT4_DIRECT", "GGUFCheckpoint", "has_gguf_magic", "hf_tensor_name",
            "permute_for_gguf"]

@@ -1,10 +1,15 @@
-"""A stage's safetensors file, written from index entries without holding the stage in memory.
+"""A stage's file, written from index entries without holding the stage in memory: a safetensors
+file (`write_safetensors`), or a GGUF file of a GGUF source's own blocks (`write_gguf`).
 
 The header is laid out from the entries first (8-byte little-endian length, JSON, spaces to an
 8-byte boundary), then each tensor's bytes follow, written by the format's own writer (a byte
 range copied in `CHUNK`s, or rows dequantized a block at a time). The SHA-1 is computed on the
 bytes as they are written, so the file is never read back. The file is byte for byte what
 safetensors' save_file writes for the same tensors.
+
+A GGUF stage is the source's header cut down: its metadata key/values as raw bytes (tokenizer
+included), the stage's tensor infos (GGUF names, shapes, block types, offsets laid out anew at the
+source's alignment), then each tensor's stored bytes copied from the source: never dequantized.
 """
 from __future__ import annotations
 
@@ -12,7 +17,8 @@ import hashlib
 import json
 import struct
 from pathlib import Path
-from typing import BinaryIO, Callable
+from dataclasses import dataclass
+from typing import BinaryIO, Callable, Sequence
 
 from ..errors import CheckpointError
 from .base import DTYPE_BYTES, TensorEntry
@@ -92,6 +98,55 @@ class ByteRanges:
                                       "copy or download it again")
             out.write(view[:n])
             left -= n
+
+
+@dataclass(frozen=True)
+class GGUFTensorInfo:
+    """One tensor of a GGUF stage: its index entry (stored bytes and byte range in the source) and
+    its GGUF name, dimensions (innermost first, as GGUF stores them) and block type id."""
+    entry: TensorEntry
+    name: str
+    dims: tuple[int, ...]
+    type_id: int
+
+
+def _pad(n: int, align: int) -> int:
+    return (n + align - 1) // align * align
+
+
+def gguf_kv_string(key: str, value: str) -> bytes:
+    """One GGUF metadata key/value of type string, as GGUF lays it out."""
+    k, v = key.encode(), value.encode()
+    return struct.pack("<Q", len(k)) + k + struct.pack("<IQ", GGUF_STRING, len(v)) + v
+
+
+GGUF_STRING = 8  # GGUFValueType.STRING
+
+
+def write_gguf(path: Path, version: int, kv: Sequence[bytes | memoryview], tensors: Sequence[GGUFTensorInfo],
+               alignment: int, copy: Callable[[TensorEntry, HashingWriter], None]) -> str:
+    """Write a GGUF file: header, the metadata key/values `kv` (each already laid out), `tensors`' infos,
+    then each one's bytes by `copy(entry, out)`, every tensor's data aligned to `alignment`. Returns its SHA-1."""
+    with open(path, "wb") as f:
+        out = HashingWriter(f)
+        out.write(struct.pack("<4sIQQ", b"GGUF", version, len(tensors), len(kv)))
+        for raw in kv:
+            out.write(raw)
+        at = 0
+        for t in tensors:
+            name = t.name.encode()
+            out.write(struct.pack("<Q", len(name)) + name + struct.pack(f"<I{len(t.dims)}Q", len(t.dims), *t.dims)
+                      + struct.pack("<IQ", t.type_id, at))
+            at += _pad(t.entry.stored_bytes or 0, alignment)
+        out.write(bytes(_pad(out.n, alignment) - out.n))
+        for t in tensors:
+            before = out.n
+            copy(t.entry, out)
+            n = out.n - before
+            if n != t.entry.stored_bytes:
+                raise CheckpointError(f"{t.name}: wrote {n} bytes where its tensor info says {t.entry.stored_bytes}")
+            out.write(bytes(_pad(n, alignment) - n))
+    return out.sha1.hexdigest()
 
 
 def write_tensor(t, out: HashingWriter) -> None:

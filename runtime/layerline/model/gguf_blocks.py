@@ -214,7 +214,10 @@ class BlockLinear:
     same bits whatever rows it is called with (False lets 4-row groups go through ggml's GEMM)."""
 
     def __init__(self, raw: torch.Tensor, ggml_type: object, out_features: int, in_features: int,
-                 bias: torch.Tensor | None = None, repack: bool | None = None, batch_invariant: bool = True):
+                 bias: torch.Tensor | None = None, repack: bool | None = None, batch_invariant: bool = True,
+                 packed: bool = False):
+        """packed: `raw` is already in the layout `repack` (a bool then) names, e.g. another
+        BlockLinear's `.raw` or rows of several concatenated: it is taken as is, not repacked."""
         bt = block_type(ggml_type)
         if in_features % bt.block:
             raise ValueError(f"BlockLinear: in_features {in_features} is not a multiple of {bt.name}'s "
@@ -238,11 +241,14 @@ class BlockLinear:
         if repack and not can:
             raise ValueError(f"BlockLinear: no repacked kernel for {bt.name} with {out_features} rows "
                              f"(types {', '.join(REPACKED)}, rows a multiple of 8)")
+        if packed and repack is None:
+            raise ValueError("BlockLinear: packed=True needs repack=True or False (the layout raw is in)")
         # repack=None: where ggml has x86 GEMV/GEMM for the type and they pass repack_works's check
         self.repacked = bool(repack) if repack is not None else can and repack_works(bt.name)
         if self.repacked:
             gemv, gemm, quant4 = (_fn(f) for f in REPACKED[bt.name])
-            self.raw = torch.ops.layerline_cpu.gguf_repack_x8(raw, bt.id, out_features, in_features)
+            self.raw = raw if packed else torch.ops.layerline_cpu.gguf_repack_x8(raw, bt.id, out_features,
+                                                                                 in_features)
             # ggml's GEMM takes 4 rows of x together, and its sums' order differs from its GEMV's: a
             # row's bits would depend on the rows beside it, so it is used only when asked for
             self._args = (out_features, in_features, self.row_bytes, self.xrow_bytes, gemv,
@@ -261,6 +267,10 @@ class BlockLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """[..., in_features] float32/bf16/fp16 -> [..., out_features] float32."""
         return self._op(x, self.raw, *self._args, self.bias)
+
+    def run(self, x: torch.Tensor, raw: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """`__call__` over `raw` (bytes in this one's layout: a module's buffer holding them) and `bias`."""
+        return self._op(x, raw, *self._args, bias)
 
     def quantize_activations(self, x: torch.Tensor) -> torch.Tensor:
         """x [rows, in_features] as the call quantizes it: uint8 [rows, xrow_bytes] of `type.dot_with`

@@ -34,6 +34,9 @@ int8 with a float32 scale per output row (`quant`); norms, biases, the Mixtral r
 activations and the KV cache are bf16 (the precision table, `layerline.precision`). Precision int4
 holds every layer's Linear weights as int4 in groups of 32 (`quant.Int4Linear`: layerline's CPU int4
 kernel, or torch's where that cannot run) and the embedding and LM head as int8; the rest as at int8.
+Precision gguf is a float32 stage whose matrices the loader replaces by the GGUF file's own blocks
+(`blocks.BlockLinearModule`, `Stage.replace`); FusedLinears fuses such parts when their block types
+agree.
 
 One forward (`Stage._forward`, after gpt-fast's `Transformer.forward`): the new tokens come with a
 positions tensor, each layer writes their K/V there with one update (`kv_update`) and attends to
@@ -62,6 +65,7 @@ from ..errors import LayerlineError
 from ..precision import of_dtype, precision, torch_dtype
 from . import COMPILE_MODES, cpu_kernels
 from .kv import KVCache, StageCache, check_write, kv_update
+from .blocks import BlockLinearModule, fuse_blocks
 from .moe import ExpertStore, SparseMoE
 from .quant import (Int4Linear, Int8Embedding, Int8Linear, Linear, int4_linear, int8_linear, make_linear,
                     quant_name, require_int4)
@@ -447,11 +451,21 @@ class FusedLinears(nn.Module):
         self.register_buffer("bias", None, persistent=False)
         self.group = None  # int4's group size when int4 parts are fused (its scales are `scale`)
         self.rows = False  # int4 parts in layerline's layout (quant.int4_rows)
+        self.blocks = None  # GGUF block parts fused: their one kernel (blocks.fuse_blocks)
 
     def fuse(self) -> None:
-        self.group, self.rows = None, False
+        self.group, self.rows, self.blocks = None, False, None
         parts = list(self.parts)
         kinds = {type(m) for m in parts}
+        if kinds == {BlockLinearModule}:  # GGUF blocks: one kernel when the parts share a block type
+            self.blocks = fuse_blocks(parts)
+            biases = [m.bias for m in parts]
+            if self.blocks is None or (any(b is not None for b in biases) and any(b is None for b in biases)):
+                self.blocks, self.weight, self.scale, self.bias = None, None, None, None
+                return
+            self.weight, self.scale = self.blocks.raw, None
+            self.bias = torch.cat(biases) if biases[0] is not None else None
+            return
         if (kinds not in ({Linear}, {nn.Linear}, {Int8Linear}, {Int4Linear}) or any(m.weight.is_meta for m in parts)
                 or len({(getattr(m, "group", None), getattr(m, "rows", None)) for m in parts}) != 1):
             self.weight = self.scale = self.bias = None
@@ -482,7 +496,10 @@ class FusedLinears(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self.weight is None:
             return tuple(m(x) for m in self.parts)
-        if self.group is not None:
+        if self.blocks is not None:
+            y = self.blocks.run(x, self.weight, self.bias)
+            y = y if y.dtype == x.dtype else y.to(x.dtype)
+        elif self.group is not None:
             y = int4_linear(x, self.weight, self.group, self.scale, self.bias, self.rows)
         elif self.scale is not None:
             y = int8_linear(x, self.weight, self.scale, self.bias)
@@ -752,6 +769,17 @@ class Stage(nn.Module):
         for m in self.modules():
             if isinstance(m, FusedLinears):
                 m.fuse()
+
+    def replace(self, path: str, module: nn.Module) -> None:
+        """Put `module` at submodule `path` (e.g. "layers.3.mlp.up_proj", a loader building a matrix's
+        module once its stored form is known), also where a FusedLinears / SplitLinear lists the old one."""
+        parent_path, _, name = path.rpartition(".")
+        parent = self.get_submodule(parent_path) if parent_path else self
+        old = getattr(parent, name)
+        setattr(parent, name, module)
+        for m in self.modules():
+            if isinstance(m, (FusedLinears, SplitLinear)):
+                m.parts = [module if p is old else p for p in m.parts]
 
     def load_state_dict(self, *a, **kw):
         out = super().load_state_dict(*a, **kw)

@@ -9,19 +9,29 @@ Precision int8 quantizes each Linear weight (and the embedding / LM head) a bloc
 time as it is read (`Checkpoint.row_blocks`), so no float copy of a whole matrix is made; int4
 quantizes into the int4 layers' packed weights and group scales (embedding and LM head int8),
 taking 4-bit codes as the file stores them where it does (`Checkpoint.int4_codes`: a GGUF's
-Q4_0 / Q4_1 / Q4_K blocks). Mixtral's experts are
+Q4_0 / Q4_1 / Q4_K blocks). Precision gguf (a GGUF file only) holds each Linear weight and the
+embedding as the file's own blocks (`Checkpoint.stored_blocks`; `blocks.BlockLinearModule`,
+`blocks.BlockEmbedding`, run by ggml's CPU kernels), a tied head sharing the embedding's; the
+modules are made at load, since the block type is the file's, matrix by matrix. A block type
+without a kernel here, and every matrix on a CUDA device, is read as floats at the compute dtype
+a block of rows at a time. Mixtral's experts are
 either loaded with the stage (default) or, given `expert_cache_bytes`, left on disk and served by an
 `LRUExpertStore` that reads them when routed to.
 """
 from __future__ import annotations
 
+import sys
+
 import torch
+from torch import nn
 
 from ..checkpoint import Checkpoint, CheckpointError, CheckpointIndex, open_checkpoint
 from ..errors import LayerlineError
 from ..precision import precision as precision_row
 from ..precision import INT4_GROUP, torch_dtype
-from . import cpu_kernels
+from ..checkpoint.gguf import GGUFCheckpoint
+from . import cpu_kernels, gguf_blocks
+from .blocks import BlockEmbedding, BlockLinearModule
 from .llama import ModelArgs, Stage, hf_name
 from .moe import LRUExpertStore
 from .quant import Int4Linear, pack_int4_codes, quantize_row_blocks, require_int4
@@ -30,7 +40,7 @@ _FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
 
 
 def precision_name(precision: str) -> str:
-    """The canonical precision name (fp32 | bf16 | fp16 | int8 | int4) of a name or alias."""
+    """The canonical precision name (fp32 | bf16 | fp16 | int8 | int4 | gguf) of a name or alias."""
     return precision_row(precision).name
 
 
@@ -93,20 +103,77 @@ def _int4(ck: Checkpoint, name: str, device: str, dtype: torch.dtype) -> tuple[t
     return pack_int4_codes(*codes, dtype)
 
 
+def _float_matrix(ck: Checkpoint, name: str, shape: tuple, device: str, dtype: torch.dtype) -> torch.Tensor:
+    """A matrix's floats at `dtype` on `device`, dequantized a block of rows at a time."""
+    out = torch.empty(shape, dtype=dtype, device=device)
+    for a, rows in ck.row_blocks(name):
+        out[a:a + rows.shape[0]] = rows.to(device=device, dtype=dtype)
+    return out
+
+
+def _hold_blocks(stage: Stage, ck: Checkpoint, expected: dict[str, tuple[str, tuple]], dtype: torch.dtype,
+                 dev: torch.device) -> dict[str, torch.Tensor]:
+    """Precision gguf: put a `blocks` module in `stage` for each Linear / embedding whose matrix the
+    file stores in blocks ggml's kernels take; {checkpoint name: the module's weight} for those.
+    On a CUDA device, or where the kernels cannot load, none (the loader reads floats); matrices
+    of other block types stay floats, said once on stderr."""
+    if dev.type != "cpu":  # ggml's CPU kernels only: the loader dequantizes rows to the compute dtype
+        return {}
+    if not gguf_blocks.load():
+        print(f"layerline: --precision gguf: ggml's block kernels are {gguf_blocks.status()}; every matrix "
+              f"is held dequantized at {str(dtype).removeprefix('torch.')}", file=sys.stderr, flush=True)
+        return {}
+    made: dict[str, nn.Module] = {}
+    floats: dict[str, int] = {}
+    modules = dict(stage.named_modules())
+    for key, (name, shape) in expected.items():
+        path = key.removesuffix(".weight")
+        mod = modules.get(path)
+        if len(shape) != 2 or not key.endswith(".weight") or not isinstance(mod, (nn.Linear, nn.Embedding)):
+            continue
+        if name in made:  # a tied head in the embedding's stage: the very same blocks
+            if isinstance(made[name], BlockEmbedding) and isinstance(mod, nn.Linear):
+                stage.replace(path, made[name].head())
+            continue
+        blocks = ck.stored_blocks(name)
+        if blocks is None:
+            floats[ck.entry(name).stored_type or "float"] = floats.get(ck.entry(name).stored_type or "float", 0) + 1
+            continue
+        raw, block = blocks
+        if shape[1] % gguf_blocks.block_type(block).block:
+            floats[block] = floats.get(block, 0) + 1
+            continue
+        if isinstance(mod, nn.Embedding):
+            new = BlockEmbedding.of_blocks(raw, block, shape[0], shape[1], dtype)
+        else:
+            new = BlockLinearModule.of_blocks(raw, block, shape[0], shape[1])
+            if mod.bias is not None:  # loaded with the floats (assign replaces this placeholder)
+                new.bias = nn.Parameter(torch.empty(shape[0], dtype=dtype, device="meta"), requires_grad=False)
+        stage.replace(path, new)
+        made[name] = new
+    quantized = {k: n for k, n in floats.items() if k not in ("F32", "F16", "BF16", "F64", "float")}
+    if quantized:
+        print("layerline: --precision gguf: no block kernel for " + ", ".join(f"{n} {k}" for k, n in quantized.items())
+              + f" matrices; they are held dequantized at {str(dtype).removeprefix('torch.')}",
+              file=sys.stderr, flush=True)
+    return {name: m.weight for name, m in made.items()}
+
+
 def load_stage(ckpt_dir: str, start: int, end: int, first: bool, last: bool,
                precision: str = "fp32", device: str = "cpu", *,
                expert_cache_bytes: int | None = None) -> Stage:
     """Build the stage for layers [start, end) from `ckpt_dir`, reading only its tensors.
 
     precision: fp32 | bf16 | fp16 | int8 (weight-only int8, per-row scales, bf16 compute) | int4
-    (weight-only int4 in groups of 32, CPU only; embedding and LM head int8).
+    (weight-only int4 in groups of 32, CPU only; embedding and LM head int8) | gguf (a GGUF file's
+    matrices as its own blocks, float32 compute; on CUDA dequantized to float32 instead).
     expert_cache_bytes (MoE models only): None loads every expert of the stage's layers; a number
     leaves experts on disk and serves them through an LRUExpertStore holding at most that many
     bytes (`stage.expert_store`, with hit/miss/bytes_read counters in `.stats`).
     """
     prec = precision_row(precision)
     dtype = torch_dtype(prec.compute)
-    quant = prec.name if prec.quantized else None
+    quant = prec.name if prec.quantized and not prec.stored else None
     if expert_cache_bytes is not None and (isinstance(expert_cache_bytes, bool) or expert_cache_bytes < 0):
         raise LayerlineError(f"expert cache of {expert_cache_bytes!r} bytes: give a non-negative byte count")
     try:
@@ -122,6 +189,9 @@ def load_stage(ckpt_dir: str, start: int, end: int, first: bool, last: bool,
         require_int4(dev)
 
     ck = open_checkpoint(ckpt_dir, check=False)  # this stage's tensors are checked below, one by one
+    if prec.stored and not isinstance(ck, GGUFCheckpoint):
+        raise LayerlineError(f"--precision {prec.name}: {ckpt_dir} is not a GGUF file, so it stores no blocks to "
+                             "run as stored; give a .gguf checkpoint or choose --precision fp32, bf16, int8 or int4")
     index = ck.index
     args = ModelArgs.from_config(index.config)
     _check_range(args, start, end, first, last)
@@ -155,10 +225,18 @@ def load_stage(ckpt_dir: str, start: int, end: int, first: bool, last: bool,
     loaded: dict[str, torch.Tensor] = {}
     scales: dict[str, torch.Tensor] = {}
     load_dev = "cpu" if dev.type == "cpu" else str(dev)
+    # gguf: matrices the file stores in blocks the kernels take are held as those blocks (CPU), the
+    # rest as floats at the compute dtype, a block of rows at a time
+    held = _hold_blocks(stage, ck, expected, dtype, dev) if prec.stored else {}
+    matrices = {name for key, (name, shape) in expected.items() if len(shape) == 2} if prec.stored else set()
     for name in names:
         entry = index.tensors[name]
         try:
-            if name in quantized:
+            if name in held:
+                loaded[name] = held[name]
+            elif name in matrices:
+                loaded[name] = _float_matrix(ck, name, entry.shape, load_dev, dtype)
+            elif name in quantized:
                 loaded[name], scales[name] = _int8(ck, name, entry.shape, load_dev)
             elif name in int4:
                 loaded[name], scales[name] = _int4(ck, name, load_dev, dtype)
@@ -176,7 +254,12 @@ def load_stage(ckpt_dir: str, start: int, end: int, first: bool, last: bool,
             state[key[: -len("weight")] + "scale"] = scales[name]
     stage.load_state_dict(state, strict=True, assign=True)
     if first and last and args.tie_word_embeddings:
-        stage.tie_head()
+        if isinstance(stage.embed_tokens, BlockEmbedding):
+            stage.replace("lm_head", stage.embed_tokens.head())
+        else:
+            stage.tie_head()
+    if prec.stored:
+        stage.kv_dtype = torch_dtype(prec.kv)
     stage.inv_freq = stage.inv_freq.to(dev)
     if paged:
         stage.expert_store = LRUExpertStore(ck, index, dtype, quant, expert_cache_bytes, dev,

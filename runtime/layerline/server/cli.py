@@ -162,7 +162,7 @@ def run(a: argparse.Namespace) -> int:
         admin_keys = load_keys(a.admin_keys, "--admin-keys") if a.admin_keys else None
         if not a.keys:  # health, set_next: workers' control sockets let in only the controller's key
             raise LayerlineError("--keys is not set: the workers' control sockets run CURVE always and let in only "
-                                 "the controller's key; pass the controller's keys dir (layerline_keys_controller_dir, "
+                                 "the controller's key; pass the controller's keys dir (layerline_home's keys/controller, "
                                  "made by playbooks/keys.yml)")
         plan = None
         if a.plan:

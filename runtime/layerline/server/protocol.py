@@ -44,9 +44,32 @@ def validation_message(err: ValidationError) -> tuple[str, str | None]:
 # --- requests ----------------------------------------------------------------------------------
 
 
+# OpenAI request fields that would change the answer and that this server does not implement, with
+# the values that change nothing (a request naming one otherwise is a 400 that names it, never a
+# silently different answer). Fields that change nothing (store, metadata, service_tier, user, ...)
+# and names that are not OpenAI's are accepted and ignored.
+UNIMPLEMENTED: dict[str, tuple] = {
+    "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
+    "function_call": (None, "none", "auto"), "parallel_tool_calls": (None, True, False),
+    "response_format": (None, {"type": "text"}), "logit_bias": (None, {}),
+    "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "top_logprobs": (None, 0),
+    "best_of": (None, 1), "suffix": (None, ""), "prediction": (None,), "audio": (None,),
+    "modalities": (None, ["text"]), "reasoning_effort": (None,), "web_search_options": (None,),
+}
+
+
 class BaseRequest(BaseModel):
-    # strict: "5" is not a number, "yes" not a boolean; unknown fields are accepted and ignored
+    # strict: "5" is not a number, "yes" not a boolean; other fields: see UNIMPLEMENTED
     model_config = ConfigDict(strict=True, extra="allow")
+
+    def refuse_unimplemented(self) -> None:
+        """A 400 naming the first OpenAI field given a value this server would silently ignore."""
+        for name, value in (self.model_extra or {}).items():
+            if name in UNIMPLEMENTED and not any(type(value) is type(ok) and value == ok
+                                                 for ok in UNIMPLEMENTED[name]):
+                raise BadRequest(f"{name}: not supported by this server; leave it out (supported: model, "
+                                 "prompt/messages, max_tokens, temperature, top_p, seed, stop, stream, n=1)",
+                                 name, "unsupported_parameter")
 
     model: str
     max_tokens: int | None = Field(None, ge=1)

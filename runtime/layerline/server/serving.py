@@ -88,6 +88,7 @@ class OpenAIServing:
         except ValidationError as e:
             msg, param = validation_message(e)
             raise BadRequest(msg, param, "invalid_parameter") from None
+        req.refuse_unimplemented()
         if req.model != self.cfg.model_name:
             raise BadRequest(f"model {req.model!r} is not served here; this server serves {self.cfg.model_name!r} "
                              "(GET /v1/models)", "model", "model_not_found")
