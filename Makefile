@@ -35,7 +35,7 @@ test: setup
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=20 tests
 
 # a model no single host can hold (issue 36): a 1.6 GB GGUF over three namespace hosts, each in a
-# 1000 MiB memory cgroup, through deploy.yml; minutes, needs root. Figures in .cache/big-model.json.
+# 1300 MiB memory cgroup, through deploy.yml; minutes, needs root. Figures in .cache/big-model.json.
 .PHONY: test-big
 test-big: setup
 	LAYERLINE_BIG=1 $(BIN)/python -m pytest -q -s -m big tests/multihost/test_big_model.py
