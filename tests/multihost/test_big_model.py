@@ -315,7 +315,7 @@ def test_too_small_caps_fail_at_the_plan_before_anything_is_staged(big):
     assert short > 0
     # the largest host and its cap: its budget is the cap less what the host runs and the runtime reserve
     m = re.search(r"largest host (h\d): budget (\d+) bytes of its (\d+) RAM", msg)
-    assert m and int(m.group(3)) == SMALL_CAP and 0 < int(m.group(2)) < SMALL_CAP, msg
+    assert m and int(m.group(3)) == SMALL_CAP and 0 <= int(m.group(2)) < SMALL_CAP, msg
     assert "TASK [Cut this host's tensors" not in r.stdout, "the plan fails before staging"
     assert not (home / "stages").exists() and not any(staged_files(big, h) for h in HOSTS)
     print(f"\n[big] caps {SMALL_CAP // MiB} MiB: {msg}")
