@@ -379,7 +379,7 @@ def test_capped_hosts_hold_the_model_no_host_could(big):
     import httpx
     t0 = time.perf_counter()
     resp = httpx.post(f"http://127.0.0.1:{SERVE_PORT}/v1/completions",
-                      json={"model": "big", "prompt": [256, 72, 101, 108, 108, 111], "max_tokens": 16,
+                      json={"model": big["ckpt"].name, "prompt": [256, 72, 101, 108, 108, 111], "max_tokens": 16,
                             "temperature": 0, "ignore_eos": True}, timeout=600)
     serve_s = time.perf_counter() - t0
     assert resp.status_code == 200, resp.text
