@@ -429,7 +429,7 @@ def test_a_copy_killed_while_staging_fails_in_one_line_and_the_rerun_ships_only_
     r, watch, _ = deploy(big, kill_in=f"{PREFIX}-h3")
     assert watch.killed, "no copy into h3 was seen to kill"
     msg = one_line_failure(r)
-    assert msg.startswith("h3:") and "h1" not in msg and "h2" not in msg, msg
+    assert msg.startswith("h3:") and "h1:" not in msg and "h2:" not in msg, msg
     assert not (host_root(info, "h3") / "tmp" / "layerline" / "state" / "ready.json").exists(), "no worker starts"
     print(f"\n[big] h3's copy killed ({', '.join(sorted(set(watch.killed)))}): {msg}")
 
