@@ -46,6 +46,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SSHD = "/usr/sbin/sshd"
+SFTP_SERVER = "/usr/lib/openssh/sftp-server"
 HOST_OFFSET = 10          # host K gets the subnet's address 10 + K
 DEFAULT_PORT = 9100       # layerline_port in the inventory (every host has its own network stack)
 
@@ -244,7 +245,8 @@ def sshd_config(lay: Layout, k: int, out: Path) -> str:
         "MaxSessions 32",
         "MaxStartups 64:30:128",
         "AcceptEnv LANG LC_*",
-        "Subsystem sftp internal-sftp",
+        # a process of its own per transfer where the binary is there (a test can kill one copy)
+        f"Subsystem sftp {SFTP_SERVER if os.access(SFTP_SERVER, os.X_OK) else 'internal-sftp'}",
         "",
     ])
 
