@@ -169,6 +169,16 @@ def test_gguf_stage_holds_blocks_and_matches_fp32(gguf_file, capfd):
             name = "model.embed_tokens.weight" if key == "lm_head.weight" and arch == "gemma3" else (
                 key if key.startswith("lm_head") else "model." + key)
             assert torch.equal(m.stored(), ck.stored_blocks(name)[0]), name
+    # and holds them once: fused parts' kernels look into the fused blocks, not at copies of their own
+    storages = {}
+    for m in stage.modules():
+        for raw in (getattr(getattr(m, "kernel", None), "raw", None), getattr(getattr(m, "blocks", None), "raw", None),
+                    getattr(m, "weight", None)):
+            if raw is not None and raw.dtype == torch.uint8:
+                storages[raw.untyped_storage().data_ptr()] = raw.untyped_storage().nbytes()
+    file_blocks = sum(e.stored_bytes for e in ck.index.tensors.values()
+                      if e.stored_type not in ("F32", "F16", "BF16", "Q2_K"))
+    assert sum(storages.values()) == file_blocks
 
     ref = load_stage(str(path), 0, len(LAYER_TYPES), True, True, precision="fp32")
     ids = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(0))
