@@ -130,3 +130,17 @@ def stop_process(proc: subprocess.Popen, timeout: float = 15) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
 
+
+
+class Phases:
+    """Wall time of a long test's phases, printed (shown with -s, and in a failure's captured output):
+    `phase = Phases("drain")`, then `phase("w2 drained")` at the end of each phase."""
+
+    def __init__(self, test: str):
+        self.test = test
+        self.t0 = self.last = time.perf_counter()
+
+    def __call__(self, name: str) -> None:
+        now = time.perf_counter()
+        print(f"[phase] {self.test}: {name}: {now - self.last:.1f} s (at {now - self.t0:.1f} s)")
+        self.last = now

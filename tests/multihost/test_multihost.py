@@ -222,7 +222,7 @@ def test_deploy_across_hosts_idempotent_teardown(cluster):
     print(f"\n[multihost] deploy.yml over ssh, 3 hosts: first {first_s:.1f} s, re-run {again_s:.1f} s")
 
     # a drain over ssh, under load: h2 drained, h1 and h3 re-planned in the other slot on their hosts;
-    # every request equals the undisturbed run (tests/test_drain.py runs the rest of the operations:
+    # every request equals the undisturbed run (tests/deploy/test_deployment.py runs the rest of the operations:
     # rejoin, standby promotion, SIGSTOP, a dead host re-planned around, on the embedded inventory)
     drain_under_load(inv, home, extra)
     slot1 = {h: json.loads((host_root(info, h) / "tmp" / "layerline" / "state.1" / "ready.json").read_text())["pid"]
