@@ -168,3 +168,17 @@ def llama_gguf_writer(out, cfg: dict):
     w.add_bos_token_id(cfg["bos_token_id"])
     w.add_eos_token_id(cfg["eos_token_id"])
     return w
+
+
+class Phases:
+    """Wall time of a long test's phases, printed (shown with -s, and in a failure's captured output):
+    `phase = Phases("drain")`, then `phase("w2 drained")` at the end of each phase."""
+
+    def __init__(self, test: str):
+        self.test = test
+        self.t0 = self.last = time.perf_counter()
+
+    def __call__(self, name: str) -> None:
+        now = time.perf_counter()
+        print(f"[phase] {self.test}: {name}: {now - self.last:.1f} s (at {now - self.t0:.1f} s)")
+        self.last = now
