@@ -267,7 +267,10 @@ def test_drain_and_rejoin_under_load_lose_nothing(deployed):
     with Load() as load:
         r = playbook("drain.yml", *extra, "-e", "layerline_drain=w2")
     out = " ".join(r.stdout.split())
-    assert "route epoch 1 through w1, w3" in out and "matches the one-process forward" in out, out[-3000:]
+    # the epoch counts every route change, a failover a loaded machine may cause included: the
+    # outcome is the route through w1 and w3
+    assert re.search(r"route epoch \d+ through w1, w3", out) and "matches the one-process forward" in out, \
+        out[-3000:]
     after = actives(home)
     assert [h for h, _, _ in after] == ["w1", "w3"] and after[0][1][0] == 0 and after[-1][1][1] == 6
     assert all(e.endswith(str(PORT_BASE + 50 + 10 * (int(h[1]) - 1))) for h, _, e in after), after
