@@ -4,12 +4,13 @@ Everything is expressed in the Hugging Face vocabulary the rest of layerline spe
 
 - The index comes from the header alone (gguf_header.GGUFHeader memory-maps the file; no tensor
   data is read, and metadata arrays stay views of the map until asked for). Tensors are keyed by
-  their HF names (`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`) with torch-order shapes (GGUF stores dimensions
-  innermost first, ne0 = columns, so they are reversed). Each entry's `dtype` is the precision
-  the tensor is dequantized to, and `nbytes` its size at that dtype: F32 -> F32, F16 -> F16,
-  BF16 -> BF16, every quantized type (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K, ...) -> BF16. The block type,
-  stored bytes and byte range are in `stored_type` / `stored_bytes` / `offset`; a file with
-  quantized matrices costs and plans at precision gguf, from the stored bytes (layerline.cost).
+  their HF names (`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`) with
+  torch-order shapes (GGUF stores dimensions innermost first, ne0 = columns, so they are reversed).
+  Each entry's `dtype` is the precision the tensor is dequantized to, and `nbytes` its size at
+  that dtype: F32 -> F32, F16 -> F16, BF16 -> BF16, every quantized type (Q8_0, Q4_0, Q4_1, Q4_K,
+  Q6_K, ...) -> BF16. The block type, stored bytes and byte range are in `stored_type` /
+  `stored_bytes` / `offset`; a file with quantized matrices costs and plans at precision gguf,
+  from the stored bytes (layerline.cost).
 - The config: a config.json-style dict from the `<arch>.*` metadata keys (a stage file: the whole
   model's, kept as JSON under `STAGE_CONFIG_KEY`).
 - `write_stage`: a GGUF stage file of this file's metadata and the stage's tensors' own bytes.
