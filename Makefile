@@ -59,7 +59,7 @@ lint: setup
 	done
 
 # the molecule scenarios (default: the embedded inventory; multihost: namespace hosts, needs root);
-# tests/deploy/test_e2e_deploy.py and tests/multihost/test_multihost.py run the same deploys in `make test`
+# tests/deploy/test_deployment.py and tests/multihost/test_multihost.py run the same deploys in `make test`
 molecule: setup
 	PATH=$(CURDIR)/$(BIN):$$PATH molecule test -s default
 	PATH=$(CURDIR)/$(BIN):$$PATH molecule test -s multihost

@@ -48,12 +48,13 @@ def _tier(item) -> str:
     return tier
 
 
-# The slowest files first, slowest first (seconds each, measured alone on the busy 2-core machine:
-# drain ~390, multihost ~230, e2e_deploy ~180, failover ~70, compile ~60, cluster ~50, bad_deploys ~45,
-# gguf ~40, families ~35): `make test` runs two files at a time (pytest-xdist --dist loadfile), and a
-# long file started last would run alone.
-SLOW_FIRST = ("test_drain", "test_multihost", "test_e2e_deploy", "test_failover", "test_compile", "test_cluster",
-              "test_bad_deploys", "test_gguf", "test_families", "test_generate", "test_int4")
+# The slowest files first, slowest first (seconds each beside a CPU hog on the 2-core machine:
+# deployment ~350, multihost ~180, gemma3_gguf ~140, compile ~100, failover ~60, cluster ~50,
+# bad_deploys ~45, gguf ~40, families ~35): `make test` runs two files at a time (pytest-xdist
+# --dist loadfile), and a long file started last would run alone. test_deployment is one shared
+# deployment whose tests go on from each other's state: it cannot be split across workers.
+SLOW_FIRST = ("test_deployment", "test_multihost", "test_gemma3_gguf", "test_compile", "test_failover",
+              "test_cluster", "test_bad_deploys", "test_gguf", "test_families", "test_generate", "test_int4")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,8 +1,10 @@
 """Running the project's playbooks the way a user does, from tests."""
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -130,3 +132,53 @@ def stop_process(proc: subprocess.Popen, timeout: float = 15) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
 
+
+
+@contextlib.contextmanager
+def local_pipeline(checkpoint, stages: int, precision: str, timeout_s: float = 60, **kw):
+    """A Pipeline over `stages` local worker processes (layerline.cli.local_stages), stopped and
+    their files removed afterwards; kw goes to local_stages (policy, threads, curve, ...)."""
+    from layerline.cli import local_stages, stop_local
+    from layerline.driver import Pipeline
+    procs, first, tmp, _ = local_stages(str(checkpoint), stages, precision, **kw)
+    try:
+        with Pipeline(first, timeout_s=timeout_s) as pipe:
+            yield pipe
+    finally:
+        stop_local(procs)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def llama_gguf_writer(out, cfg: dict):
+    """A gguf.GGUFWriter for a llama-architecture file at `out`, its model metadata from a Hugging Face
+    config.json dict (what llama.cpp's convert script writes for these keys); tensors and the
+    tokenizer are the caller's."""
+    import gguf
+    w = gguf.GGUFWriter(str(out), "llama")
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_rope_dimension_count(cfg["head_dim"])
+    w.add_rope_freq_base(cfg["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_vocab_size(cfg["vocab_size"])
+    w.add_bos_token_id(cfg["bos_token_id"])
+    w.add_eos_token_id(cfg["eos_token_id"])
+    return w
+
+
+class Phases:
+    """Wall time of a long test's phases, printed (shown with -s, and in a failure's captured output):
+    `phase = Phases("drain")`, then `phase("w2 drained")` at the end of each phase."""
+
+    def __init__(self, test: str):
+        self.test = test
+        self.t0 = self.last = time.perf_counter()
+
+    def __call__(self, name: str) -> None:
+        now = time.perf_counter()
+        print(f"[phase] {self.test}: {name}: {now - self.last:.1f} s (at {now - self.t0:.1f} s)")
+        self.last = now

@@ -26,7 +26,7 @@ try:
     from layerline import LayerlineError
     from layerline.home import ControllerHome
     from layerline.inventory import check_vars, host_errors, known_addresses, peers_of, plan_for_hosts
-    from layerline.planner import plan_table
+    from layerline.planner import Plan, plan_table
     from layerline.routes import host_order, load_route, next_route, promote_in_place
     from layerline.settings import ANSIBLE_KEYS, PREFIX, HostSettings, server_host
     from layerline.spec import (drive_argv, host_report, planned_worker, server_spec, ships_stage,
@@ -45,6 +45,11 @@ def _need_runtime():
 def _plain(value):
     """Plain JSON data: Ansible hands over tagged and lazy types that the runtime need not know."""
     return json.loads(json.dumps(value))
+
+
+def _plan(value):
+    """The plan as layerline.planner.Plan (JSON only at this boundary); None where none is given."""
+    return Plan.from_dict(_plain(value)) if value else None
 
 
 def _vars(hv) -> dict:
@@ -108,26 +113,26 @@ def layerline_worker_spec(plan, host, hvars, python="python3"):
     no stage on it, else the WorkerSpec as a dict (argv, state_dir, ready_file, keys_dir, ready_timeout,
     endpoint, step) with "planned": true."""
     _need_runtime()
-    return _adapt("layerline_worker_spec", lambda: planned_worker(_plain(plan), str(host), _vars(hvars),
+    return _adapt("layerline_worker_spec", lambda: planned_worker(_plan(plan), str(host), _vars(hvars),
                                                                   python=str(python)))
 
 
 def layerline_ships_stage(plan, host, hvars):
     """Whether staging ships this host its own tensors (layerline.spec.ships_stage)."""
     _need_runtime()
-    return _adapt("layerline_ships_stage", lambda: ships_stage(_plain(plan), str(host), _vars(hvars)))
+    return _adapt("layerline_ships_stage", lambda: ships_stage(_plan(plan), str(host), _vars(hvars)))
 
 
 def layerline_argv(plan, host, hvars, python="python3"):
     _need_runtime()
-    return _adapt("layerline_argv", lambda: list(worker_spec(_plain(plan), str(host), _vars(hvars),
+    return _adapt("layerline_argv", lambda: list(worker_spec(_plan(plan), str(host), _vars(hvars),
                                                              python=str(python)).argv))
 
 
 def layerline_host_report(hvars, host, plan=None, host_python=None):
     """A host's settings, the controller's keys dir and its worker argv, for layerline.Cluster."""
     _need_runtime()
-    return _adapt("layerline_host_report", lambda: _plain(host_report(_plain(plan) or None, str(host), _vars(hvars),
+    return _adapt("layerline_host_report", lambda: _plain(host_report(_plan(plan), str(host), _vars(hvars),
                                                                       None if host_python is None else str(host_python))))
 
 
@@ -139,13 +144,13 @@ def layerline_server_spec(hvars, python="python3"):
 
 def layerline_drive_argv(plan, hvars, python="python3"):
     _need_runtime()
-    return _adapt("layerline_drive_argv", drive_argv, _plain(plan), _vars(hvars), python=str(python))
+    return _adapt("layerline_drive_argv", lambda: drive_argv(_plan(plan), _vars(hvars), python=str(python)))
 
 
 def layerline_stage_argv(plan, host, hvars, python="python3"):
     _need_runtime()
-    return _adapt("layerline_stage_argv", stage_checkpoint_argv, _plain(plan), str(host), _vars(hvars),
-                  python=str(python))
+    return _adapt("layerline_stage_argv", lambda: stage_checkpoint_argv(_plan(plan), str(host), _vars(hvars),
+                                                                        python=str(python)))
 
 
 def layerline_state_dir(hvars, host, slot=None):
@@ -201,7 +206,7 @@ def layerline_peers(hostvars, hosts, me):
 
 def layerline_plan_table(plan):
     _need_runtime()
-    return plan_table(_plain(plan))
+    return plan_table(_plan(plan))
 
 
 def layerline_drive_report(result):

@@ -9,7 +9,7 @@ from ansible.errors import AnsibleFilterError
 
 try:
     from layerline import LayerlineError
-    from layerline.planner import with_measured_factors
+    from layerline.planner import Plan, with_measured_factors
     IMPORT_ERROR = None
 except ImportError as e:  # the controller's interpreter lacks the package
     IMPORT_ERROR = e
@@ -23,7 +23,7 @@ def layerline_plan_measured(plan, hostvars, hosts):
     caps = {h: json.loads(json.dumps(hostvars[h]["layerline_caps"])) for h in hosts
             if "layerline_caps" in hostvars[h]}
     try:
-        return with_measured_factors(json.loads(json.dumps(plan)), caps).to_dict()
+        return with_measured_factors(Plan.from_dict(json.loads(json.dumps(plan))), caps).to_dict()
     except LayerlineError as e:
         raise AnsibleFilterError(f"layerline_plan_measured: {e}") from None
 

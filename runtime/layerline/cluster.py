@@ -598,8 +598,8 @@ class Cluster:
 
     def plan_table(self) -> str:
         """The plan as a table: what each machine holds, its disk speed and predicted time per token."""
-        from .planner import plan_table
-        return plan_table(self._need_plan())
+        from .planner import Plan, plan_table
+        return plan_table(Plan.from_dict(self._need_plan()))
 
     def active_nodes(self) -> list[str]:
         """Host names with role active in the plan, in pipeline order."""

@@ -680,12 +680,11 @@ def _token_s(actives, hop_s: float) -> float:
     return sum(s.predicted_s for s in actives) + hop_s * (len(actives) + 1)
 
 
-def with_measured_factors(plan: Plan | dict, caps_by_host: dict) -> Plan:
+def with_measured_factors(plan: Plan, caps_by_host: dict) -> Plan:
     """The plan, its layers unchanged, with each stage predicted from the step factor its host's
     caps now hold for the stage's mode (what its worker measured at warm-up, kept by the probe
     cache): the predictions the next plan makes, so a deploy that changes nothing plans the same.
     Stages whose host has no caps, or the same factor, keep theirs."""
-    plan = Plan.from_dict(plan)
     caps = {}
     for host, c in caps_by_host.items():
         try:
@@ -712,11 +711,8 @@ def with_measured_factors(plan: Plan | dict, caps_by_host: dict) -> Plan:
                                bottleneck_s=max(s.predicted_s for s in act))
 
 
-def validate_plan(plan: Plan | dict) -> None:
+def validate_plan(plan: Plan) -> None:
     """Actives cover every layer exactly once, in pipeline order."""
-    if isinstance(plan, dict):
-        Plan.from_dict(plan)  # validates what it reads
-        return
     a = 0
     for s in plan.actives:
         if s.layers[0] != a or s.layers[1] <= a:
@@ -741,9 +737,8 @@ def _secs(s: float) -> str:
     return f"{s * 1e3:.2f} ms"
 
 
-def plan_table(plan: Plan | dict) -> str:
+def plan_table(plan: Plan) -> str:
     """What each machine ends up holding, with disk speed and predicted stage time."""
-    plan = Plan.from_dict(plan)
     head = ["host", "role", "layers", "device", "prec", "threads", "weights", "kv", "budget", "disk read",
             "pred/token"]
     rows = []

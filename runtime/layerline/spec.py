@@ -40,24 +40,22 @@ class WorkerSpec:
         return asdict(self) | {"argv": list(self.argv)}
 
 
-def planned_worker(plan: Plan | dict, host: str, hvars: SettingsLike, python: str = "python3") -> dict:
+def planned_worker(plan: Plan, host: str, hvars: SettingsLike, python: str = "python3") -> dict:
     """What the worker role reads: {"planned": False} for a host the plan holds no stage on (its worker
     is stopped), else the host's WorkerSpec as a dict with "planned": True."""
-    plan = Plan.from_dict(plan)
     if plan.stage(host) is None:
         return {"planned": False}
     return worker_spec(plan, host, hvars, python).to_dict() | {"planned": True}
 
 
-def ships_stage(plan: Plan | dict, host: str, hvars: SettingsLike) -> bool:
+def ships_stage(plan: Plan, host: str, hvars: SettingsLike) -> bool:
     """Whether staging ships this host its own tensors: it runs a stage of the plan and does not share
     the controller's checkpoint path (its worker then opens HostSettings.worker_checkpoint's staged dir)."""
-    return not HostSettings.of(host, hvars).checkpoint_shared and Plan.from_dict(plan).stage(host) is not None
+    return not HostSettings.of(host, hvars).checkpoint_shared and plan.stage(host) is not None
 
 
-def worker_spec(plan: Plan | dict, host: str, hvars: SettingsLike, python: str = "python3") -> WorkerSpec:
+def worker_spec(plan: Plan, host: str, hvars: SettingsLike, python: str = "python3") -> WorkerSpec:
     """This host's worker launch, from its stage of the plan (looked up by host name)."""
-    plan = Plan.from_dict(plan)
     hs = HostSettings.of(host, hvars)
     s = plan.stage(host)
     if s is None:
@@ -128,9 +126,8 @@ def timing_lock_name(plan: Plan) -> str:
     return f"layerline-timing-{hashlib.sha256(key.encode()).hexdigest()[:16]}.lock"
 
 
-def stage_checkpoint_argv(plan: Plan | dict, host: str, hvars: SettingsLike, python: str = "python3") -> list[str]:
+def stage_checkpoint_argv(plan: Plan, host: str, hvars: SettingsLike, python: str = "python3") -> list[str]:
     """The controller's command that cuts this host's tensors out of the checkpoint."""
-    plan = Plan.from_dict(plan)
     hs = HostSettings.of(host, hvars)
     s = plan.stage(host)
     if s is None:
@@ -146,9 +143,8 @@ def stage_checkpoint_argv(plan: Plan | dict, host: str, hvars: SettingsLike, pyt
     return argv
 
 
-def drive_argv(plan: Plan | dict, hvars: SettingsLike, python: str = "python3", host: str = "controller") -> list[str]:
+def drive_argv(plan: Plan, hvars: SettingsLike, python: str = "python3", host: str = "controller") -> list[str]:
     """The controller's `layerline drive` command line for a plan and the play's variables."""
-    plan = Plan.from_dict(plan)
     hs = HostSettings.of(host, hvars)
     if not plan.actives:
         raise LayerlineError("plan: no active stage to drive; run playbooks/plan.yml first")
@@ -280,11 +276,11 @@ def curl_line(url: str, body: dict, api_keys_file: str | None = None) -> str:
     return " ".join(parts)
 
 
-def host_report(plan: Plan | dict | None, host: str, hvars: SettingsLike, host_python: str | None = None) -> dict:
+def host_report(plan: Plan | None, host: str, hvars: SettingsLike, host_python: str | None = None) -> dict:
     """What layerline.Cluster keeps of a host between steps: its settings (defaults filled in), the
     controller's keys dir, and its worker argv ([] when the plan holds no stage for it)."""
     hs = HostSettings.of(host, hvars)
     python = hs.worker_python or host_python or "/usr/bin/python3"
-    planned = bool(plan) and Plan.from_dict(plan).stage(host) is not None
+    planned = plan is not None and plan.stage(host) is not None
     return hs.facts() | {"keys_controller_dir": ControllerHome.of(hs.home or ".").keys_controller,
                          "argv": list(worker_spec(plan, host, hs, python).argv) if planned else []}

@@ -52,7 +52,8 @@ def cluster():
         info = json.loads(r.stdout)
         print(f"\n[multihost] testhosts up {len(HOSTS)}: {time.perf_counter() - t0:.2f} s")
         from layerline.checkpoint import write_demo_checkpoint
-        ckpt = write_demo_checkpoint(work / "ckpt", layers=6, hidden=256, vocab=2000, dtype="bfloat16", seed=3)
+        # stored fp32, as it runs: nothing to convert at load, and small (what crosses hosts is the point)
+        ckpt = write_demo_checkpoint(work / "ckpt", layers=6, hidden=128, vocab=500, dtype="float32", seed=3)
         home = work / "home"
         home.mkdir()
         # layerline_policy uniform: every host holds layers (2 each), whatever the probes measure;
@@ -147,11 +148,13 @@ def test_runtime_role_installs_layerline_where_missing(cluster):
         r.stdout[-3000:]
 
     py = _venv_without_layerline(work, "venv-deps", with_deps=True)
-    assert subprocess.run([str(py), "-c", "import layerline"], capture_output=True).returncode != 0
+    # that venv's own view: a checkout run with PYTHONPATH=runtime would lend it the controller's layerline
+    own = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    assert subprocess.run([str(py), "-c", "import layerline"], capture_output=True, env=own).returncode != 0
     r = playbook("playbooks/runtime.yml", "-i", inv, "-l", "h1", *extra, "-e", f"layerline_runtime_python={py}")
     assert recap(r.stdout)["h1"]["changed"] > 0
     where = subprocess.run([str(py), "-c", "import layerline; print(layerline.__file__)"], capture_output=True,
-                           text=True, check=True).stdout.strip()
+                           text=True, check=True, env=own).stdout.strip()
     assert where.startswith(str(py.parent.parent)), f"layerline imported from {where}, not the venv's own"
     r = playbook("playbooks/runtime.yml", "-i", inv, "-l", "h1", *extra, "-e", f"layerline_runtime_python={py}")
     assert recap(r.stdout)["h1"]["changed"] == 0, r.stdout[-3000:]
@@ -222,7 +225,7 @@ def test_deploy_across_hosts_idempotent_teardown(cluster):
     print(f"\n[multihost] deploy.yml over ssh, 3 hosts: first {first_s:.1f} s, re-run {again_s:.1f} s")
 
     # a drain over ssh, under load: h2 drained, h1 and h3 re-planned in the other slot on their hosts;
-    # every request equals the undisturbed run (tests/test_drain.py runs the rest of the operations:
+    # every request equals the undisturbed run (tests/deploy/test_deployment.py runs the rest of the operations:
     # rejoin, standby promotion, SIGSTOP, a dead host re-planned around, on the embedded inventory)
     drain_under_load(inv, home, extra)
     slot1 = {h: json.loads((host_root(info, h) / "tmp" / "layerline" / "state.1" / "ready.json").read_text())["pid"]

@@ -386,10 +386,11 @@ def test_driver_off_loopback_without_keys_is_one_line(small_ckpt, keyset):
 
 
 def test_worker_argv_names_the_next_hop_key():
+    from layerline.planner import Plan
     from layerline.spec import worker_spec
 
     def worker_argv(plan, host, hv):
-        return list(worker_spec(plan, host, hv).argv)
+        return list(worker_spec(Plan.from_dict(plan), host, hv).argv)
 
     sizes = {"weight_bytes": 1, "kv_bytes": 0, "kv_dtype": "fp32", "mem_budget_bytes": 10, "predicted_s": 0.1}
     plan = {"num_layers": 4, "kv": {"context": 64, "dtype": "fp32", "bytes_per_token": 8}, "precision": "fp32",

@@ -3,24 +3,18 @@ against a reference computed stage by stage at int4 (what a deploy pinned to int
 against bf16 with bf16's tolerance."""
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 
-from layerline.cli import local_stages, stop_local
-from layerline.driver import DriveError, DriveOptions, Pipeline, drive, reference_forward
+from helpers import local_pipeline
+
+from layerline.driver import DriveError, DriveOptions, drive, reference_forward
 
 
 @pytest.fixture(scope="module")
 def int4_pipeline(small_ckpt):
-    procs, first, tmp, _ = local_stages(str(small_ckpt), 2, "int4", policy="uniform")
-    try:
-        with Pipeline(first, timeout_s=60) as pipe:
-            yield pipe
-    finally:
-        stop_local(procs)
-        shutil.rmtree(tmp, ignore_errors=True)
+    with local_pipeline(small_ckpt, 2, "int4", policy="uniform") as pipe:
+        yield pipe
 
 
 PROMPT = [3, 17, 42, 99, 7, 250, 12, 8, 61, 5]

@@ -3,15 +3,14 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 
 import pytest
 import torch
+from helpers import local_pipeline
 
 from layerline.checkpoint import read_index
-from layerline.cli import local_stages, stop_local
 from layerline.driver import Pipeline
 from layerline.errors import LayerlineError
 from layerline.generate import Sampling, generate
@@ -21,13 +20,8 @@ from layerline.model.sampling import sample
 
 @pytest.fixture(scope="module")
 def pipeline(small_ckpt):
-    procs, first, tmp, _ = local_stages(str(small_ckpt), 3, "fp32")
-    try:
-        with Pipeline(first, timeout_s=60) as pipe:
-            yield pipe
-    finally:
-        stop_local(procs)
-        shutil.rmtree(tmp, ignore_errors=True)
+    with local_pipeline(small_ckpt, 3, "fp32") as pipe:
+        yield pipe
 
 
 @pytest.fixture(scope="module")

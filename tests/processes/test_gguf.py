@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import llama_gguf_writer
 
 import gguf  # noqa: E402
 
@@ -110,19 +111,7 @@ def _write_gguf(ckpt: Path, out: Path, quantized: tuple[str, ...] = (), types: d
     for f in sorted(ckpt.glob("*.safetensors")):
         hf.update(load_file(str(f)))
     back = {v: k for k, v in {g: hf_tensor_name(g) for g in _gguf_names(cfg)}.items()}
-    w = gguf.GGUFWriter(str(out), "llama")
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(cfg["num_attention_heads"])
-    w.add_head_count_kv(cfg["num_key_value_heads"])
-    w.add_rope_dimension_count(cfg["head_dim"])
-    w.add_rope_freq_base(cfg["rope_theta"])
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_vocab_size(cfg["vocab_size"])
-    w.add_bos_token_id(cfg["bos_token_id"])
-    w.add_eos_token_id(cfg["eos_token_id"])
+    w = llama_gguf_writer(out, cfg)
     decoded = {}
     for name, t in hf.items():
         g = back[name]

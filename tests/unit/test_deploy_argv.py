@@ -9,7 +9,7 @@ from layerline.cost import KV_DTYPE_BYTES, ModelCost
 from layerline import inventory as hosts_inventory
 from layerline.inventory import node_from_vars
 from layerline.errors import LayerlineError
-from layerline.planner import PlanError
+from layerline.planner import Plan, PlanError
 from layerline.spec import worker_spec
 
 
@@ -18,8 +18,9 @@ def plan_for_hosts(*args, **kw) -> dict:
     return hosts_inventory.plan_for_hosts(*args, **kw).to_dict()
 
 
-def worker_argv(plan, host: str, hvars: dict, python: str = "python3") -> list[str]:
-    return list(worker_spec(plan, host, hvars, python).argv)
+def worker_argv(plan: dict, host: str, hvars: dict, python: str = "python3") -> list[str]:
+    """What the layerline_worker_spec filter hands a playbook: the JSON plan read as a Plan."""
+    return list(worker_spec(Plan.from_dict(plan), host, hvars, python).argv)
 
 GiB = 2**30
 BOOL_FLAGS = {"--first", "--last"}

@@ -3,11 +3,12 @@ ggml's kernels, against the same file loaded at fp32 (every tensor dequantized t
 
 The files mix block types as Q4_K_M files do, matrix by matrix (gguf.quants quantizes the 32-weight
 types, ggml's reference quantizer the K types), for a llama file (Q/K rows permuted as llama.cpp
-writes them) and a gemma3 file (tied head, norms stored as 1 + weight). The stage's modules hold the
-file's bytes exactly (`stored()` against `Checkpoint.stored_blocks`, and those rows against the
-file's float decode), q/k/v and gate/up fuse only when their block types agree, a block type
-without a kernel here (Q2_K) is held as float32 and said so, and the logits are close to the fp32
-stage's: the only difference is ggml quantizing each matrix's input to 8 bits.
+writes them), a gemma3 file (tied head, norms stored as 1 + weight) and a qwen2 file (q/k/v
+biases). The stage's modules hold the file's bytes exactly (`stored()` against
+`Checkpoint.stored_blocks`, and those rows against the file's float decode), q/k/v and gate/up fuse
+only when their block types agree (qwen2's biases with them), a block type without a kernel here
+(Q2_K) is held as float32 and said so, and the logits are close to the fp32 stage's: the only
+difference is ggml quantizing each matrix's input to 8 bits.
 """
 from __future__ import annotations
 
@@ -98,12 +99,15 @@ def _write(path: Path, arch: str) -> None:
         mat(f"blk.{i}.attn_q.weight", (HEADS * HD, H), types["attn_q"], HEADS)
         mat(f"blk.{i}.attn_k.weight", (KV_HEADS * HD, H), types["attn_k"], KV_HEADS)
         mat(f"blk.{i}.attn_v.weight", (KV_HEADS * HD, H), types["attn_v"])
+        if arch == "qwen2":  # biased q/k/v: added to the kernels' float32 products
+            for n, rows in (("attn_q", HEADS * HD), ("attn_k", KV_HEADS * HD), ("attn_v", KV_HEADS * HD)):
+                w.add_tensor(f"blk.{i}.{n}.bias", (0.1 * rng.standard_normal(rows)).astype(np.float32))
         mat(f"blk.{i}.attn_output.weight", (H, HEADS * HD), types["attn_output"])
         mat(f"blk.{i}.ffn_gate.weight", (FF, H), types["ffn_gate"])
         mat(f"blk.{i}.ffn_up.weight", (FF, H), types["ffn_up"])
         mat(f"blk.{i}.ffn_down.weight", (H, FF), types["ffn_down"])
     norm("output_norm.weight")
-    if arch == "llama":  # gemma3 ties its head to the embedding
+    if arch != "gemma3":  # gemma3 ties its head to the embedding
         mat("output.weight", (VOCAB, H), T.Q6_K)
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -111,7 +115,7 @@ def _write(path: Path, arch: str) -> None:
     w.close()
 
 
-@pytest.fixture(scope="module", params=["llama", "gemma3"])
+@pytest.fixture(scope="module", params=["llama", "gemma3", "qwen2"])
 def gguf_file(request, tmp_path_factory) -> tuple[str, Path]:
     path = tmp_path_factory.mktemp("stored") / f"{request.param}.gguf"
     _write(path, request.param)
@@ -146,6 +150,13 @@ def test_gguf_stage_holds_blocks_and_matches_fp32(gguf_file, capfd):
     assert l0.self_attn.qkv.weight is None  # Q4_K, Q5_K, Q8_0: kept apart
     assert l0.mlp.gate_up.weight is not None  # Q4_0 twice: one kernel over both
     assert l1.self_attn.qkv.weight is not None and l1.mlp.gate_up.weight is None
+    assert (l1.self_attn.qkv.bias is not None) == (arch == "qwen2")
+    if arch == "qwen2":  # the biases loaded, and added: the fused product minus the unbiased kernel's
+        x = torch.randn(3, H)
+        plain = l1.self_attn.qkv.blocks.run(x, l1.self_attn.qkv.weight)
+        assert torch.allclose(torch.cat(l1.self_attn.qkv(x), -1) - plain, l1.self_attn.qkv.bias.expand(3, -1),
+                              atol=1e-5)
+        assert float(l1.self_attn.qkv.bias.abs().max()) > 0
     assert l1.mlp.down_proj.weight.dtype == torch.float32  # Q2_K: no kernel here
     assert isinstance(stage.embed_tokens, BlockEmbedding)
     if arch == "gemma3":  # the tied head is the embedding's blocks, not a copy
@@ -158,6 +169,16 @@ def test_gguf_stage_holds_blocks_and_matches_fp32(gguf_file, capfd):
             name = "model.embed_tokens.weight" if key == "lm_head.weight" and arch == "gemma3" else (
                 key if key.startswith("lm_head") else "model." + key)
             assert torch.equal(m.stored(), ck.stored_blocks(name)[0]), name
+    # and holds them once: fused parts' kernels look into the fused blocks, not at copies of their own
+    storages = {}
+    for m in stage.modules():
+        for raw in (getattr(getattr(m, "kernel", None), "raw", None), getattr(getattr(m, "blocks", None), "raw", None),
+                    getattr(m, "weight", None)):
+            if raw is not None and raw.dtype == torch.uint8:
+                storages[raw.untyped_storage().data_ptr()] = raw.untyped_storage().nbytes()
+    file_blocks = sum(e.stored_bytes for e in ck.index.tensors.values()
+                      if e.stored_type not in ("F32", "F16", "BF16", "Q2_K"))
+    assert sum(storages.values()) == file_blocks
 
     ref = load_stage(str(path), 0, len(LAYER_TYPES), True, True, precision="fp32")
     ids = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(0))
@@ -167,11 +188,12 @@ def test_gguf_stage_holds_blocks_and_matches_fp32(gguf_file, capfd):
     print(f"{arch}: max |gguf - fp32| / max |fp32| = {err:.4f}, top-1 agreement {agree:.3f}")
     assert err < 0.05 and agree >= 0.9
 
-    # a decode step over the KV cache gives the prefill's last logits (batch-invariant kernels)
+    # a decode step over the KV cache gives the prefill's last logits, up to the attention's order of
+    # sums (the decode kernel against SDPA) moving an input across an 8-bit rounding step
     cache = stage.new_cache(1, 32)
     stage(ids[:1, :-1], 0, cache)
     step = stage(ids[:1, -1:], ids.shape[1] - 1, cache)
-    assert torch.allclose(step[0, -1], got[0, -1], rtol=1e-4, atol=1e-4)
+    assert float((step[0, -1] - got[0, -1]).abs().max()) <= 0.02 * float(got[0, -1].abs().max())
 
 
 def test_gguf_precision_on_a_safetensors_dir_is_one_line(tmp_path):

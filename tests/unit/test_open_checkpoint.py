@@ -9,10 +9,10 @@ import dataclasses
 import json
 from pathlib import Path
 
-import gguf
 import numpy as np
 import pytest
 import torch
+from helpers import llama_gguf_writer
 
 from layerline.checkpoint import (Checkpoint, CheckpointError, GGUFCheckpoint, HFCheckpoint, open_checkpoint,
                                   write_demo_checkpoint)
@@ -49,19 +49,7 @@ def _write_gguf(src: Path, out: Path, tok) -> None:
         f"blk.{n}.{p}.weight" for n in range(cfg["num_hidden_layers"])
         for p in ("attn_norm", "ffn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")]
     to_gguf = {hf_tensor_name(g): g for g in names}
-    w = gguf.GGUFWriter(str(out), "llama")
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(cfg["num_attention_heads"])
-    w.add_head_count_kv(cfg["num_key_value_heads"])
-    w.add_rope_dimension_count(cfg["head_dim"])
-    w.add_rope_freq_base(cfg["rope_theta"])
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_vocab_size(cfg["vocab_size"])
-    w.add_bos_token_id(cfg["bos_token_id"])
-    w.add_eos_token_id(cfg["eos_token_id"])
+    w = llama_gguf_writer(out, cfg)
     model = json.loads(tok.to_str())["model"]
     vocab = sorted(model["vocab"].items(), key=lambda kv: kv[1])
     w.add_tokenizer_model("gpt2")

@@ -214,7 +214,7 @@ def instances(draw, max_layers=40, max_nodes=8, objective=None, lo=0.9, hi=4.0, 
 
 def check_plan(p: dict, specs: list[dict], mc: ModelCost, opts: CostOptions) -> None:
     """Every invariant a returned plan must satisfy, against the independent cost model."""
-    validate_plan(p)
+    validate_plan(Plan.from_dict(p))
     json.dumps(p)
     act = actives(p)
     assert act, "a plan has at least one active stage"
@@ -505,7 +505,7 @@ def test_pins_honoured(mc, objective, data):
 def test_pins_set_pipeline_order():
     specs = [spec("late", BIG, layers=(5, 8)), spec("free", BIG), spec("early", BIG, layers=(0, 2))]
     p = plan(specs, _mc(), OPTS)
-    validate_plan(p)
+    validate_plan(Plan.from_dict(p))
     got = {s["host"]: s["layers"] for s in actives(p)}
     assert got["early"] == [0, 2] and got["late"] == [5, 8] and got["free"] == [2, 5]
 
@@ -632,7 +632,7 @@ def test_plan_table_lists_every_host_and_unmeasured_disk():
     specs = [spec("alpha", BIG, disk=None), spec("beta", BIG, disk=5 * 10**8, layers=(4, 8)),
              spec("gamma", BIG, role="standby", standby_for="beta", disk=0)]
     p = plan(specs, _mc(), OPTS)
-    table = plan_table(p)
+    table = plan_table(Plan.from_dict(p))
     rows = {line.split()[0]: line for line in table.splitlines() if line.split()}
     for s in specs:
         assert s["host"] in rows, f"{s['host']} missing from table"
@@ -667,7 +667,7 @@ def test_experts_paged_only_from_a_measured_disk():
     miss = 1 - s["expert_cache_bytes"] / (4 * 8000 * 2)
     assert close(s["disk_s"], active_expert_bytes * miss / 1e8)
     assert close(s["predicted_s"], s_time(mc, "bf16", 1e12, 1e11, 0, 4, 1) + s["disk_s"])
-    assert "experts from disk" in plan_table(p)
+    assert "experts from disk" in plan_table(Plan.from_dict(p))
     # a faster disk is a faster stage; enough RAM means no paging at all
     faster = actives(plan([spec("a", ram, disk=1e9)], mc, opts))[0]
     assert faster["predicted_s"] < s["predicted_s"]
@@ -720,12 +720,12 @@ def test_a_plan_measured_after_launch_equals_the_next_plan():
     measured = {s["host"]: caps(s) for s in specs}
     for h, f in (("a", 0.37), ("b", 1.9)):
         measured[h]["devices"][0]["step_factors"] = {"bf16/off": f}
-    got = with_measured_factors(first, measured).to_dict()
+    got = with_measured_factors(Plan.from_dict(first), measured).to_dict()
     nodes = [dataclasses.replace(n, caps=NodeCaps.from_dict(measured[n.host], n.host)) for n in nodes_of(specs)]
     assert got == make_plan(nodes, mc, OPTS, "uniform").to_dict()
     assert [s["step_factor"] for s in got["stages"]] == [0.37, 1.9, 1.0]
-    assert with_measured_factors(got, measured).to_dict() == got, "measured again: the same plan"
-    assert with_measured_factors(first, {}).to_dict() == first
+    assert with_measured_factors(Plan.from_dict(got), measured).to_dict() == got, "measured again: the same plan"
+    assert with_measured_factors(Plan.from_dict(first), {}).to_dict() == first
 
 
 def test_hosts_on_one_machine_share_the_median_step_factor():
@@ -747,7 +747,7 @@ def test_hosts_on_one_machine_share_the_median_step_factor():
         assert {h: factors.get(h) for h in "abce"} == dict.fromkeys("abce", 1.2), (policy, factors)
         assert factors.get("d") in (None, 3.0)
     first = plan(specs, mc, OPTS, "uniform")
-    assert with_measured_factors(first, measured).to_dict() == make_plan(nodes, mc, OPTS, "uniform").to_dict()
+    assert with_measured_factors(Plan.from_dict(first), measured).to_dict() == make_plan(nodes, mc, OPTS, "uniform").to_dict()
     two = [NodeCaps.from_dict(measured[h], h) for h in ("a", "b")]
     assert [f["bf16/off"] for f in machine_step_factors(two).values()] == [1.2]
 
@@ -807,7 +807,7 @@ def test_a_quantized_gguf_plans_at_its_stored_bytes():
     # decode streams the stored layers and the stored head (the tied embedding), not bf16's bytes
     read = sum(mc.stored_dense_bytes) + head_read_bytes(mc, "gguf")
     assert st["predicted_s"] >= read / 1e9 and read < idx.total_bytes / 3
-    table = plan_table(p)
+    table = plan_table(Plan.from_dict(p))
     assert "precision gguf (weights: the file's own blocks)" in table and " gguf " in table
     # the ladder may still go lower; a host may pin gguf on a ladder that names other rungs
     low = plan([spec("a", 2**30)], mc, CostOptions(context=64, precision_ladder=["int4"]))

@@ -2,14 +2,15 @@
 
 Everything is expressed in the Hugging Face vocabulary the rest of layerline speaks:
 
-- The index comes from the header alone (GGUFReader memory-maps the file; no tensor data is
-  read). Tensors are keyed by their HF names (`blk.3.attn_q.weight` ->
-  `model.layers.3.self_attn.q_proj.weight`) with torch-order shapes (GGUF stores dimensions
-  innermost first, ne0 = columns, so they are reversed). Each entry's `dtype` is the precision
-  the tensor is dequantized to, and `nbytes` its size at that dtype: F32 -> F32, F16 -> F16,
-  BF16 -> BF16, every quantized type (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K, ...) -> BF16. The block type,
-  stored bytes and byte range are in `stored_type` / `stored_bytes` / `offset`; a file with
-  quantized matrices costs and plans at precision gguf, from the stored bytes (layerline.cost).
+- The index comes from the header alone (gguf_header.GGUFHeader memory-maps the file; no tensor
+  data is read, and metadata arrays stay views of the map until asked for). Tensors are keyed by
+  their HF names (`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`) with
+  torch-order shapes (GGUF stores dimensions innermost first, ne0 = columns, so they are reversed).
+  Each entry's `dtype` is the precision the tensor is dequantized to, and `nbytes` its size at
+  that dtype: F32 -> F32, F16 -> F16, BF16 -> BF16, every quantized type (Q8_0, Q4_0, Q4_1, Q4_K,
+  Q6_K, ...) -> BF16. The block type, stored bytes and byte range are in `stored_type` /
+  `stored_bytes` / `offset`; a file with quantized matrices costs and plans at precision gguf,
+  from the stored bytes (layerline.cost).
 - The config: a config.json-style dict from the `<arch>.*` metadata keys (a stage file: the whole
   model's, kept as JSON under `STAGE_CONFIG_KEY`).
 - `write_stage`: a GGUF stage file of this file's metadata and the stage's tensors' own bytes.
@@ -41,6 +42,7 @@ from typing import Any, Iterable, Iterator
 from .. import text
 from ..errors import CheckpointError
 from .base import ROW_CHUNK_BYTES, Checkpoint, CheckpointIndex, TensorEntry
+from .gguf_header import GGUFHeader, GGUFHeaderError
 from .stagefile import ByteRanges, GGUFTensorInfo, gguf_kv_string, write_gguf
 
 GGUF_MAGIC = b"GGUF"
@@ -125,11 +127,10 @@ def _planned(gguf_type: str) -> str:
 
 @lru_cache(maxsize=4)
 def _reader_cached(path: str, _mtime: float, _size: int):
-    """One memory-mapped reader per file version, shared by the checkpoints opened on it."""
-    from gguf import GGUFReader
+    """One memory-mapped header per file version, shared by the checkpoints opened on it."""
     try:
-        return GGUFReader(path)
-    except (ValueError, IndexError, KeyError, OSError) as e:
+        return GGUFHeader(path)
+    except (GGUFHeaderError, ValueError, OSError) as e:
         raise CheckpointError(f"{path}: not a readable GGUF file ({e}); re-download it") from None
 
 
@@ -148,7 +149,7 @@ class _Meta:
 
     def array_len(self, key: str) -> int | None:
         f = self.r.get_field(key)
-        return None if f is None else len(f.data)
+        return None if f is None else len(f)
 
     def array_item(self, key: str, i: int) -> Any:
         return self.r.get_field(key).contents(i)
@@ -430,12 +431,10 @@ class GGUFCheckpoint(Checkpoint):
             infos.append(GGUFTensorInfo(e, t.name, tuple(int(d) for d in t.shape), int(t.tensor_type)))
         kv: list = []
         for key, f in r.fields.items():
-            if key.startswith("GGUF.") or key == STAGE_CONFIG_KEY:
-                continue
-            size = sum(int(p.nbytes) for p in f.parts)
-            kv.append(memoryview(r.data[f.offset:f.offset + size]))
+            if key != STAGE_CONFIG_KEY:
+                kv.append(memoryview(r.data[f.offset:f.offset + f.nbytes]))
         kv.append(gguf_kv_string(STAGE_CONFIG_KEY, json.dumps(self.config, sort_keys=True)))
-        version = int(r.fields["GGUF.version"].parts[0][0])
+        version = r.version
         with ByteRanges(self.file_path) as src:
             sha1 = write_gguf(out / STAGE_GGUF, version, kv, infos, int(r.alignment), src.copy)
         return {STAGE_GGUF: sha1}

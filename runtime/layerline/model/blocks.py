@@ -110,5 +110,6 @@ def fuse_blocks(parts: list[BlockLinearModule]) -> BlockLinear | None:
         w = torch.cat([m.weight.reshape(m.out_features, -1) for m in parts])
     k = BlockLinear(w, first.block, sum(sizes), first.in_features, repack=first.repacked, packed=True)
     for m, wi in zip(parts, k.raw.split(sizes)):
-        m.weight = wi
+        # views into the fused blocks, in the module and its kernel alike: no part keeps its own copy
+        m.weight = m.kernel.raw = wi
     return k

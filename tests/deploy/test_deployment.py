@@ -1,0 +1,464 @@
+"""One deployment, as a user runs it, carrying ordered checks (each test goes on from the state the
+one before left): deploy.yml on the embedded inventory plus a standby for w3 (w4), its plan, its
+staging, its drive and its server; a re-run that changes nothing; drains refused with one line; then,
+while clients keep streaming greedy completions through the deployed server, drain.yml, a standby
+taking over a SIGKILLed worker, a SIGSTOPped worker waited for, a rejoin, a drain that promotes the
+standby in place and the drain of a dead host; teardown; a controller SIGKILLed mid-deploy and the
+next deploy.yml converging; a drive whose check fails.
+
+layerline_checkpoint_shared is false for the deploys here, so they prove weight staging too: each host
+gets only its own layers' tensors, once, and a staged file corrupted after shipping is shipped again
+(the operations under load read the checkpoint shared: see SHARED).
+The deployment runs fp32 (a replayed prefix, one batched prefill, gives the very logits its
+token-by-token steps gave, so every request under load equals the undisturbed run); the deploy after
+the controller's kill runs bf16, so a deployed worker's decode kernels and the bf16 check are proved.
+Run the file whole: a test on its own lacks the state its predecessors leave (pytest -x stops at the
+first failure, as later checks would only fail on its state)."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from helpers import BIN, ROOT, Phases, ansible_env, playbook, recap, wait_for
+
+PORT_BASE = 29300  # clear of the demo (29100), test_cluster (29500), molecule (29600), test_bad_deploys (29700)
+URL = f"http://127.0.0.1:{PORT_BASE + 90}"
+HOSTS = ("w1", "w2", "w3", "w4")
+# four clients of 32 tokens: requests always running while a route switches, short enough that the
+# ones running when a load stops end soon
+N_TOKENS = 32
+PROMPTS = [[5 + i, 17, 3 + 2 * i, 99 - i] for i in range(4)]
+# The operations under load (drains, the rejoin, the server's own drain of a dead host) read the
+# checkpoint where it lies, as they did on a deployment of their own: with layerline_checkpoint_shared
+# false, a drain that re-plans a standby (w4 to layers 3:6 in slot 1) starts it on the stage it got
+# in slot 0 (layers 4:6), which lacks layer 3, and the drain is rolled back (a gap in staging, not
+# in what these tests prove; reported with this change).
+SHARED = {"layerline_checkpoint_shared": True}
+
+
+@pytest.fixture(scope="module")
+def deployed(tmp_path_factory):
+    """The deployment every test here goes on with: (home, extra args, the first deploy.yml's run,
+    the undisturbed tokens of PROMPTS)."""
+    from layerline.checkpoint import write_demo_checkpoint
+    home = tmp_path_factory.mktemp("deployment")
+    ckpt = write_demo_checkpoint(home / "ckpt", layers=6, hidden=128, vocab=500, dtype="float32", seed=7)
+    # the embedded inventory and w4, a standby for w3 (an inventory dir: ansible-playbook and Cluster read it alike)
+    inv = home / "inventory"
+    shutil.copytree(ROOT / "inventory", inv)
+    (inv / "standby.yml").write_text(json.dumps({"layerline": {"hosts": {"w4": {
+        "layerline_port": "{{ layerline_port_base | int + 30 }}", "layerline_role": "standby",
+        "layerline_standby_for": "w3"}}}}))
+    # a stage down for 10 s past its supervisor's restarts is re-planned around: the server runs drain.yml
+    drain = (f"env ANSIBLE_CONFIG={ROOT / 'ansible.cfg'} {BIN / 'ansible-playbook'} {ROOT / 'drain.yml'} "
+             f"-i {inv} -e @{home / 'vars.json'} -e layerline_drain={{host}}")
+    # layerline_policy uniform: all three workers hold layers (2 each) whatever the probes measure;
+    # under auto the planner may validly leave a host out of a model this small
+    ev = {"layerline_home": str(home), "layerline_checkpoint": str(ckpt), "layerline_demo_checkpoint": False,
+          "layerline_policy": "uniform", "layerline_precision": "fp32", "layerline_port_base": PORT_BASE,
+          "layerline_checkpoint_shared": False,
+          "layerline_prompt": "",  # random ids: no tokenizer
+          "layerline_seq": 8, "layerline_generate": 4, "layerline_sequences": 2,
+          "layerline_sampling": {"temperature": 0.8, "top_p": 0.9},
+          "layerline_serve_restart_wait": 10, "layerline_serve_on_stage_lost": drain,
+          # niced workers on two cores shared with the load, the plays and another test file can take
+          # over 2 s to answer a health check: a stage taken for dead there would be failed over
+          "layerline_serve_health_deadline": 4,
+          # the workers yield the CPU to the plays beside them; the load takes what is left
+          "layerline_nice": 10}
+    (home / "vars.json").write_text(json.dumps({**ev, **SHARED}))
+    extra = ["-i", str(inv), "-e", json.dumps(ev)]
+    try:
+        first = playbook("deploy.yml", *extra)
+        # the undisturbed run: the same requests at once, as the load sends them
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(len(PROMPTS)) as ex:
+            reference = dict(enumerate(ex.map(complete, PROMPTS)))
+        print(f"[phase] deployment: the undisturbed run: {time.perf_counter() - t0:.1f} s")
+        assert all(len(t) == N_TOKENS for t in reference.values())
+        yield home, extra, first, reference
+    finally:
+        playbook("teardown.yml", *extra, check=False)
+
+
+def _pids(home) -> dict:
+    out = {}
+    for h in (*HOSTS, "server"):
+        ready = home / "state" / h / "ready.json"
+        out[h] = json.loads(ready.read_text())["pid"] if ready.exists() else None
+    return out
+
+
+def test_deploy_plans_stages_drives_and_serves(deployed):
+    home, extra, first, _ = deployed
+    plan = json.loads((home / "plan.json").read_text())
+    actives_ = [s for s in plan["stages"] if s["role"] == "active"]
+    assert [s["host"] for s in actives_] == ["w1", "w2", "w3"], "three workers, in inventory order"
+    assert [s["layers"] for s in actives_] == [[0, 2], [2, 4], [4, 6]], "policy uniform: two layers each"
+    assert actives_[0]["layers"][0] == 0 and actives_[-1]["layers"][1] == plan["num_layers"] == 6
+    assert [(s["host"], s["layers"], s["standby_for"]) for s in plan["stages"] if s["role"] == "standby"] == \
+        [("w4", [4, 6], "w3")], "w4 stands by with w3's layers"
+    # the plan table and the drive report reach the user
+    out = " ".join(first.stdout.split())  # the yaml callback folds long lines
+    assert "pred/token" in out and "predicted token time" in out
+    assert "max |logits - one-process forward|" in out and "matches" in out
+    assert "DOES NOT MATCH" not in out
+    # the drive also generated for two sequences together and saved what it did
+    drive = json.loads((home / "drive.json").read_text())
+    assert "for 2 sequence(s)" in out and len(drive["generate"]["new_tokens"]) == 2
+    assert all(len(t) == 4 for t in drive["generate"]["new_tokens"]) and drive["generate"]["tokens_per_s"] > 0
+    staged_only_own_layers(home, plan, out)
+    # every worker (the standby too) runs with the plan's precision and layers, niced as asked
+    for s in plan["stages"]:
+        ready_ = json.loads((home / "state" / s["host"] / "ready.json").read_text())
+        assert ready_["precision"] == s["precision"] == plan["precision"] == "fp32"
+        assert ready_["layers"] == s["layers"]
+        os.kill(ready_["pid"], 0)
+        assert os.getpriority(os.PRIO_PROCESS, ready_["pid"]) == 10, f"{s['host']}: layerline_nice did not reach it"
+        argv = json.loads((home / "state" / s["host"] / "argv.json").read_text())
+        assert argv[argv.index("--precision") + 1] == plan["precision"]
+    # the deployed server answers the official OpenAI client with the one-process greedy tokens
+    from openai import OpenAI
+    import torch
+    from layerline.model.loader import load_stage
+    assert f"serving at {URL}/v1" in out and f"curl -s {URL}/v1/completions" in out
+    client = OpenAI(base_url=f"{URL}/v1", api_key="unused", max_retries=0, timeout=60)
+    [model] = [m.id for m in client.models.list().data]
+    got = client.completions.create(model=model, prompt=[5, 17, 3, 99], max_tokens=4, temperature=0)
+    ids = torch.tensor([[5, 17, 3, 99]])
+    full = load_stage(str(home / "ckpt"), 0, 6, True, True, precision=plan["precision"])
+    with torch.no_grad():
+        for _ in range(4):
+            ids = torch.cat([ids, full(ids)[:, -1:].argmax(-1)], dim=1)
+    assert got.choices[0].token_ids == ids[0, 4:].tolist() and got.usage.completion_tokens == 4
+
+
+def test_a_rerun_changes_nothing(deployed):
+    """Nothing changed: nothing restarts (workers, the standby nor the server), nothing is shipped
+    again, the play reports no change."""
+    home, extra, _, _ = deployed
+    pids = _pids(home)
+    assert all(pids.values()), pids
+    second = playbook("deploy.yml", *extra)
+    counts = recap(second.stdout)
+    assert set(counts) == set(HOSTS)
+    assert all(c["changed"] == 0 and c["failed"] == 0 for c in counts.values()), second.stdout[-3000:]
+    assert f"shipped 0 bytes to {len(HOSTS)} hosts" in " ".join(second.stdout.split()), "staged once"
+    assert _pids(home) == pids
+
+
+def complete(prompt: list[int]) -> list[int]:
+    """One streamed greedy completion; its token ids (raises on anything but 200 and a full stream)."""
+    body = {"model": "ckpt", "prompt": prompt, "max_tokens": N_TOKENS, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    tokens, finish = [], None
+    with httpx.stream("POST", URL + "/v1/completions", json=body, timeout=httpx.Timeout(120, connect=5)) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            d = json.loads(line[6:])
+            assert "error" not in d, d
+            tokens += d["choices"][0].get("token_ids") or []
+            finish = d["choices"][0].get("finish_reason") or finish
+    assert finish == "length", finish
+    return tokens
+
+
+class Load:
+    """A client for each of PROMPTS, each streaming its prompt again and again until stopped."""
+
+    def __init__(self):
+        self.stop = threading.Event()
+        self.results: list[tuple[int, list[int] | str]] = []
+        self.threads = [threading.Thread(target=self._client, args=(i,), daemon=True) for i in range(len(PROMPTS))]
+
+    def _client(self, i: int) -> None:
+        while not self.stop.is_set():
+            try:
+                self.results.append((i, complete(PROMPTS[i])))
+            except Exception as e:  # noqa: BLE001 - every failure is reported by check()
+                self.results.append((i, repr(e)))
+
+    def __enter__(self):
+        for t in self.threads:
+            t.start()
+        time.sleep(1.0)
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        t0 = time.perf_counter()
+        for t in self.threads:
+            t.join(150)
+        print(f"[load] {len(self.results)} requests; the last ones ended {time.perf_counter() - t0:.1f} s after the stop")
+
+    def check(self, reference: dict) -> int:
+        bad = [(i, r) for i, r in self.results if r != reference[i]]
+        assert not bad, f"{len(bad)} of {len(self.results)} requests failed or differ: {bad[:3]}"
+        return len(self.results)
+
+
+def metric(name: str) -> float:
+    text = httpx.get(URL + "/metrics", timeout=10).text
+    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", text, re.M))
+
+
+def actives(home) -> list[tuple[str, list[int], str]]:
+    plan = json.loads((home / "plan.json").read_text())
+    return [(s["host"], s["layers"], s["endpoint"]) for s in plan["stages"] if s["role"] == "active"]
+
+
+def ready(home, host: str, slot: int = 0) -> dict | None:
+    f = home / "state" / (host if slot == 0 else f"{host}.{slot}") / "ready.json"
+    return json.loads(f.read_text()) if f.exists() else None
+
+
+def supervisor_pid(home, host: str, slot: int = 0) -> int:
+    d = home / "state" / (host if slot == 0 else f"{host}.{slot}")
+    return json.loads((d / "supervisor.json").read_text())["pid"]
+
+
+def operations(extra: list[str]) -> list[str]:
+    """The deployment's arguments for drain.yml and a rejoin (SHARED)."""
+    return [*extra, "-e", json.dumps(SHARED)]
+
+
+def test_drain_and_rejoin_under_load_lose_nothing(deployed):
+    home, extra, _, reference = deployed
+    extravars = {**json.loads(extra[3]), **SHARED}
+    extra = operations(extra)
+    phase = Phases("drain")
+    before = actives(home)
+    assert [h for h, _, _ in before] == ["w1", "w2", "w3"]
+    assert ready(home, "w4"), "the standby runs"
+    assert {os.getpriority(os.PRIO_PROCESS, ready(home, h)["pid"]) for h in ("w1", "w2", "w3", "w4")} == {10}
+
+    # a drain whose new route cannot come up (w1's new port is taken) changes nothing
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", PORT_BASE + 50))
+        taken.listen()
+        r = playbook("drain.yml", *extra, "-e", "layerline_drain=w2", "-e", "layerline_worker_ready_timeout=3",
+                     check=False)
+    assert r.returncode != 0
+    out = " ".join(r.stdout.split())
+    assert "drain of w2 failed" in out and "restored: the server routes through the old plan" in out, out[-3000:]
+    assert actives(home) == before
+    assert json.loads((home / "route.json").read_text()) == {"slot": 0, "drained": []}
+    assert not any(ready(home, h, 1) for h in ("w1", "w2", "w3", "w4"))
+    assert complete(PROMPTS[0]) == reference[0]
+    phase("a drain that cannot come up")
+
+    # drain w2 under load (no standby for it): w1 and w3 hold the model, on the other slot's ports,
+    # and w4 mirrors w3's new layers there
+    replays = metric("layerline_replays_total")
+    with Load() as load:
+        r = playbook("drain.yml", *extra, "-e", "layerline_drain=w2")
+    out = " ".join(r.stdout.split())
+    # the epoch counts every route change, a failover a loaded machine may cause included: the
+    # outcome is the route through w1 and w3
+    assert re.search(r"route epoch \d+ through w1, w3", out) and "matches the one-process forward" in out, \
+        out[-3000:]
+    after = actives(home)
+    assert [h for h, _, _ in after] == ["w1", "w3"] and after[0][1][0] == 0 and after[-1][1][1] == 6
+    assert all(e.endswith(str(PORT_BASE + 50 + 10 * (int(h[1]) - 1))) for h, _, e in after), after
+    assert json.loads((home / "route.json").read_text()) == {"slot": 1, "drained": ["w2"]}
+    assert not any(ready(home, h) for h in ("w1", "w2", "w3", "w4")), "old slot stopped"
+    n = load.check(reference)
+    assert metric("layerline_replays_total") > replays, "the switch landed while requests were running"
+    phase("drain w2 under load")
+
+    # under load, w3's worker is SIGKILLed while its supervisor is held (so it is not back before the
+    # monitor looks): the standby w4 is promoted; then w1's worker stops answering for 7 s (SIGSTOP,
+    # no standby): the server waits for it. Only what w4 lacks is replayed (the stall replays
+    # nothing); nothing is lost.
+    promoted = metric("layerline_failovers_total")
+    with Load() as load:
+        sup = supervisor_pid(home, "w3", 1)
+        os.kill(sup, signal.SIGSTOP)
+        try:
+            os.kill(ready(home, "w3", 1)["pid"], signal.SIGKILL)
+            wait_for(lambda: 'action="promoted",host="w3"' in httpx.get(URL + "/metrics", timeout=10).text,
+                     timeout=60, what="the server to promote w4 for w3")
+        finally:
+            os.kill(sup, signal.SIGCONT)
+        time.sleep(1.0)
+    n += load.check(reference)
+    health = httpx.get(URL + "/health", timeout=10).json()
+    assert [s["name"] for s in health["stages"]] == ["w1", "w4"], health
+    phase("w4 promoted for a SIGKILLed w3")
+    replays = metric("layerline_replays_total")
+    with Load() as load:
+        pid = ready(home, "w1", 1)["pid"]
+        os.kill(pid, signal.SIGSTOP)
+        time.sleep(7)   # past the 4 s health deadline: the server takes w1 for down
+        os.kill(pid, signal.SIGCONT)
+        wait_for(lambda: httpx.get(URL + "/health", timeout=10).status_code == 200 and
+                 metric("layerline_failovers_total") >= promoted + 2, timeout=60,
+                 what="the server to wait for w1 and answer again")
+        time.sleep(1.0)
+    n += load.check(reference)
+    assert metric("layerline_replays_total") == replays, "w1 kept its caches: the stall replays nothing"
+    phase("w1 SIGSTOPped and waited for")
+
+    # w2 rejoins under load, from Python (the same plays as deploy.yml -e layerline_rejoin=w2):
+    # back to three hosts and the standby, on slot 0
+    from layerline import Cluster
+    with Load() as load, Cluster.from_path(home / "inventory", extravars=extravars, quiet=True) as c:
+        plan = c.rejoin("w2")
+    assert [s["host"] for s in plan["stages"] if s["role"] == "active"] == ["w1", "w2", "w3"]
+    assert actives(home) == before
+    assert json.loads((home / "route.json").read_text()) == {"slot": 0, "drained": []}
+    assert not any(ready(home, h, 1) for h in ("w1", "w2", "w3", "w4"))
+    n += load.check(reference)
+    phase("w2 rejoined")
+
+    # drain w3 under load: its standby takes its place where it runs (slot 0, no worker starts), w2
+    # now hands its output to w4, and w3's worker stops
+    w4 = ready(home, "w4")["pid"]
+    with Load() as load:
+        r = playbook("drain.yml", *extra, "-e", "layerline_drain=w3")
+    out = " ".join(r.stdout.split())
+    assert "through w1, w2, w4" in out and "matches the one-process forward" in out, out[-3000:]
+    assert [(h, ls) for h, ls, _ in actives(home)] == [(h if h != "w3" else "w4", ls) for h, ls, _ in before]
+    assert json.loads((home / "route.json").read_text()) == {"slot": 0, "drained": ["w3"], "promoted": {"w4": "w3"}}
+    assert ready(home, "w4")["pid"] == w4 and not ready(home, "w3") and not ready(home, "w4", 1)
+    n += load.check(reference)
+    phase("w3 drained, w4 in its place")
+
+    # w1 dies for good (its supervisor stopped too): the server marks it down, waits 10 s for a restart
+    # that does not come, and runs its --on-stage-lost command: drain.yml for w1, which takes it out
+    # although it does not answer (the gate lets down only the hosts being drained); w4 keeps w3's
+    # place in the new plan
+    r = subprocess.run([sys.executable, "-m", "layerline.supervise", "stop", "--state-dir",
+                        str(home / "state" / "w1")], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    log_file = home / "state" / "server" / "on-stage-lost-w1.log"
+    wait_for(lambda: log_file.exists() and "PLAY RECAP" in log_file.read_text(), timeout=240,
+             what=f"the server's drain of w1 to end ({log_file})")
+    log = log_file.read_text()
+    assert httpx.get(URL + "/health", timeout=10).status_code == 200
+    assert "through w2, w4" in " ".join(log.split()), log[-3000:]
+    assert [h for h, _, _ in actives(home)] == ["w2", "w4"]
+    assert json.loads((home / "route.json").read_text()) == {"slot": 1, "drained": ["w3", "w1"],
+                                                             "promoted": {"w4": "w3"}}
+    assert all(complete(p) == reference[i] for i, p in enumerate(PROMPTS[:2]))
+    phase("dead w1 re-planned around by the server")
+    print(f"\n{n} requests of {N_TOKENS} tokens through a drain, a standby promoted for a SIGKILLed worker, a "
+          "SIGSTOP, a rejoin, a drain that promoted the standby in place: all 200, all equal to the undisturbed tokens; "
+          "a dead host re-planned around by the server")
+
+
+def test_bad_drains_are_one_line_and_touch_nothing(deployed):
+    home, extra, _, _ = deployed
+    extra = operations(extra)
+    plan = (home / "plan.json").read_text()
+    for arg, says in (("layerline_drain=w9", "layerline_drain: w9 is not a host of group layerline"),
+                      ("layerline_drain=w2,w4", "would leave no host to serve"),
+                      ("layerline_drain=", "layerline_drain: name the host(s) to take out")):
+        r = playbook("drain.yml", *extra, "-e", arg, check=False)
+        assert r.returncode != 0 and says in " ".join(r.stdout.split()), r.stdout[-2000:]
+        assert "Traceback" not in r.stdout + r.stderr
+    r = playbook("deploy.yml", *extra, "-e", "layerline_rejoin=w2", check=False)
+    assert r.returncode != 0 and "w2 is not drained" in " ".join(r.stdout.split())
+    assert (home / "plan.json").read_text() == plan
+
+
+def staged_only_own_layers(home, plan: dict, out: str) -> None:
+    """Each host holds only its own layers' tensors (the first the embedding, the last the head),
+    its worker loads them, and the run reports the bytes shipped against the whole model."""
+    from layerline.checkpoint import read_index
+    # probed before staging, each host timed the disk its stage lands on (not "not measured")
+    assert all(s["disk_read_bytes_per_s"] for s in plan["stages"]), plan["stages"]
+    shipped = 0
+    for s in plan["stages"]:
+        staged = home / "state" / s["host"] / "checkpoint"
+        idx = read_index(staged, check=False)  # one stage's tensors, not a whole model
+        assert {t.layer for t in idx.tensors.values() if t.layer is not None} == set(range(*s["layers"]))
+        assert ("model.embed_tokens.weight" in idx.tensors) == (s["layers"][0] == 0)
+        assert ("lm_head.weight" in idx.tensors) == (s["layers"][1] == plan["num_layers"])
+        argv = json.loads((home / "state" / s["host"] / "argv.json").read_text())
+        assert argv[argv.index("--checkpoint") + 1] == str(staged)
+        shipped += sum(p.stat().st_size for p in staged.iterdir())
+    total = read_index(home / "ckpt").total_bytes
+    assert f"shipped {shipped} bytes to {len(plan['stages'])} hosts; the whole model is {total} bytes" in out
+
+
+def test_teardown_stops_every_worker_and_the_server(deployed):
+    """After all the above (two slots used, a host dead, a standby promoted): every worker and the
+    server stop, and no ready file is left."""
+    home, extra, _, _ = deployed
+    pids = {f.parent.name: json.loads(f.read_text())["pid"] for f in (home / "state").glob("*/ready.json")}
+    assert "server" in pids and len(pids) > 2, pids
+    playbook("teardown.yml", *extra)
+    assert not list((home / "state").glob("*/ready.json"))
+    for name, pid in pids.items():
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_controller_killed_mid_deploy_then_run_again(deployed):
+    """From scratch (route.json removed, as its own error message says: slot 0, nothing drained), at
+    bf16: the controller dies (SIGKILL) while the workers start; the next deploy.yml converges: every
+    worker serves the plan, the drive matches, and no half-written file is left in layerline_home.
+    Then a drive against other weights than the workers serve fails: the check can fail."""
+    home, extra, _, _ = deployed
+    (home / "route.json").unlink(missing_ok=True)
+    extra = [*extra, "-e", "layerline_precision=bf16"]
+    p = subprocess.Popen([str(BIN / "ansible-playbook"), "deploy.yml", *extra], cwd=ROOT, env=ansible_env(),
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    seen, deadline = [], time.monotonic() + 300
+    try:
+        for line in p.stdout:
+            seen.append(line)
+            if "Start the worker" in line or time.monotonic() > deadline:
+                break
+    finally:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait(30)
+    assert any("Start the worker" in line for line in seen), "".join(seen)[-3000:]
+    # a staged file corrupted after shipping: its SHA-1 differs, so it alone is shipped again
+    w2 = home / "state" / "w2" / "checkpoint" / "model.safetensors"
+    size = w2.stat().st_size
+    with open(w2, "r+b") as f:
+        f.seek(size // 2)
+        f.write(b"\xff" * 64)
+    again = playbook("deploy.yml", *extra)
+    out = " ".join(again.stdout.split())
+    assert "matches" in out and "DOES NOT MATCH" not in out
+    assert f"shipped {size} bytes to {len(HOSTS)} hosts" in out, out[-3000:]
+    assert w2.read_bytes() == (home / "stages" / "w2" / "model.safetensors").read_bytes(), "repaired"
+    plan = json.loads((home / "plan.json").read_text())
+    assert [(s["host"], s["precision"]) for s in plan["stages"]] == [(h, "bf16") for h in HOSTS]
+    # each worker says which decode kernels it runs: those of this machine (a bf16 stage loads them)
+    import torch  # noqa: F401
+    from layerline.model import cpu_kernels
+    from layerline.model.loader import load_stage
+    load_stage(str(home / "ckpt"), 0, 6, True, True, precision="bf16")
+    for s in plan["stages"]:
+        ready_ = json.loads((home / "state" / s["host"] / "ready.json").read_text())
+        assert ready_["layers"] == s["layers"] and ready_["precision"] == s["precision"] == "bf16"
+        assert ready_["kernels"] == cpu_kernels.status()
+    left = [str(f) for f in home.rglob("*") if ".tmp" in f.name or f.name.startswith(".ansible_tmp")]
+    assert not left, left
+
+    # the drive's check can fail: drive.yml on its own reads the saved plan, and its reference now
+    # reads other weights than the workers serve
+    from layerline.checkpoint import write_demo_checkpoint
+    other = write_demo_checkpoint(home / "other", layers=6, hidden=128, vocab=500, dtype="float32", seed=4)
+    r = playbook("playbooks/drive.yml", *extra, "-e", f"layerline_checkpoint={other}", check=False)
+    assert r.returncode != 0
+    out = " ".join(r.stdout.split())  # the yaml callback folds long lines
+    assert "DOES NOT MATCH" in out and "over the bf16 tolerance" in out
