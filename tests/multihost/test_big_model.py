@@ -50,6 +50,7 @@ SMALL_CAP = 400 * MiB           # three of these cannot hold the model
 # a worker's own bytes beside its weights and KV (layerline_reserve_ram_gb), measured: 211 MiB of
 # imports (torch, the kernels), and the gguf loader keeps the unfused q/k/v and gate/up blocks beside
 # their fused copies (about 300 MiB for a third of this model), so a 545 MiB stage peaks at 1071 MiB
+# (measured before ae6b366, which stops keeping those copies: caps and reserve may shrink, re-measure)
 RUNTIME_GB = 0.55
 CONTEXT = 512
 SERVE_PORT = 29890
