@@ -5,10 +5,16 @@
     {{ hostvars[inventory_hostname] | layerline_settings(inventory_hostname) }}   (layerline.settings)
     {{ groups | layerline_server_host }}
     {{ layerline_home | layerline_home_paths(inventory_hostname) }}              (layerline.home)
-    {{ plan | layerline_worker_spec(inventory_hostname, hostvars[inventory_hostname], python) }}
-    {{ plan | layerline_argv(inventory_hostname, hostvars[inventory_hostname], python) }}
+    {{ plan | layerline_worker_spec(inventory_hostname, hostvars[inventory_hostname]) }}
+    {{ plan | layerline_argv(inventory_hostname, hostvars[inventory_hostname]) }}
     {{ hostvars[inventory_hostname] | layerline_server_spec(ansible_playbook_python) }}
-    {{ hostvars[inventory_hostname] | layerline_host_report(inventory_hostname, plan, ansible_python_interpreter) }}
+    {{ hostvars[inventory_hostname] | layerline_host_report(inventory_hostname, plan) }}
+    {{ hostvars[inventory_hostname] | layerline_demo_checkpoint_argv(ansible_playbook_python) }}
+    {{ hostvars[inventory_hostname] | layerline_index_argv(ansible_playbook_python) }}
+    {{ hostvars[inventory_hostname] | layerline_keys_spec(inventory_hostname, hosts, ansible_playbook_python) }}
+    {{ hostvars[inventory_hostname] | layerline_keys_place_argv(inventory_hostname, public_keys) }}
+    {{ layerline_runtime_source | layerline_wheel_dir(layerline_home | default(none)) }}
+    {{ ansible_playbook_python | layerline_version }}
     {{ plan | layerline_drive_argv(hostvars[inventory_hostname], ansible_playbook_python) }}
     {{ plan | layerline_plan_table }}
     {{ drive_result | layerline_drive_report }}
@@ -24,13 +30,15 @@ from ansible.errors import AnsibleFilterError
 
 try:
     from layerline import LayerlineError
-    from layerline.home import ControllerHome
+    from layerline import __version__
+    from layerline.home import ControllerHome, wheel_dir
     from layerline.inventory import check_vars, host_errors, known_addresses, peers_of, plan_for_hosts
     from layerline.planner import Plan, plan_table
     from layerline.routes import host_order, load_route, next_route, promote_in_place
     from layerline.settings import ANSIBLE_KEYS, PREFIX, HostSettings, server_host
-    from layerline.spec import (drive_argv, host_report, planned_worker, server_spec, ships_stage,
-                                stage_checkpoint_argv, worker_spec)
+    from layerline.spec import (demo_checkpoint_argv, drive_argv, host_report, index_argv, keys_place_argv,
+                                keys_spec, planned_worker, server_spec, ships_stage, stage_checkpoint_argv,
+                                worker_spec)
     IMPORT_ERROR = None
 except ImportError as e:  # the controller's interpreter lacks the package
     IMPORT_ERROR = e
@@ -108,13 +116,13 @@ def layerline_home_paths(home, host=None):
     return _adapt("layerline_home_paths", paths)
 
 
-def layerline_worker_spec(plan, host, hvars, python="python3"):
+def layerline_worker_spec(plan, host, hvars, python=None):
     """The host's worker launch (layerline.spec.planned_worker): {"planned": false} where the plan holds
-    no stage on it, else the WorkerSpec as a dict (argv, state_dir, ready_file, keys_dir, ready_timeout,
-    endpoint, step) with "planned": true."""
+    no stage on it, else the WorkerSpec as a dict (argv, python, state_dir, ready_file, keys_dir, ready_timeout,
+    endpoint, step) with "planned": true. python: default the host's layerline_worker_python (layerline.settings)."""
     _need_runtime()
     return _adapt("layerline_worker_spec", lambda: planned_worker(_plan(plan), str(host), _vars(hvars),
-                                                                  python=str(python)))
+                                                                  python=None if python is None else str(python)))
 
 
 def layerline_ships_stage(plan, host, hvars):
@@ -123,17 +131,54 @@ def layerline_ships_stage(plan, host, hvars):
     return _adapt("layerline_ships_stage", lambda: ships_stage(_plan(plan), str(host), _vars(hvars)))
 
 
-def layerline_argv(plan, host, hvars, python="python3"):
+def layerline_argv(plan, host, hvars, python=None):
     _need_runtime()
     return _adapt("layerline_argv", lambda: list(worker_spec(_plan(plan), str(host), _vars(hvars),
-                                                             python=str(python)).argv))
+                                                             python=None if python is None else str(python)).argv))
 
 
-def layerline_host_report(hvars, host, plan=None, host_python=None):
+def layerline_host_report(hvars, host, plan=None):
     """A host's settings, the controller's keys dir and its worker argv, for layerline.Cluster."""
     _need_runtime()
-    return _adapt("layerline_host_report", lambda: _plain(host_report(_plan(plan), str(host), _vars(hvars),
-                                                                      None if host_python is None else str(host_python))))
+    return _adapt("layerline_host_report", lambda: _plain(host_report(_plan(plan), str(host), _vars(hvars))))
+
+
+def layerline_demo_checkpoint_argv(hvars, python="python3"):
+    """The controller's command that writes the demo checkpoint (layerline.spec.demo_checkpoint_argv)."""
+    _need_runtime()
+    return _adapt("layerline_demo_checkpoint_argv", lambda: demo_checkpoint_argv(_vars(hvars), python=str(python)))
+
+
+def layerline_index_argv(hvars, python="python3"):
+    """The controller's command that prints the checkpoint's index and cost (layerline.spec.index_argv)."""
+    _need_runtime()
+    return _adapt("layerline_index_argv", lambda: index_argv(_vars(hvars), python=str(python)))
+
+
+def layerline_keys_spec(hvars, host, hosts, python="python3"):
+    """The keys role's commands and files for a host (layerline.spec.KeysSpec as a dict)."""
+    _need_runtime()
+    return _adapt("layerline_keys_spec", lambda: keys_spec(str(host), _vars(hvars), [str(h) for h in hosts],
+                                                           python=str(python)).to_dict())
+
+
+def layerline_keys_place_argv(hvars, host, public):
+    """The host's command that lays out the public half of its keys dir (layerline.spec.keys_place_argv)."""
+    _need_runtime()
+    return _adapt("layerline_keys_place_argv", lambda: keys_place_argv(str(host), _vars(hvars), _plain(public)))
+
+
+def layerline_wheel_dir(source, home=None):
+    """Where the runtime role builds the wheel (layerline.home.wheel_dir: HOME/wheels, else SOURCE/.cache/wheels)."""
+    _need_runtime()
+    return _adapt("layerline_wheel_dir", lambda: wheel_dir(None if home in (None, "") else str(home), str(source)))
+
+
+def layerline_version(python=None):
+    """The layerline version the controller runs: these filters run in ansible_playbook_python, the `python`
+    given, so its layerline is this one."""
+    _need_runtime()
+    return __version__
 
 
 def layerline_server_spec(hvars, python="python3"):
@@ -220,5 +265,7 @@ class FilterModule:
         return {f.__name__: f for f in (
             layerline_plan, layerline_check_vars, layerline_settings, layerline_server_host, layerline_home_paths,
             layerline_worker_spec, layerline_ships_stage, layerline_argv, layerline_host_report, layerline_server_spec, layerline_drive_argv,
+            layerline_demo_checkpoint_argv, layerline_index_argv, layerline_keys_spec, layerline_keys_place_argv,
+            layerline_wheel_dir, layerline_version,
             layerline_stage_argv, layerline_state_dir, layerline_saved_plan,
             layerline_route, layerline_host_errors, layerline_known_addresses, layerline_peers, layerline_plan_table, layerline_drive_report)}
