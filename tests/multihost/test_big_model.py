@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 
 from big_gguf import Shape, big_gguf
-from helpers import BIN, ROOT, ansible_env, playbook
+from helpers import BIN, ROOT, ansible_env, playbook, testhosts_teardown
 
 pytestmark = [
     pytest.mark.big,
@@ -291,11 +291,7 @@ def big():
         yield {"info": info, "inventory": str(inventory), "home": home, "extra": extra, "ckpt": ckpt,
                "stored": stored, "work": work, "figures": {}}
     finally:
-        if extra is not None:
-            playbook("teardown.yml", "-i", str(work / "inventory.yml"), "-e", extra, check=False, timeout=300)
-        r = hostctl("down", "--prefix", PREFIX, "--out", str(out), timeout=300)
-        shutil.rmtree(work, ignore_errors=True)
-        assert r.returncode == 0, f"testhosts down failed: {r.stderr[-2000:]}"
+        testhosts_teardown(work / "inventory.yml", extra, PREFIX, out, work)
 
 
 def staged_files(big: dict, host: str) -> dict[str, tuple[int, int, int]]:
