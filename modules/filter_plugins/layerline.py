@@ -15,6 +15,7 @@
     {{ hostvars[inventory_hostname] | layerline_keys_place_argv(inventory_hostname, public_keys) }}
     {{ layerline_runtime_source | layerline_wheel_dir(layerline_home | default(none)) }}
     {{ ansible_playbook_python | layerline_version }}
+    {{ uri_result | layerline_health_gate(url, may_be_down) }}
     {{ plan | layerline_drive_argv(hostvars[inventory_hostname], ansible_playbook_python) }}
     {{ plan | layerline_plan_table }}
     {{ drive_result | layerline_drive_report }}
@@ -36,7 +37,7 @@ try:
     from layerline.planner import Plan, plan_table
     from layerline.routes import host_order, load_route, next_route, promote_in_place
     from layerline.settings import ANSIBLE_KEYS, PREFIX, HostSettings, server_host
-    from layerline.spec import (demo_checkpoint_argv, drive_argv, host_report, index_argv, keys_place_argv,
+    from layerline.spec import (demo_checkpoint_argv, drive_argv, health_gate, host_report, index_argv, keys_place_argv,
                                 keys_spec, planned_worker, server_spec, ships_stage, stage_checkpoint_argv,
                                 worker_spec)
     IMPORT_ERROR = None
@@ -174,6 +175,14 @@ def layerline_wheel_dir(source, home=None):
     return _adapt("layerline_wheel_dir", lambda: wheel_dir(None if home in (None, "") else str(home), str(source)))
 
 
+def layerline_health_gate(result, url, may_be_down=None):
+    """A uri task's result for the server's /health as the gate's verdict (layerline.spec.health_gate)."""
+    _need_runtime()
+    r = _plain(result) if isinstance(result, dict) else {}
+    return _adapt("layerline_health_gate", health_gate, str(url), r.get("status"), r.get("json"),
+                  [str(h) for h in (_plain(may_be_down) or [])])
+
+
 def layerline_version(python=None):
     """The layerline version the controller runs: these filters run in ansible_playbook_python, the `python`
     given, so its layerline is this one."""
@@ -266,6 +275,6 @@ class FilterModule:
             layerline_plan, layerline_check_vars, layerline_settings, layerline_server_host, layerline_home_paths,
             layerline_worker_spec, layerline_ships_stage, layerline_argv, layerline_host_report, layerline_server_spec, layerline_drive_argv,
             layerline_demo_checkpoint_argv, layerline_index_argv, layerline_keys_spec, layerline_keys_place_argv,
-            layerline_wheel_dir, layerline_version,
+            layerline_wheel_dir, layerline_version, layerline_health_gate,
             layerline_stage_argv, layerline_state_dir, layerline_saved_plan,
             layerline_route, layerline_host_errors, layerline_known_addresses, layerline_peers, layerline_plan_table, layerline_drive_report)}

@@ -297,6 +297,24 @@ def server_spec(hvars: SettingsLike, python: str = "python3", host: str = "contr
                                      home.api_keys if keyed else None))
 
 
+def health_gate(url: str, status: int | None, body: dict | None, may_be_down: list[str] = ()) -> dict:
+    """Whether a running server may be touched (a drain's gate): its /health answered (200, or 503 with
+    stages down), its engine runs, and no stage is down but those in may_be_down. {"ok", "down", "msg"}:
+    down names the stages that do not answer, msg says what is wrong in one line."""
+    body = body if isinstance(body, dict) else {}
+    down = [str(s.get("name")) for s in body.get("stages") or [] if isinstance(s, dict) and not s.get("ok")]
+    answered = status in (200, 503)
+    ok = answered and bool(body.get("engine")) and not [h for h in down if h not in may_be_down]
+    if ok:
+        msg = "the pipeline is healthy"
+    elif not answered and status in (None, -1):
+        msg = f"the pipeline is not healthy, so nothing was changed: nothing answers at {url} (deploy.yml starts the server)"
+    else:
+        msg = (f"the pipeline is not healthy, so nothing was changed: the server at {url} answered {status}; stages "
+               f"down: {', '.join(down) or 'none (the engine is not running)'}")
+    return {"ok": ok, "down": down, "msg": msg}
+
+
 def _has_chat_template(checkpoint: str) -> bool:
     """Whether the example request can be a chat: the checkpoint (on the controller, where the server
     runs) has a chat template. A base model's GGUF has none: its example is a text completion."""

@@ -417,3 +417,16 @@ def test_the_clusters_drive_reads_the_settings_defaults(tmp_path):
     import inspect
     src = inspect.getsource(Cluster)
     assert not re.search(r"\.get\(\"(seq|rng_seed|curve|driver_addr|checkpoint)\"\)", src), "read HostSettings instead"
+
+
+def test_the_drain_gate_is_decided_in_python():
+    from layerline.spec import health_gate
+    url = "http://127.0.0.1:8000"
+    up = {"engine": True, "stages": [{"name": "w1", "ok": True}, {"name": "w2", "ok": False}]}
+    assert health_gate(url, 503, up, ["w2"]) == {"ok": True, "down": ["w2"], "msg": "the pipeline is healthy"}
+    bad = health_gate(url, 503, up, [])
+    assert not bad["ok"] and bad["msg"].endswith(f"the server at {url} answered 503; stages down: w2")
+    assert not health_gate(url, 200, {**up, "engine": False}, ["w2"])["ok"]
+    gone = health_gate(url, -1, None, [])
+    assert not gone["ok"] and f"nothing answers at {url} (deploy.yml starts the server)" in gone["msg"]
+    assert "stages down: none (the engine is not running)" in health_gate(url, 500, {}, [])["msg"]
