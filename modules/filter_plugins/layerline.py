@@ -16,6 +16,8 @@
     {{ layerline_runtime_source | layerline_wheel_dir(layerline_home | default(none)) }}
     {{ ansible_playbook_python | layerline_version }}
     {{ uri_result | layerline_health_gate(url, may_be_down) }}
+    {{ hostvars[inventory_hostname] | layerline_runtime_spec(inventory_hostname, deps, python, role_path, source, wheels) }}
+    {{ hostvars[inventory_hostname] | layerline_runtime_install_argv(inventory_hostname, wheel) }}
     {{ plan | layerline_drive_argv(hostvars[inventory_hostname], ansible_playbook_python) }}
     {{ plan | layerline_plan_table }}
     {{ drive_result | layerline_drive_report }}
@@ -38,7 +40,8 @@ try:
     from layerline.routes import host_order, load_route, next_route, promote_in_place
     from layerline.settings import ANSIBLE_KEYS, PREFIX, HostSettings, server_host
     from layerline.spec import (demo_checkpoint_argv, drive_argv, health_gate, host_report, index_argv, keys_place_argv,
-                                keys_spec, planned_worker, server_spec, ships_stage, stage_checkpoint_argv,
+                                keys_spec, planned_worker, runtime_install_argv, runtime_spec, server_spec,
+                                ships_stage, stage_checkpoint_argv,
                                 worker_spec)
     IMPORT_ERROR = None
 except ImportError as e:  # the controller's interpreter lacks the package
@@ -183,6 +186,20 @@ def layerline_health_gate(result, url, may_be_down=None):
                   [str(h) for h in (_plain(may_be_down) or [])])
 
 
+def layerline_runtime_spec(hvars, host, dependencies, controller_python, role_path, source, wheel_dir):
+    """The runtime role's commands for a host (layerline.spec.RuntimeSpec as a dict)."""
+    _need_runtime()
+    return _adapt("layerline_runtime_spec", lambda: runtime_spec(
+        str(host), _vars(hvars), _plain(dependencies), str(controller_python), str(role_path), str(source),
+        str(wheel_dir)).to_dict())
+
+
+def layerline_runtime_install_argv(hvars, host, wheel):
+    """The host's pip install of the wheel (layerline.spec.runtime_install_argv)."""
+    _need_runtime()
+    return _adapt("layerline_runtime_install_argv", runtime_install_argv, str(host), _vars(hvars), str(wheel))
+
+
 def layerline_version(python=None):
     """The layerline version the controller runs: these filters run in ansible_playbook_python, the `python`
     given, so its layerline is this one."""
@@ -275,6 +292,7 @@ class FilterModule:
             layerline_plan, layerline_check_vars, layerline_settings, layerline_server_host, layerline_home_paths,
             layerline_worker_spec, layerline_ships_stage, layerline_argv, layerline_host_report, layerline_server_spec, layerline_drive_argv,
             layerline_demo_checkpoint_argv, layerline_index_argv, layerline_keys_spec, layerline_keys_place_argv,
-            layerline_wheel_dir, layerline_version, layerline_health_gate,
+            layerline_wheel_dir, layerline_version, layerline_health_gate, layerline_runtime_spec,
+            layerline_runtime_install_argv,
             layerline_stage_argv, layerline_state_dir, layerline_saved_plan,
             layerline_route, layerline_host_errors, layerline_known_addresses, layerline_peers, layerline_plan_table, layerline_drive_report)}

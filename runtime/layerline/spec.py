@@ -188,6 +188,42 @@ def keys_place_argv(host: str, hvars: SettingsLike, public: dict) -> list[str]:
             "--public", json.dumps(public, sort_keys=True)]
 
 
+# what the runtime role asks a host's interpreter, which may not have layerline yet (plain Python only)
+VERSION_CODE = "import layerline; print(layerline.__version__)"
+MISSING_CODE = ("import importlib.util, json, sys; need = json.loads(sys.argv[1]); "
+                "print(json.dumps([d for d, m in need.items() if importlib.util.find_spec(m) is None]))")
+
+
+@dataclass(frozen=True)
+class RuntimeSpec:
+    """The runtime role's commands for one host: its interpreter (HostSettings.runtime_interpreter), what
+    asks it for its layerline version and for the dependencies it lacks, and the controller's wheel build."""
+    python: str
+    version_argv: tuple[str, ...]    # prints the host's layerline version (fails without layerline)
+    missing_argv: tuple[str, ...]    # prints the distributions of `dependencies` it lacks, as a JSON list
+    build_argv: tuple[str, ...]      # on the controller: prints {"wheel": PATH, "version": V}
+
+    def to_dict(self) -> dict:
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
+
+
+def runtime_spec(host: str, hvars: SettingsLike, dependencies: dict, controller_python: str, role_path: str,
+                 source: str, wheel_dir: str) -> RuntimeSpec:
+    """The runtime role's spec: dependencies maps distribution to import name; the wheel is built from
+    source into wheel_dir by the role's files/build_wheel.py under the controller's interpreter."""
+    python = HostSettings.of(host, hvars).runtime_interpreter
+    return RuntimeSpec(python=python, version_argv=(python, "-c", VERSION_CODE),
+                       missing_argv=(python, "-c", MISSING_CODE, json.dumps(dict(dependencies), sort_keys=True)),
+                       build_argv=(controller_python, os.path.join(role_path, "files", "build_wheel.py"), source,
+                                   wheel_dir))
+
+
+def runtime_install_argv(host: str, hvars: SettingsLike, wheel: str) -> list[str]:
+    """The host's pip install of the controller's wheel: no dependencies, no index, over any other version."""
+    return [HostSettings.of(host, hvars).runtime_interpreter, "-m", "pip", "install", "--no-deps", "--no-index",
+            "--force-reinstall", "--disable-pip-version-check", "-q", wheel]
+
+
 def drive_argv(plan: Plan, hvars: SettingsLike, python: str = "python3", host: str = "controller") -> list[str]:
     """The controller's `layerline drive` command line for a plan and the play's variables."""
     hs = HostSettings.of(host, hvars)

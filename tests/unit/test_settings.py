@@ -266,6 +266,7 @@ DECIDED_IN_PYTHON = {
     r"'/\.cache'|\}\}/wheels|/wheels\b": "the wheel dir (layerline.home.wheel_dir)",
     r"\{\{\s*layerline_(state_dir|keys_dir|stage_dir|compile_cache)\b": "a host's dirs (HostSettings, the layerline_settings filter)",
     r"lookup\('ansible\.builtin\.password'": "a secret (the layerline_save module: layerline.server.auth)",
+    r"^\s*argv:\s*$|\bargv:\s*\[": "a command line typed in YAML (layerline.spec builds each)",
 }
 
 
@@ -430,3 +431,21 @@ def test_the_drain_gate_is_decided_in_python():
     gone = health_gate(url, -1, None, [])
     assert not gone["ok"] and f"nothing answers at {url} (deploy.yml starts the server)" in gone["msg"]
     assert "stages down: none (the engine is not running)" in health_gate(url, 500, {}, [])["msg"]
+
+
+def test_the_runtime_roles_commands_are_built_in_python():
+    from layerline.spec import runtime_install_argv, runtime_spec
+    hv = {"ansible_python_interpreter": "/h/python", "layerline_runtime_python": "/r/python"}
+    r = runtime_spec("w1", hv, {"pyzmq": "zmq"}, "/c/python", "/roles/layerline_runtime", "/src", "/w")
+    assert r.python == r.version_argv[0] == r.missing_argv[0] == "/r/python"
+    assert r.build_argv == ("/c/python", "/roles/layerline_runtime/files/build_wheel.py", "/src", "/w")
+    assert json.loads(r.missing_argv[-1]) == {"pyzmq": "zmq"}
+    assert runtime_install_argv("w1", hv, "/tmp/x/layerline.whl")[:4] == ["/r/python", "-m", "pip", "install"]
+    import subprocess
+    import sys
+    missing = subprocess.run([sys.executable, *r.missing_argv[1:3], json.dumps({"pyzmq": "zmq", "nope-x": "nope_x"})],
+                             capture_output=True, text=True, check=True)
+    assert json.loads(missing.stdout) == ["nope-x"]
+    version = subprocess.run([sys.executable, *r.version_argv[1:]], capture_output=True, text=True, check=True)
+    from layerline import __version__
+    assert version.stdout.strip() == __version__
