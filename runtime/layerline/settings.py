@@ -355,6 +355,11 @@ class HostSettings:
         return ckpt if ckpt.endswith(".gguf") else os.path.join(ckpt, "layerline-demo.json")
 
     @property
+    def probe_throttle(self) -> int:
+        """The probe task's throttle: 1 (one host at a time) with layerline_probe_serial, else 0 (no limit)."""
+        return 1 if self.probe_serial else 0
+
+    @property
     def probe_device(self) -> str:
         return self.device.split("+")[0]
 
@@ -405,6 +410,7 @@ class HostSettings:
                    keys_dir=self.worker_keys_dir, probe_checkpoint=self.probe_checkpoint,
                    probe_device=self.probe_device, serve_port=self.serve_port_resolved,
                    demo_checkpoint_stamp=self.demo_checkpoint_stamp, host_python=self.host_python,
+                   probe_throttle=self.probe_throttle,
                    runtime_python=self.runtime_interpreter, worker_python=self.worker_interpreter,
                    drain=list(self.drain), rejoin=list(self.rejoin))
         return out

@@ -151,6 +151,8 @@ def test_defaults_and_derived_values():
     assert local.worker_keys_dir == "/s/w2/keys" and local.caps_file == "/s/w2/caps.json"
     assert local.serve_port_resolved == 29190 and local.checkpoint_shared is False
     assert local.facts()["other_state_dir"] == "/s/w2"
+    assert (s.facts()["probe_throttle"], HostSettings.from_vars("w1", {"layerline_probe_serial": "yes"}).probe_throttle) \
+        == (0, 1), "probe.yml's throttle"
 
 
 @pytest.mark.parametrize("hvars,says", [
