@@ -2,6 +2,7 @@
 
     {{ hostvars | layerline_check_vars(ansible_play_hosts) }}
     {{ hostvars | layerline_plan(ansible_play_hosts, cost) }}
+    {{ hostvars | layerline_route_plan(ansible_play_hosts, cost, layerline_route) }}
     {{ hostvars[inventory_hostname] | layerline_settings(inventory_hostname) }}   (layerline.settings)
     {{ groups | layerline_server_host }}
     {{ layerline_home | layerline_home_paths(inventory_hostname) }}              (layerline.home)
@@ -35,7 +36,7 @@ try:
     from layerline import LayerlineError
     from layerline import __version__
     from layerline.home import ControllerHome, wheel_dir
-    from layerline.inventory import check_vars, host_errors, known_addresses, peers_of, plan_for_hosts
+    from layerline.inventory import check_vars, host_errors, known_addresses, peers_of, plan_for_hosts, plan_for_route
     from layerline.planner import Plan, plan_table
     from layerline.routes import host_order, load_route, next_route, promote_in_place
     from layerline.settings import ANSIBLE_KEYS, PREFIX, HostSettings, server_host
@@ -86,6 +87,14 @@ def layerline_plan(hostvars, hosts, cost, objective=None, policy=None, reserve_r
     return _adapt("layerline_plan", lambda: plan_for_hosts(
         {h: _host_vars(hostvars, h) for h in hosts}, _plain(cost), _plain(objective), _plain(policy),
         _plain(reserve_ram_gb)).to_dict())
+
+
+def layerline_route_plan(hostvars, hosts, cost, route):
+    """The plan the route asks for (layerline.inventory.plan_for_route): the in-place plan, else a new plan of
+    these hosts in the route's order, drained hosts left out."""
+    _need_runtime()
+    return _adapt("layerline_route_plan", plan_for_route, {h: _host_vars(hostvars, h) for h in hosts}, _plain(cost),
+                  _plain(route))
 
 
 def layerline_check_vars(hostvars, hosts, objective=None, policy=None, reserve_ram_gb=None):
@@ -289,7 +298,7 @@ def layerline_drive_report(result):
 class FilterModule:
     def filters(self):
         return {f.__name__: f for f in (
-            layerline_plan, layerline_check_vars, layerline_settings, layerline_server_host, layerline_home_paths,
+            layerline_plan, layerline_route_plan, layerline_check_vars, layerline_settings, layerline_server_host, layerline_home_paths,
             layerline_worker_spec, layerline_ships_stage, layerline_argv, layerline_host_report, layerline_server_spec, layerline_drive_argv,
             layerline_demo_checkpoint_argv, layerline_index_argv, layerline_keys_spec, layerline_keys_place_argv,
             layerline_wheel_dir, layerline_version, layerline_health_gate, layerline_runtime_spec,
