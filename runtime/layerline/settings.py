@@ -365,8 +365,10 @@ class HostSettings:
 
     @property
     def host_python(self) -> str:
-        """The host's interpreter as Ansible runs it: ansible_python_interpreter, else DEFAULT_PYTHON."""
-        return self.ansible_python_interpreter or DEFAULT_PYTHON
+        """The host's interpreter as Ansible runs it: ansible_python_interpreter, else (also for Ansible's
+        discovery modes, auto...) DEFAULT_PYTHON."""
+        given = self.ansible_python_interpreter
+        return DEFAULT_PYTHON if not given or given.startswith("auto") else given
 
     @property
     def runtime_interpreter(self) -> str:

@@ -320,6 +320,7 @@ def test_the_interpreters_are_decided_once():
     from layerline.spec import host_report, keys_place_argv
     bare = HostSettings.from_vars("w1", {})
     assert (bare.host_python, bare.runtime_interpreter, bare.worker_interpreter) == (DEFAULT_PYTHON,) * 3
+    assert HostSettings.from_vars("w1", {"ansible_python_interpreter": "auto_silent"}).host_python == DEFAULT_PYTHON
     given = HostSettings.from_vars("w1", {"ansible_python_interpreter": "/v/bin/python"})
     assert given.runtime_interpreter == given.worker_interpreter == "/v/bin/python"
     runtime = {"ansible_python_interpreter": "/v/bin/python", "layerline_runtime_python": "/r/python"}
