@@ -452,3 +452,16 @@ def test_the_runtime_roles_commands_are_built_in_python():
     version = subprocess.run([sys.executable, *r.version_argv[1:]], capture_output=True, text=True, check=True)
     from layerline import __version__
     assert version.stdout.strip() == __version__
+
+
+def test_the_discover_modules_worker_port_is_the_settings_default():
+    """layerline_discover is self-contained (it imports no layerline); the worker port it gives added hosts
+    must be the one HostSettings gives a host without layerline_port."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("ll_discover", ROOT / "modules" / "library" / "layerline_discover.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    documented = yaml.safe_load(mod.DOCUMENTATION)["options"]["worker_port"]["default"]
+    import inspect
+    assert documented == inspect.signature(mod.discover).parameters["worker_port"].default == \
+        HostSettings.from_vars("h", {}).port
