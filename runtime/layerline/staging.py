@@ -91,7 +91,8 @@ def _cause(result: dict) -> str:
     """What a failed copy said, on one line: the OS error where it names one, else its message, cut short."""
     msg = " ".join(str(result.get("msg") or result.get("module_stderr") or "copy failed").split())
     m = re.search(r"\[Errno [0-9]+\][^'\"]*", msg)
-    return m.group(0).strip() if m else (msg if len(msg) <= 200 else msg[:197] + "...")
+    msg = m.group(0) if m else (msg if len(msg) <= 200 else msg[:197] + "...")
+    return msg.strip().rstrip(":;,") or "copy failed"
 
 
 def copy_failure(host: str, stage_dir: str, stage_bytes: int, copied: object) -> str:

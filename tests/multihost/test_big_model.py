@@ -132,6 +132,7 @@ class Watch(threading.Thread):
         self.host_inos = {netns_inode(ns) for ns in hosts}   # workers of other deployments do not count
         self.kill_ino = netns_inode(kill_in) if kill_in else None
         self.killed: list[tuple[str, str, int]] = []       # (process, file it wrote, its bytes then)
+        self.killed_pids: set[int] = set()
         self.samples: list[tuple[float, int, int]] = []    # (t, tree RssAnon, tree VmRSS)
         self.stage_start: float | None = None
         self.stage_end: float | None = None
@@ -221,11 +222,12 @@ class Watch(threading.Thread):
                 continue
             if comm in self.COPIERS:
                 path, size = self._writing(d) or ("", 0)
-                if not self.killed and size == 0:
-                    continue            # not writing yet: the first kill waits for a partial file
+                if (not self.killed and size == 0) or int(d) in self.killed_pids:
+                    continue            # not writing yet (the first kill waits for a partial file), or dying
                 try:
                     os.kill(int(d), signal.SIGKILL)
                     self.killed.append((comm, path, size))
+                    self.killed_pids.add(int(d))
                 except ProcessLookupError:
                     pass
 
@@ -470,10 +472,11 @@ def test_a_copy_killed_while_staging_fails_in_one_line_and_the_rerun_ships_only_
     assert not kill.workers, "a worker started"
     assert not (host_root(info, "h3") / "tmp" / "layerline" / "state" / "ready.json").exists(), "no worker starts"
     assert not staged_files(big, "h3"), staged_files(big, "h3")
+    assert not Path(path).exists(), f"the partial upload {path} was left on h3"
     for h in ("h1", "h2"):
         assert staged_files(big, h) == before[h], f"{h}'s stage changed in the failed run"
     kills = ", ".join(f"{c} at {n} bytes" for c, _, n in kill.killed)
-    print(f"\n[big] h3's copy killed ({kills}; {path}, left: {Path(path).exists()}): {msg}")
+    print(f"\n[big] h3's copy killed ({kills}; into {path}, removed after): {msg}")
 
     r, _, seconds = deploy(big)
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-2000:]

@@ -37,6 +37,14 @@ def test_a_failure_without_an_os_error_is_cut_to_one_short_line():
     assert "..." in msg and len(msg) < 400
 
 
+def test_a_cause_with_nothing_after_its_colon_ends_cleanly():
+    # what ansible-core 2.19 said in `make test-big` when every copy into h3 was killed
+    cut = {"unreachable": True, "msg": 'Task failed: Data could not be sent to remote host "10.77.8.13". '
+                                       "Make sure this host can be reached over ssh: "}
+    msg = copy_failure("h3", STAGE_DIR, BYTES, loop(cut))
+    assert 'over ssh); run deploy.yml again' in msg, msg
+
+
 def test_a_cut_off_copy_wins_over_a_later_failed_item():
     msg = copy_failure("h3", STAGE_DIR, BYTES, loop({"unreachable": True, "msg": "gone"},
                                                     {"failed": True, "msg": "[Errno 2] No such file"}))
