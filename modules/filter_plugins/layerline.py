@@ -25,6 +25,7 @@
     {{ layerline_home | layerline_route(ansible_play_hosts, layerline_drain, layerline_rejoin) }}
     {{ hostvars[inventory_hostname] | layerline_state_dir(inventory_hostname, slot) }}
     {{ hostvars | layerline_host_errors(ansible_play_hosts_all, 'layerline_drain_error') }}
+    {{ copied | layerline_stage_copy_error(inventory_hostname, stage_dir, stage_bytes) }}  (layerline.staging)
 """
 from __future__ import annotations
 
@@ -233,6 +234,14 @@ def layerline_stage_argv(plan, host, hvars, python="python3"):
                                                                         python=str(python)))
 
 
+def layerline_stage_copy_error(copied, host, stage_dir, stage_bytes):
+    """The one line for a host whose stage copy failed or was cut off (layerline.staging.copy_failure)."""
+    _need_runtime()
+    from layerline.staging import copy_failure
+    return _adapt("layerline_stage_copy_error", copy_failure, str(host), str(stage_dir), int(stage_bytes),
+                  _plain(copied))
+
+
 def layerline_state_dir(hvars, host, slot=None):
     """A host's worker state dir in a slot (default: the slot its layerline_slot names)."""
     _need_runtime()
@@ -303,5 +312,5 @@ class FilterModule:
             layerline_demo_checkpoint_argv, layerline_index_argv, layerline_keys_spec, layerline_keys_place_argv,
             layerline_wheel_dir, layerline_version, layerline_health_gate, layerline_runtime_spec,
             layerline_runtime_install_argv,
-            layerline_stage_argv, layerline_state_dir, layerline_saved_plan,
+            layerline_stage_argv, layerline_stage_copy_error, layerline_state_dir, layerline_saved_plan,
             layerline_route, layerline_host_errors, layerline_known_addresses, layerline_peers, layerline_plan_table, layerline_drive_report)}
