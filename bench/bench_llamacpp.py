@@ -236,11 +236,19 @@ class Setting:
 
 
 def llama_bench(path: Path, s: Setting, reps: int) -> tuple[float, list[str]]:
+    """llama-bench's decode tokens/s. Where it dies of SIGSEGV it runs again with `-ub 1`: the
+    context is then filled a token at a time (untimed: -p 0); the timed decode is batch 1 either
+    way. (On a CPU with AMX, a GGML_NATIVE llama.cpp puts the weights in its AMX buffers, whose
+    batched matmul crashed under some VMs; its one-row kernels did not.)"""
     cmd = [str(llamacpp.binary("llama-bench")), "-m", str(path), "-p", "0", "-n", str(s.new), "-d", str(s.depth),
            "-t", str(s.threads), "-r", str(reps), "-o", "json"]
     if s.rpc:
         cmd += ["-ngl", "99", "--rpc", s.rpc]
     r = run(cmd)
+    if r.returncode == -signal.SIGSEGV and s.depth > 0:
+        log(f"  llama-bench died of SIGSEGV filling the context; again with -ub 1 ({path.name})")
+        cmd += ["-ub", "1"]
+        r = run(cmd)
     if r.returncode != 0:
         raise Broken(f"llama-bench exited {r.returncode}: {' | '.join(r.stderr.strip().splitlines()[-3:])}")
     try:
