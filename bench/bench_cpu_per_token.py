@@ -8,9 +8,10 @@ run to the next; the CPU time the processes consume does not count the time they
 Each side runs with one thread (llama-bench -t 1; layerline generate --threads 1), once with
 `--short` and once with `--long` new tokens after the same `--depth` tokens of context, and the
 difference of the CPU time (user + system of the process and all it started, read from /proc;
-layerline's idle-priority spinners left out) over the
-difference of the tokens is the CPU a decoded token costs: start-up, loading and the context's
-prefill are in both runs and drop out. Memory stalls count as CPU; a busy machine's shared caches
+layerline's idle-priority spinners left out) over the difference of the tokens is the CPU a
+decoded token costs: start-up, loading and the context's prefill are in both runs and drop out.
+For layerline the part of it in the controller process (`layerline generate`: the engine,
+sampling, its end of the wire) is printed too; the rest is the worker's. Memory stalls count as CPU; a busy machine's shared caches
 and memory bus still slow both sides. --ggml-lib: LAYERLINE_GGML_LIB for a second layerline run.
 Files and tools from bench_llamacpp.py / llamacpp.py (built there first).
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -34,12 +36,12 @@ import llamacpp  # noqa: E402
 POLL_S = 0.05
 
 
-def cpu_of(cmd: list[str], env: dict | None = None) -> float:
+def cpu_of(cmd: list[str], env: dict | None = None) -> tuple[float, float]:
     """CPU seconds (user + sys) of cmd and the processes it starts, less layerline's idle-priority
     spinners (layerline.awake: they take only time no one else wants, and would count it all):
     every process of the tree is read from /proc every POLL_S while the command runs, each one's
     last reading summed (what a process spends after its last reading, in its last POLL_S, is
-    missed; it is the same in a short and a long run: shutting down)."""
+    missed; it is the same in a short and a long run: shutting down). (all, cmd's own process alone)."""
     import psutil
     p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, start_new_session=True)
     seen: dict[int, float] = {}
@@ -66,7 +68,7 @@ def cpu_of(cmd: list[str], env: dict | None = None) -> float:
     p.stderr.close()
     if p.returncode != 0:
         raise RuntimeError(f"{Path(cmd[0]).name} exited {p.returncode}: {err.strip().splitlines()[-1:]}")
-    return sum(seen.values())
+    return sum(seen.values()), seen.get(p.pid, 0.0)
 
 
 def llama_cmd(path: Path, new: int, depth: int, ub1: bool) -> list[str]:
@@ -89,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--long", type=int, default=80)
     ap.add_argument("--ggml-lib", default=None)
     a = ap.parse_args(argv)
+    for sig in (signal.SIGTERM, signal.SIGINT):  # unwind as Ctrl-C: the run in progress is stopped
+        signal.signal(sig, bl._interrupted)
     print(f"CPU: {bl.cpu_line()}; load average {bl.load()}", flush=True)
     llamacpp.build()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "runtime"), os.environ.get("PYTHONPATH")])))
@@ -97,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.ggml_lib:
         sides["native"] = dict(env, LAYERLINE_GGML_LIB=a.ggml_lib)
     n = a.long - a.short
+    own: dict[str, list[float]] = {s: [] for s in sides}  # the layerline controller's share
     print(f"ms of CPU a decoded token, 1 thread, {a.depth} tokens of context ({a.long} - {a.short} tokens)", flush=True)
     for k in [x for x in a.files.split(",") if x]:
         path = bl.model_file(k)
@@ -107,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         res: dict[str, list[float]] = {s: [] for s in sides}
         for _ in range(a.rounds):
             for side, e in sides.items():
-                def run(new: int) -> float:
+                def run(new: int) -> tuple[float, float]:
                     nonlocal ub1
                     if e is None:
                         try:
@@ -118,10 +123,13 @@ def main(argv: list[str] | None = None) -> int:
                             ub1 = True  # as bench_llamacpp: its AMX prefill crashes on some VMs
                             return cpu_of(llama_cmd(path, new, a.depth, ub1))
                     return cpu_of(layerline_cmd(path, new, ids), e)
-                res[side].append((run(a.long) - run(a.short)) / n * 1e3)
+                (long_all, long_own), (short_all, short_own) = run(a.long), run(a.short)
+                res[side].append((long_all - short_all) / n * 1e3)
+                own[side].append((long_own - short_own) / n * 1e3)
         base = statistics.median(res["llama.cpp"])
         print(f"{k:<10} " + "  ".join(f"{s} {statistics.median(v):.2f} ({', '.join(f'{x:.2f}' for x in v)})"
-                                       + ("" if s == "llama.cpp" else f" = {statistics.median(v) / base:.2f}x")
+                                       + ("" if s == "llama.cpp" else f" = {statistics.median(v) / base:.2f}x"
+                                          f" (controller {statistics.median(own[s]):.2f})")
                                        for s, v in res.items())
               + (" [llama-bench -ub 1]" if ub1 else ""), flush=True)
     print(f"load average now {bl.load()}")
