@@ -5,7 +5,7 @@
 
 For each file, every matrix precision gguf runs through ggml (the file's own blocks, held as
 `gguf_blocks.BlockLinear` holds them, repacked where it repacks) is called once with one row of x,
-as in a batch-1 decode step (the LM head included where the file stores it in blocks): a "step".
+as in a batch-1 decode step (the LM head included: a tied one is the embedding's blocks): a "step".
 Each library runs in a process of its own (LAYERLINE_GGML_LIB; "wheel" leaves it unset) on ONE
 torch thread, timed by that thread's CPU time (time.thread_time), so time the process waits for a
 core does not count; the figure is the median step over `--steps` steps after a warm-up. Libraries
@@ -37,8 +37,9 @@ def child(path: str, steps: int) -> dict:
         raise SystemExit(gguf_blocks.status())
     ck = open_checkpoint(path)
     mats = []
+    tied = not any("lm_head" in n for n in ck.index.tensors)  # the LM head is the embedding's blocks
     for name, e in ck.index.tensors.items():
-        if len(e.shape) != 2 or "embed" in name:
+        if len(e.shape) != 2 or ("embed" in name and not tied):
             continue
         got = ck.stored_blocks(name)
         if got is None:
