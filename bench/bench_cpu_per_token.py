@@ -1,7 +1,8 @@
 """CPU time a decoded token costs, llama.cpp beside one layerline worker, on one thread each.
 
     .venv/bin/python bench/bench_cpu_per_token.py [--files smollm2,gemma3,demo-q8_0,demo-q4_0]
-        [--rounds 2] [--depth 128] [--short 16] [--long 80] [--ggml-lib DIR]
+        [--rounds 2] [--depth 128] [--short 16] [--long 80] [--ggml-lib DIR] [--llama-only]
+        [--llama-args="--repack 0"]
 
 Wall-clock tokens/s on a machine other work loads (a shared 2-core VM) move by 2-10x from one
 run to the next; the CPU time the processes consume does not count the time they wait for a core.
@@ -14,6 +15,13 @@ For layerline the part of it in the controller process (`layerline generate`: th
 sampling, its end of the wire) is printed too; the rest is the worker's. Memory stalls count as CPU; a busy machine's shared caches
 and memory bus still slow both sides. --ggml-lib: LAYERLINE_GGML_LIB for a second layerline run.
 Files and tools from bench_llamacpp.py / llamacpp.py (built there first).
+
+Caveat, measured on a loaded 2-core VM: a layerline run's start-up (the worker's probe and
+warm-up timing) moved by seconds of CPU between runs, so its per-token figure came out 8 to
+54 ms for the same file; bench_step_overhead.py measures the worker's CPU a token on a running
+worker instead, and is the figure to use. llama.cpp's start-up is steady (two runs within 10%).
+--llama-only skips layerline; --llama-args adds llama-bench arguments (e.g. "--repack 0": ggml's
+plain vec_dot, the kernels layerline calls, instead of its AMX or repacked buffers).
 """
 from __future__ import annotations
 
@@ -90,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--short", type=int, default=16)
     ap.add_argument("--long", type=int, default=80)
     ap.add_argument("--ggml-lib", default=None)
+    ap.add_argument("--llama-only", action="store_true")
+    ap.add_argument("--llama-args", default="", help="more llama-bench arguments, one string")
     a = ap.parse_args(argv)
     for sig in (signal.SIGTERM, signal.SIGINT):  # unwind as Ctrl-C: the run in progress is stopped
         signal.signal(sig, bl._interrupted)
@@ -97,8 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     llamacpp.build()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "runtime"), os.environ.get("PYTHONPATH")])))
     env.pop("LAYERLINE_GGML_LIB", None)
-    sides = {"llama.cpp": None, "layerline": env}
-    if a.ggml_lib:
+    sides = {"llama.cpp": None} if a.llama_only else {"llama.cpp": None, "layerline": env}
+    if a.ggml_lib and not a.llama_only:
         sides["native"] = dict(env, LAYERLINE_GGML_LIB=a.ggml_lib)
     n = a.long - a.short
     own: dict[str, list[float]] = {s: [] for s in sides}  # the layerline controller's share
@@ -116,12 +126,12 @@ def main(argv: list[str] | None = None) -> int:
                     nonlocal ub1
                     if e is None:
                         try:
-                            return cpu_of(llama_cmd(path, new, a.depth, ub1))
+                            return cpu_of(llama_cmd(path, new, a.depth, ub1) + a.llama_args.split())
                         except RuntimeError:
                             if ub1:
                                 raise
                             ub1 = True  # as bench_llamacpp: its AMX prefill crashes on some VMs
-                            return cpu_of(llama_cmd(path, new, a.depth, ub1))
+                            return cpu_of(llama_cmd(path, new, a.depth, ub1) + a.llama_args.split())
                     return cpu_of(layerline_cmd(path, new, ids), e)
                 (long_all, long_own), (short_all, short_own) = run(a.long), run(a.short)
                 res[side].append((long_all - short_all) / n * 1e3)
