@@ -107,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     llamacpp.build()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "runtime"), os.environ.get("PYTHONPATH")])))
     env.pop("LAYERLINE_GGML_LIB", None)
+    env["LAYERLINE_GGML_NATIVE"] = "off"  # the wheel's ggml, not a `layerline build-ggml` one
     sides = {"llama.cpp": None} if a.llama_only else {"llama.cpp": None, "layerline": env}
     if a.ggml_lib and not a.llama_only:
         sides["native"] = dict(env, LAYERLINE_GGML_LIB=a.ggml_lib)

@@ -81,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
             for lib in (libs if rnd % 2 == 0 else libs[::-1]):
                 env = dict(os.environ)
                 env.pop("LAYERLINE_GGML_LIB", None)
+                env["LAYERLINE_GGML_NATIVE"] = "off"  # "wheel" is the wheel's, not a build-ggml one
                 if lib != "wheel":
                     env["LAYERLINE_GGML_LIB"] = lib
                 r = subprocess.run([sys.executable, __file__, "--child", str(path), "--steps", str(a.steps)],

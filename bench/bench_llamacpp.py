@@ -273,6 +273,7 @@ def layerline_generate(path: Path, stages: int, s: Setting, vocab: int,
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "runtime"),
                                                                      os.environ.get("PYTHONPATH")])))
     env.pop("LAYERLINE_GGML_LIB", None)
+    env["LAYERLINE_GGML_NATIVE"] = "off"  # the wheel's, not a `layerline build-ggml` one of this host
     if ggml_lib is not None:
         env["LAYERLINE_GGML_LIB"] = str(ggml_lib)
     r = run(cmd, env=env)
