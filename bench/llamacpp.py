@@ -6,6 +6,11 @@ it); cmake builds llama-bench, llama-server, ggml-rpc-server and llama-quantize 
 .cache/llamacpp/<version>/bin. A second call finds the binaries and builds nothing. The
 build runs under `nice -n 19`: the machine is shared. Never used by the tests.
 
+`build_ggml()` (`--ggml`) builds the same tree's ggml alone as shared libraries for this CPU
+(GGML_NATIVE, no OpenMP: layerline calls its kernels from torch's threads, never ggml's pool)
+into .cache/llamacpp/<version>/ggml-native: libggml-base.so and libggml-cpu.so, the directory
+LAYERLINE_GGML_LIB names for layerline's precision gguf (runtime/layerline/model/gguf_blocks.py).
+
 Every tool started from here binds 127.0.0.1 only (llama-server and ggml-rpc-server both
 default to it; callers pass `-H/--host 127.0.0.1` anyway).
 """
@@ -126,6 +131,51 @@ def build(version: str = VERSION, jobs: int = 2) -> Path:
             raise SystemExit(f"llamacpp: the build made no {t} under {bld}")
         shutil.copy2(found, out / t)
     log(f"built in {time.time() - t0:.0f} s: {out}")
+    return out
+
+
+GGML_LIBS = ("libggml-base.so", "libggml-cpu.so")
+
+
+def ggml_dir(version: str = VERSION) -> Path:
+    """The native shared ggml's directory (LAYERLINE_GGML_LIB's value)."""
+    return home(version) / "ggml-native"
+
+
+def build_ggml(version: str = VERSION, jobs: int = 2) -> Path:
+    """Build ggml's base and CPU libraries natively, shared, unless they are there; returns their
+    directory. The soname links (libggml-base.so.0, ...) are copied as links beside the files."""
+    out = ggml_dir(version)
+    if all((out / lib).exists() for lib in GGML_LIBS):
+        log(f"ggml built already: {out}")
+        return out
+    ensure_tools()
+    src = fetch_source(version)  # the whole tree: the sdist lacks ggml's standalone ggml.pc.in
+    bld = home(version) / "build-ggml-native"
+    nice = ["nice", "-n", "19"]
+    flags = ["-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=ON", "-DGGML_NATIVE=ON", "-DGGML_OPENMP=OFF",
+             "-DGGML_BACKEND_DL=OFF", "-DGGML_CUDA=OFF", "-DGGML_METAL=OFF", "-DGGML_VULKAN=OFF",
+             "-DGGML_RPC=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_UI=OFF",
+             "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+             "-DLLAMA_BUILD_TOOLS=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DCMAKE_BUILD_RPATH_USE_ORIGIN=ON"]
+    t0 = time.time()
+    log(f"cmake configure {src} -> {bld} (shared, native)")
+    subprocess.run([*nice, "cmake", "-S", str(src), "-B", str(bld), *flags], check=True)
+    log(f"cmake build ggml-base ggml-cpu (-j {jobs}, nice 19)")
+    subprocess.run([*nice, "cmake", "--build", str(bld), "--config", "Release", "-j", str(jobs),
+                    "--target", "ggml-base", "ggml-cpu"], check=True)
+    tmp = out.with_name(out.name + ".part")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for lib in GGML_LIBS:
+        found = sorted(bld.rglob(lib + "*"))
+        if not any(p.name == lib for p in found):
+            raise SystemExit(f"llamacpp: the ggml build made no {lib} under {bld}")
+        for p in found:  # the file and its soname links, as they are
+            shutil.copy2(p, tmp / p.name, follow_symlinks=False)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    log(f"ggml built in {time.time() - t0:.0f} s: {out}")
     return out
 
 
@@ -258,7 +308,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--version", default=VERSION, help="llama-cpp-python sdist version")
     ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--ggml", action="store_true",
+                    help="also build ggml natively as shared libraries (LAYERLINE_GGML_LIB's directory)")
     a = ap.parse_args(argv)
+    if a.ggml:
+        print(build_ggml(a.version, a.jobs))
     out = build(a.version, a.jobs)
     for t in TARGETS:
         print(out / t)

@@ -296,6 +296,23 @@ def cmd_generate(a) -> int:
     return 0
 
 
+def cmd_build_ggml(a) -> int:
+    """ggml's CPU library built for this host's CPU (model/ggml_native.py), once; prints its directory."""
+    from .model import ggml_native
+    done = ggml_native.built()
+    if done is not None and not a.check:
+        print(done)
+        return 0
+    try:
+        d = ggml_native.build(a.jobs, log=lambda m: print(m, file=sys.stderr, flush=True))
+        if a.check:
+            print(f"layerline: {ggml_native.check(d)}", file=sys.stderr)
+    except RuntimeError as e:
+        raise LayerlineError(str(e)) from None
+    print(d)
+    return 0
+
+
 def cmd_stage_checkpoint(a) -> int:
     from .staging import parse_range, stage_checkpoint
     start, end = parse_range(a.layers)
@@ -387,6 +404,12 @@ def build_parser() -> argparse.ArgumentParser:
     dr.add_argument("--timeout", type=float, default=120.0)
     dr.add_argument("--json", action="store_true")
     dr.set_defaults(fn=cmd_drive)
+
+    bg = sub.add_parser("build-ggml", help="build ggml's CPU library for this host's CPU, for precision gguf "
+                        "(once; minutes; used in place of the libggml-python wheel's)")
+    bg.add_argument("--jobs", type=int, default=None, help="parallel compile jobs (default: all CPUs)")
+    bg.add_argument("--check", action="store_true", help="check a build already there again")
+    bg.set_defaults(fn=cmd_build_ggml)
 
     g = sub.add_parser("generate", help="generate on N local worker processes (no Ansible)")
     g.add_argument("--checkpoint", required=True)

@@ -12,7 +12,8 @@ back). A row's result has the same bits whatever rows it is called with.
 
 ggml's functions come from a shared library: `LAYERLINE_GGML_LIB` (a directory holding
 libggml-base.so and libggml-cpu.so, e.g. a `GGML_NATIVE=ON` build of the ggml in llama-cpp-python's
-sdist), else the `libggml-python` wheel's prebuilt one (x86: AVX2 + FMA + F16C). They are called
+sdist), else this host's own build of the wheel's ggml where `layerline build-ggml` made one
+(`ggml_native`), else the `libggml-python` wheel's prebuilt one (x86: AVX2 + FMA + F16C). They are called
 by their C names, which the GGUF block formats fix. ggml's graph and thread pool are not used:
 ops of layerline's CPU kernels (csrc/gguf_blocks.h, built with them) take the function pointers
 and split W's rows over torch's intra-op threads, so torch.get_num_threads() holds and no second
@@ -32,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import cpu_kernels
+from . import cpu_kernels, ggml_native
 
 # The block types the kernels take: ggml's names and type ids (gguf.GGMLQuantizationType's values),
 # their blocks' shapes, and the block type ggml quantizes x to for them
@@ -73,10 +74,14 @@ _S = _State()
 
 
 def ggml_lib_dir() -> Path:
-    """Where libggml-base.so and libggml-cpu.so are: LAYERLINE_GGML_LIB, else the libggml-python wheel's."""
+    """Where libggml-base.so and libggml-cpu.so are: LAYERLINE_GGML_LIB, else this host's native build
+    (`ggml_native.built()`), else the libggml-python wheel's."""
     d = os.environ.get("LAYERLINE_GGML_LIB")
     if d:
         return Path(d)
+    native = ggml_native.built()
+    if native is not None:
+        return native
     try:
         import libggml  # the libggml-python wheel: prebuilt ggml
     except ImportError as e:
