@@ -14,7 +14,9 @@
     {{ drive_result | layerline_drive_report }}
     {{ layerline_home | layerline_route(ansible_play_hosts, layerline_drain, layerline_rejoin) }}
     {{ hostvars[inventory_hostname] | layerline_state_dir(inventory_hostname, slot) }}
-    {{ hostvars | layerline_host_errors(ansible_play_hosts_all, 'layerline_drain_error') }}
+    {{ hostvars | layerline_host_errors(ansible_play_hosts, 'layerline_stage_error') }}
+    {{ hostvars | layerline_drain_outcome(ansible_play_hosts_all, layerline_drain) }}    (layerline.operations)
+    {{ layerline_route | layerline_drain_stops(inventory_hostname, failed) }}
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ try:
     from layerline import LayerlineError
     from layerline.home import ControllerHome
     from layerline.inventory import check_vars, host_errors, known_addresses, peers_of, plan_for_hosts
+    from layerline.operations import HOST_ERROR, RESTORE_ERROR, SWITCH_ERROR, drain_outcome, drain_stops
     from layerline.planner import Plan, plan_table
     from layerline.routes import host_order, load_route, next_route, promote_in_place
     from layerline.settings import ANSIBLE_KEYS, PREFIX, HostSettings, server_host
@@ -193,6 +196,22 @@ def layerline_host_errors(hostvars, hosts, fact):
     return host_errors({str(h): _plain(hostvars[h].get(fact)) for h in hosts})
 
 
+def layerline_drain_outcome(hostvars, hosts, drain=None):
+    """What failed in drain.yml so far, from the facts its rescues noted (layerline.operations.drain_outcome):
+    {errors, failed, msg}."""
+    _need_runtime()
+    facts = (HOST_ERROR, SWITCH_ERROR, RESTORE_ERROR)
+    return _adapt("layerline_drain_outcome", drain_outcome,
+                  {str(h): {f: _plain(hostvars[h].get(f)) for f in facts} for h in hosts}, _plain(drain))
+
+
+def layerline_drain_stops(route, host, failed=False):
+    """The slots whose worker on this host stops once drain.yml switched or went back
+    (layerline.operations.drain_stops)."""
+    _need_runtime()
+    return _adapt("layerline_drain_stops", drain_stops, _plain(route), str(host), bool(failed))
+
+
 def layerline_known_addresses(hostvars, hosts):
     """Names and addresses of these hosts (layerline_discover skips them)."""
     _need_runtime()
@@ -221,4 +240,5 @@ class FilterModule:
             layerline_plan, layerline_check_vars, layerline_settings, layerline_server_host, layerline_home_paths,
             layerline_worker_spec, layerline_ships_stage, layerline_argv, layerline_host_report, layerline_server_spec, layerline_drive_argv,
             layerline_stage_argv, layerline_state_dir, layerline_saved_plan,
-            layerline_route, layerline_host_errors, layerline_known_addresses, layerline_peers, layerline_plan_table, layerline_drive_report)}
+            layerline_route, layerline_host_errors, layerline_drain_outcome, layerline_drain_stops,
+            layerline_known_addresses, layerline_peers, layerline_plan_table, layerline_drive_report)}

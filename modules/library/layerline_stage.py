@@ -10,7 +10,7 @@ short_description: Make a host's stage dir hold only what its current stage list
 description:
   - Runs on the host around the copy of its stage's files (playbooks/tasks/stage.yml).
   - O(state=pruned), before the copy, makes the stage dir (mode 0700) and removes from it everything
-    the stage's manifest does not list: the files of a stage it held before, or of another model (a
+    the stage's manifest does not list - the files of a stage it held before, or of another model (a
     Hugging Face stage's config.json and *.safetensors where a GGUF stage's model.gguf now goes), and
     what a failed copy left. The stage manifest (layerline-stage.json) goes too when it is not this
     stage's.
