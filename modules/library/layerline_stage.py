@@ -74,7 +74,7 @@ from ansible.module_utils.basic import AnsibleModule
 LAYERLINE_IMPORT_ERROR = None
 try:
     from layerline.errors import LayerlineError
-    from layerline.staging import finish_stage, prune_stage
+    from layerline.staging import finish_stage, has_manifest, prune_stage
 except ImportError:
     LAYERLINE_IMPORT_ERROR = traceback.format_exc()
 
@@ -93,7 +93,7 @@ def main():
     changed, removed = False, []
     try:
         if p["state"] == "complete":
-            changed = module.check_mode or finish_stage(path, p["manifest"])
+            changed = not has_manifest(path, p["manifest"]) if module.check_mode else finish_stage(path, p["manifest"])
         else:
             changed = not os.path.isdir(path) or os.stat(path).st_mode & 0o777 != 0o700
             if changed and not module.check_mode:

@@ -97,6 +97,15 @@ def stage_files(manifest: dict) -> list[str]:
     return sorted(files)
 
 
+def has_manifest(dest: str | os.PathLike, manifest: dict) -> bool:
+    """Whether the stage dir `dest` holds this stage manifest already."""
+    try:
+        current = json.loads((Path(dest) / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return False
+    return current == {k: v for k, v in manifest.items() if k != "changed"}
+
+
 def prune_stage(dest: str | os.PathLike, manifest: dict, dry_run: bool = False) -> list[str]:
     """Remove from the stage dir `dest` everything the stage `manifest` does not list (files, links and
     dirs: the dir is layerline's), and its manifest when that is not this one (it is shipped again
@@ -105,12 +114,7 @@ def prune_stage(dest: str | os.PathLike, manifest: dict, dry_run: bool = False) 
     root = Path(dest)
     if not root.is_dir():
         return []
-    want = {k: v for k, v in manifest.items() if k != "changed"}
-    try:
-        current = json.loads((root / MANIFEST).read_text())
-    except (OSError, ValueError):
-        current = None
-    if current == want:
+    if has_manifest(root, manifest):
         keep.add(MANIFEST)
     gone = sorted(e.name for e in root.iterdir() if e.name not in keep)
     if not dry_run:
