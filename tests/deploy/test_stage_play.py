@@ -1,7 +1,7 @@
 """playbooks/stage.yml on one local host (no workers, no probe): a stage dir that held a Hugging Face
 stage (config.json, model.safetensors) and is then staged a GGUF keeps nothing of the old model and
-opens as the GGUF; a re-run changes nothing; the way back (GGUF, then Hugging Face) leaves no
-model.gguf. The Python it calls (layerline.staging.prune_stage / finish_stage, the opener) has its
+opens as the GGUF; a re-run changes nothing (three runs of stage.yml, about 55 s on two busy cores).
+The Python it calls (layerline.staging.prune_stage / finish_stage, the opener) has its
 unit tests in tests/unit/test_stage_dir.py."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from helpers import playbook, recap, tiny_gguf
 
-from layerline.checkpoint import STAGE_MANIFEST, GGUFCheckpoint, HFCheckpoint, open_checkpoint, write_demo_checkpoint
+from layerline.checkpoint import STAGE_MANIFEST, GGUFCheckpoint, open_checkpoint, write_demo_checkpoint
 
 
 def _plan(layers: int) -> dict:
@@ -42,14 +42,11 @@ def _stage(root: Path, ckpt: Path) -> tuple[dict, Path]:
 
 def test_staging_another_model_leaves_nothing_of_the_old_one(models):
     root = models["root"]
-    _stage(root, models["hf"])
-    _, d = _stage(root, models["gguf"])
-    assert sorted(p.name for p in d.iterdir()) == ["model.gguf", STAGE_MANIFEST]
+    _, d = _stage(root, models["hf"])
+    assert {"config.json", "model.safetensors"} <= {p.name for p in d.iterdir()}
+    _stage(root, models["gguf"])
+    assert sorted(p.name for p in d.iterdir()) == sorted(["model.gguf", STAGE_MANIFEST])
     assert isinstance(open_checkpoint(d), GGUFCheckpoint)
     again, _ = _stage(root, models["gguf"])
     assert again["changed"] == 0 and again["failed"] == 0, again
 
-    _stage(root, models["hf"])
-    names = sorted(p.name for p in d.iterdir())
-    assert "model.gguf" not in names and {"config.json", "model.safetensors", STAGE_MANIFEST} <= set(names), names
-    assert isinstance(open_checkpoint(d), HFCheckpoint)
