@@ -172,7 +172,8 @@ def llama_gguf_writer(out, cfg: dict):
 
 
 def tiny_gguf(hf_dir: Path, out: Path) -> Path:
-    """A Hugging Face demo dir's tensors as a llama GGUF at `out` (F32; the rows are not permuted: only the format matters here)."""
+    """A Hugging Face demo dir's tensors as a llama GGUF at `out` (F32, the rows not permuted: for tests
+    where only the format matters)."""
     import numpy as np
     from safetensors.torch import load_file
 

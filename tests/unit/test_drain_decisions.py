@@ -21,12 +21,13 @@ def test_nothing_noted_is_no_failure():
 
 def test_every_error_once_in_play_order_in_one_line():
     noted = {"w1": {HOST_ERROR: "port 29150 is taken", SWITCH_ERROR: "Drive: the new route's logits differ"},
-             "w3": {HOST_ERROR: "w3: could not write its stage to /s", SWITCH_ERROR: "Drive: the new route's logits differ",
-                    RESTORE_ERROR: "server gone"},
+             "w3": {HOST_ERROR: "w3: could not write its stage to /s",
+                    SWITCH_ERROR: "Drive: the new route's logits differ", RESTORE_ERROR: "server gone"},
              "w2": {}}
     out = drain_outcome(noted, ["w2", "w4"])
-    assert out["failed"] and out["errors"] == ["w1: port 29150 is taken", "w3: could not write its stage to /s",
-                                               "Drive: the new route's logits differ", "and the restore failed: server gone"]
+    assert out["failed"] and out["errors"] == [
+        "w1: port 29150 is taken", "w3: could not write its stage to /s", "Drive: the new route's logits differ",
+        "and the restore failed: server gone"]
     assert out["msg"].startswith("drain of w2,w4 failed (w1: port 29150 is taken; w3: could not write")
     assert "restored: the server routes through the old plan again, w2,w4 still serves" in out["msg"]
     assert "\n" not in out["msg"]
@@ -59,12 +60,14 @@ def test_drive_verdicts():
     checked = {"ok": True, "max_abs_diff": 0.0, "tolerance": 1e-4, "precision": "fp32", "stages": []}
     assert drive_verdict(0, json.dumps(checked), "", "the new route") == \
         (True, "the new route matches the one-process forward", checked)
-    assert drive_verdict(0, "warming up\n" + json.dumps({"stages": []}), "")[:2] == (True, "the pipeline answers a drive")
+    assert drive_verdict(0, "warming up\n" + json.dumps({"stages": []}), "")[:2] == \
+        (True, "the pipeline answers a drive")
     bad = {**checked, "ok": False, "max_abs_diff": 0.5}
     passed, msg, got = drive_verdict(1, json.dumps(bad), "", "the new route")
     assert not passed and got == bad
     assert msg == "the new route's logits differ from the one-process forward by 0.5, over the fp32 tolerance 0.0001"
     passed, msg, got = drive_verdict(2, "", "Traceback...\nlayerline: tcp://10.0.0.2:29150: no answer in 30 s\n")
     assert not passed and got is None
-    assert msg == "the drive through the pipeline failed (exit status 2): layerline: tcp://10.0.0.2:29150: no answer in 30 s"
+    assert msg == ("the drive through the pipeline failed (exit status 2): "
+                   "layerline: tcp://10.0.0.2:29150: no answer in 30 s")
     assert drive_verdict(0, "not json", "")[0] is False, "exit 0 without a result is no pass"
