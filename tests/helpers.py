@@ -35,6 +35,25 @@ def playbook(name: str, *args: str, timeout: int = 600, check: bool = True) -> s
     return r
 
 
+TESTHOSTS = ROOT / "scripts" / "testhosts.py"
+
+
+def testhosts(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    """scripts/testhosts.py (up, down, ...): the multihost tier's network-namespace hosts."""
+    return subprocess.run([sys.executable, str(TESTHOSTS), *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def testhosts_teardown(inventory, extra: str | None, prefix: str, out, work) -> None:
+    """What a multihost fixture made goes away, also after a failure: its deployment (teardown.yml, once its
+    extra vars were made), its hosts and its work dir; fails when the hosts did not come down."""
+    if extra is not None:
+        playbook("teardown.yml", "-i", str(inventory), "-e", extra, check=False, timeout=300)
+    r = testhosts("down", "--prefix", prefix, "--out", str(out), timeout=300)
+    shutil.rmtree(work, ignore_errors=True)
+    assert r.returncode == 0, f"testhosts down failed: {r.stderr[-2000:]}"
+
+
 def recap(output: str) -> dict[str, dict[str, int]]:
     """PLAY RECAP counts per host."""
     out = {}
@@ -150,22 +169,41 @@ def local_pipeline(checkpoint, stages: int, precision: str, timeout_s: float = 6
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def gguf_writer(out, arch: str, *, layers: int, context: int, hidden: int, ffn: int, heads: int, kv_heads: int,
+                rms_eps: float, head_dim: int | None = None, rope_dims: int | None = None,
+                rope_base: float | None = None, vocab: int | None = None, **kw):
+    """A gguf.GGUFWriter at `out` with the model header llama.cpp's convert script writes for these shapes
+    (head_dim: the key and value length; rope_dims: the rotated dims); kw goes to the writer (endianess).
+    Tensors, the tokenizer and any family keys are the caller's."""
+    import gguf
+    w = gguf.GGUFWriter(str(out), arch, **kw)
+    w.add_block_count(layers)
+    w.add_context_length(context)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    if head_dim is not None:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    if rope_dims is not None:
+        w.add_rope_dimension_count(rope_dims)
+    if rope_base is not None:
+        w.add_rope_freq_base(rope_base)
+    w.add_layer_norm_rms_eps(rms_eps)
+    if vocab is not None:
+        w.add_vocab_size(vocab)
+    return w
+
+
 def llama_gguf_writer(out, cfg: dict):
     """A gguf.GGUFWriter for a llama-architecture file at `out`, its model metadata from a Hugging Face
     config.json dict (what llama.cpp's convert script writes for these keys); tensors and the
     tokenizer are the caller's."""
-    import gguf
-    w = gguf.GGUFWriter(str(out), "llama")
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(cfg["num_attention_heads"])
-    w.add_head_count_kv(cfg["num_key_value_heads"])
-    w.add_rope_dimension_count(cfg["head_dim"])
-    w.add_rope_freq_base(cfg["rope_theta"])
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_vocab_size(cfg["vocab_size"])
+    w = gguf_writer(out, "llama", layers=cfg["num_hidden_layers"], context=cfg["max_position_embeddings"],
+                    hidden=cfg["hidden_size"], ffn=cfg["intermediate_size"], heads=cfg["num_attention_heads"],
+                    kv_heads=cfg["num_key_value_heads"], rope_dims=cfg["head_dim"], rope_base=cfg["rope_theta"],
+                    rms_eps=cfg["rms_norm_eps"], vocab=cfg["vocab_size"])
     w.add_bos_token_id(cfg["bos_token_id"])
     w.add_eos_token_id(cfg["eos_token_id"])
     return w

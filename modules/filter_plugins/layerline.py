@@ -2,19 +2,30 @@
 
     {{ hostvars | layerline_check_vars(ansible_play_hosts) }}
     {{ hostvars | layerline_plan(ansible_play_hosts, cost) }}
+    {{ hostvars | layerline_route_plan(ansible_play_hosts, cost, layerline_route) }}
     {{ hostvars[inventory_hostname] | layerline_settings(inventory_hostname) }}   (layerline.settings)
     {{ groups | layerline_server_host }}
     {{ layerline_home | layerline_home_paths(inventory_hostname) }}              (layerline.home)
-    {{ plan | layerline_worker_spec(inventory_hostname, hostvars[inventory_hostname], python) }}
-    {{ plan | layerline_argv(inventory_hostname, hostvars[inventory_hostname], python) }}
+    {{ plan | layerline_worker_spec(inventory_hostname, hostvars[inventory_hostname]) }}
+    {{ plan | layerline_argv(inventory_hostname, hostvars[inventory_hostname]) }}
     {{ hostvars[inventory_hostname] | layerline_server_spec(ansible_playbook_python) }}
-    {{ hostvars[inventory_hostname] | layerline_host_report(inventory_hostname, plan, ansible_python_interpreter) }}
+    {{ hostvars[inventory_hostname] | layerline_host_report(inventory_hostname, plan) }}
+    {{ hostvars[inventory_hostname] | layerline_demo_checkpoint_argv(ansible_playbook_python) }}
+    {{ hostvars[inventory_hostname] | layerline_index_argv(ansible_playbook_python) }}
+    {{ hostvars[inventory_hostname] | layerline_keys_spec(inventory_hostname, hosts, ansible_playbook_python) }}
+    {{ hostvars[inventory_hostname] | layerline_keys_place_argv(inventory_hostname, public_keys) }}
+    {{ layerline_runtime_source | layerline_wheel_dir(layerline_home | default(none)) }}
+    {{ ansible_playbook_python | layerline_version }}
+    {{ uri_result | layerline_health_gate(url, may_be_down) }}
+    {{ hostvars[inventory_hostname] | layerline_runtime_spec(inventory_hostname, deps, python, role_path, source, wheels) }}
+    {{ hostvars[inventory_hostname] | layerline_runtime_install_argv(inventory_hostname, wheel) }}
     {{ plan | layerline_drive_argv(hostvars[inventory_hostname], ansible_playbook_python) }}
     {{ plan | layerline_plan_table }}
     {{ drive_result | layerline_drive_report }}
     {{ layerline_home | layerline_route(ansible_play_hosts, layerline_drain, layerline_rejoin) }}
     {{ hostvars[inventory_hostname] | layerline_state_dir(inventory_hostname, slot) }}
     {{ hostvars | layerline_host_errors(ansible_play_hosts, 'layerline_stage_error') }}
+    {{ copied | layerline_stage_copy_error(inventory_hostname, stage_dir, stage_bytes) }}  (layerline.staging)
     {{ hostvars | layerline_drain_outcome(ansible_play_hosts_all, layerline_drain) }}    (layerline.operations)
     {{ layerline_route | layerline_drain_stops(inventory_hostname, failed) }}
 """
@@ -26,14 +37,17 @@ from ansible.errors import AnsibleFilterError
 
 try:
     from layerline import LayerlineError
-    from layerline.home import ControllerHome
-    from layerline.inventory import check_vars, host_errors, known_addresses, peers_of, plan_for_hosts
+    from layerline import __version__
+    from layerline.home import ControllerHome, wheel_dir
+    from layerline.inventory import check_vars, host_errors, known_addresses, peers_of, plan_for_hosts, plan_for_route
     from layerline.operations import HOST_ERROR, RESTORE_ERROR, SWITCH_ERROR, drain_outcome, drain_stops
     from layerline.planner import Plan, plan_table
     from layerline.routes import host_order, load_route, next_route, promote_in_place
     from layerline.settings import ANSIBLE_KEYS, PREFIX, HostSettings, server_host
-    from layerline.spec import (drive_argv, host_report, planned_worker, server_spec, ships_stage,
-                                stage_checkpoint_argv, worker_spec)
+    from layerline.spec import (demo_checkpoint_argv, drive_argv, health_gate, host_report, index_argv, keys_place_argv,
+                                keys_spec, planned_worker, runtime_install_argv, runtime_spec, server_spec,
+                                ships_stage, stage_checkpoint_argv,
+                                worker_spec)
     IMPORT_ERROR = None
 except ImportError as e:  # the controller's interpreter lacks the package
     IMPORT_ERROR = e
@@ -79,6 +93,14 @@ def layerline_plan(hostvars, hosts, cost, objective=None, policy=None, reserve_r
         _plain(reserve_ram_gb)).to_dict())
 
 
+def layerline_route_plan(hostvars, hosts, cost, route):
+    """The plan the route asks for (layerline.inventory.plan_for_route): the in-place plan, else a new plan of
+    these hosts in the route's order, drained hosts left out."""
+    _need_runtime()
+    return _adapt("layerline_route_plan", plan_for_route, {h: _host_vars(hostvars, h) for h in hosts}, _plain(cost),
+                  _plain(route))
+
+
 def layerline_check_vars(hostvars, hosts, objective=None, policy=None, reserve_ram_gb=None):
     """True, or the first layerline_* variable no plan can take (checked before anything is measured)."""
     _need_runtime()
@@ -111,13 +133,13 @@ def layerline_home_paths(home, host=None):
     return _adapt("layerline_home_paths", paths)
 
 
-def layerline_worker_spec(plan, host, hvars, python="python3"):
+def layerline_worker_spec(plan, host, hvars, python=None):
     """The host's worker launch (layerline.spec.planned_worker): {"planned": false} where the plan holds
-    no stage on it, else the WorkerSpec as a dict (argv, state_dir, ready_file, keys_dir, ready_timeout,
-    endpoint, step) with "planned": true."""
+    no stage on it, else the WorkerSpec as a dict (argv, python, state_dir, ready_file, keys_dir, ready_timeout,
+    endpoint, step) with "planned": true. python: default the host's layerline_worker_python (layerline.settings)."""
     _need_runtime()
     return _adapt("layerline_worker_spec", lambda: planned_worker(_plan(plan), str(host), _vars(hvars),
-                                                                  python=str(python)))
+                                                                  python=None if python is None else str(python)))
 
 
 def layerline_ships_stage(plan, host, hvars):
@@ -126,17 +148,76 @@ def layerline_ships_stage(plan, host, hvars):
     return _adapt("layerline_ships_stage", lambda: ships_stage(_plan(plan), str(host), _vars(hvars)))
 
 
-def layerline_argv(plan, host, hvars, python="python3"):
+def layerline_argv(plan, host, hvars, python=None):
     _need_runtime()
     return _adapt("layerline_argv", lambda: list(worker_spec(_plan(plan), str(host), _vars(hvars),
-                                                             python=str(python)).argv))
+                                                             python=None if python is None else str(python)).argv))
 
 
-def layerline_host_report(hvars, host, plan=None, host_python=None):
+def layerline_host_report(hvars, host, plan=None):
     """A host's settings, the controller's keys dir and its worker argv, for layerline.Cluster."""
     _need_runtime()
-    return _adapt("layerline_host_report", lambda: _plain(host_report(_plan(plan), str(host), _vars(hvars),
-                                                                      None if host_python is None else str(host_python))))
+    return _adapt("layerline_host_report", lambda: _plain(host_report(_plan(plan), str(host), _vars(hvars))))
+
+
+def layerline_demo_checkpoint_argv(hvars, python="python3"):
+    """The controller's command that writes the demo checkpoint (layerline.spec.demo_checkpoint_argv)."""
+    _need_runtime()
+    return _adapt("layerline_demo_checkpoint_argv", lambda: demo_checkpoint_argv(_vars(hvars), python=str(python)))
+
+
+def layerline_index_argv(hvars, python="python3"):
+    """The controller's command that prints the checkpoint's index and cost (layerline.spec.index_argv)."""
+    _need_runtime()
+    return _adapt("layerline_index_argv", lambda: index_argv(_vars(hvars), python=str(python)))
+
+
+def layerline_keys_spec(hvars, host, hosts, python="python3"):
+    """The keys role's commands and files for a host (layerline.spec.KeysSpec as a dict)."""
+    _need_runtime()
+    return _adapt("layerline_keys_spec", lambda: keys_spec(str(host), _vars(hvars), [str(h) for h in hosts],
+                                                           python=str(python)).to_dict())
+
+
+def layerline_keys_place_argv(hvars, host, public):
+    """The host's command that lays out the public half of its keys dir (layerline.spec.keys_place_argv)."""
+    _need_runtime()
+    return _adapt("layerline_keys_place_argv", lambda: keys_place_argv(str(host), _vars(hvars), _plain(public)))
+
+
+def layerline_wheel_dir(source, home=None):
+    """Where the runtime role builds the wheel (layerline.home.wheel_dir: HOME/wheels, else SOURCE/.cache/wheels)."""
+    _need_runtime()
+    return _adapt("layerline_wheel_dir", lambda: wheel_dir(None if home in (None, "") else str(home), str(source)))
+
+
+def layerline_health_gate(result, url, may_be_down=None):
+    """A uri task's result for the server's /health as the gate's verdict (layerline.spec.health_gate)."""
+    _need_runtime()
+    r = _plain(result) if isinstance(result, dict) else {}
+    return _adapt("layerline_health_gate", health_gate, str(url), r.get("status"), r.get("json"),
+                  [str(h) for h in (_plain(may_be_down) or [])])
+
+
+def layerline_runtime_spec(hvars, host, dependencies, controller_python, role_path, source, wheel_dir):
+    """The runtime role's commands for a host (layerline.spec.RuntimeSpec as a dict)."""
+    _need_runtime()
+    return _adapt("layerline_runtime_spec", lambda: runtime_spec(
+        str(host), _vars(hvars), _plain(dependencies), str(controller_python), str(role_path), str(source),
+        str(wheel_dir)).to_dict())
+
+
+def layerline_runtime_install_argv(hvars, host, wheel):
+    """The host's pip install of the wheel (layerline.spec.runtime_install_argv)."""
+    _need_runtime()
+    return _adapt("layerline_runtime_install_argv", runtime_install_argv, str(host), _vars(hvars), str(wheel))
+
+
+def layerline_version(python=None):
+    """The layerline version the controller runs: these filters run in ansible_playbook_python, the `python`
+    given, so its layerline is this one."""
+    _need_runtime()
+    return __version__
 
 
 def layerline_server_spec(hvars, python="python3"):
@@ -154,6 +235,14 @@ def layerline_stage_argv(plan, host, hvars, python="python3"):
     _need_runtime()
     return _adapt("layerline_stage_argv", lambda: stage_checkpoint_argv(_plan(plan), str(host), _vars(hvars),
                                                                         python=str(python)))
+
+
+def layerline_stage_copy_error(copied, host, stage_dir, stage_bytes):
+    """The one line for a host whose stage copy failed or was cut off (layerline.staging.copy_failure)."""
+    _need_runtime()
+    from layerline.staging import copy_failure
+    return _adapt("layerline_stage_copy_error", copy_failure, str(host), str(stage_dir), int(stage_bytes),
+                  _plain(copied))
 
 
 def layerline_state_dir(hvars, host, slot=None):
@@ -237,8 +326,11 @@ def layerline_drive_report(result):
 class FilterModule:
     def filters(self):
         return {f.__name__: f for f in (
-            layerline_plan, layerline_check_vars, layerline_settings, layerline_server_host, layerline_home_paths,
+            layerline_plan, layerline_route_plan, layerline_check_vars, layerline_settings, layerline_server_host, layerline_home_paths,
             layerline_worker_spec, layerline_ships_stage, layerline_argv, layerline_host_report, layerline_server_spec, layerline_drive_argv,
-            layerline_stage_argv, layerline_state_dir, layerline_saved_plan,
+            layerline_demo_checkpoint_argv, layerline_index_argv, layerline_keys_spec, layerline_keys_place_argv,
+            layerline_wheel_dir, layerline_version, layerline_health_gate, layerline_runtime_spec,
+            layerline_runtime_install_argv,
+            layerline_stage_argv, layerline_stage_copy_error, layerline_state_dir, layerline_saved_plan,
             layerline_route, layerline_host_errors, layerline_drain_outcome, layerline_drain_stops,
             layerline_known_addresses, layerline_peers, layerline_plan_table, layerline_drive_report)}

@@ -11,7 +11,12 @@ description:
   - Writes plan.json, route.json, drive.json or request.json in O(home), atomically (a reader sees
     the old file or the new one whole) and only when its bytes change. Paths and formats are
     decided by C(layerline.home.ControllerHome); route.json keeps only the route state's own keys.
-  - Runs where layerline is importable, the controller (delegate_to localhost).
+  - The server's key files, O(file=admin_key) and O(file=api_keys), take no O(content) - they are made
+    once with a new random key (C(layerline.server.auth.ensure_key_file)), atomically, mode 0600 in a
+    0700 dir; a file that holds a key is kept (its mode set to 0600). The key is never returned; run
+    such a task with C(no_log) all the same.
+  - Runs where layerline is importable, the controller (delegate_to localhost), or for the key files
+    where the server runs.
 version_added: "0.1.0"
 author:
   - layerline contributors
@@ -24,11 +29,10 @@ options:
     description: Which file to keep.
     type: str
     required: true
-    choices: [plan, route, drive, request]
+    choices: [plan, route, drive, request, admin_key, api_keys]
   content:
-    description: What it holds (JSON data).
+    description: What it holds (JSON data). Required for every file but the key files, which take none.
     type: raw
-    required: true
 """
 
 EXAMPLES = r"""
@@ -39,6 +43,12 @@ EXAMPLES = r"""
     content: "{{ layerline_plan }}"
   run_once: true
   delegate_to: localhost
+
+- name: Make the server's admin key when there is none
+  layerline_save:
+    home: "{{ layerline_home }}"
+    file: admin_key
+  no_log: true
 """
 
 RETURN = r"""
@@ -59,39 +69,54 @@ LAYERLINE_IMPORT_ERROR = None
 try:
     from layerline.errors import LayerlineError
     from layerline.home import ControllerHome
+    from layerline.server.auth import ensure_key_file
 except ImportError:
     LAYERLINE_IMPORT_ERROR = traceback.format_exc()
+
+
+KEY_FILES = ["admin_key", "api_keys"]
 
 
 def main():
     module = AnsibleModule(
         argument_spec=dict(home=dict(type="path", required=True),
-                           file=dict(type="str", required=True, choices=["plan", "route", "drive", "request"]),
-                           content=dict(type="raw", required=True)),
+                           file=dict(type="str", required=True, choices=["plan", "route", "drive", "request"] + KEY_FILES),
+                           content=dict(type="raw", required=False)),
         supports_check_mode=True)
     p = module.params
     if LAYERLINE_IMPORT_ERROR:
         module.fail_json(msg="layerline_save: cannot import layerline here; run it on the controller "
                              "(delegate_to: localhost) from the venv made by `make setup`",
                          exception=LAYERLINE_IMPORT_ERROR)
-    content = p["content"]
-    if isinstance(content, str):
-        try:
-            content = json.loads(content)
-        except ValueError:
-            module.fail_json(msg="layerline_save %s: content is not JSON data" % p["file"])
     home = ControllerHome.of(p["home"])
-    path = home.file(p["file"])
+    key = p["file"] in KEY_FILES
+    if key and p["content"] is not None:
+        module.fail_json(msg="layerline_save %s: takes no content (a new random key is made when there is none)"
+                             % p["file"])
+    if not key and p["content"] is None:
+        module.fail_json(msg="layerline_save %s: content is required" % p["file"])
+    path = getattr(home, p["file"]) if key else home.file(p["file"])
+    content = None if key else _content(module, p)
     if module.check_mode:
         module.exit_json(changed=not os.path.exists(path), path=path)
     try:
-        changed = home.save(p["file"], content)
+        changed = ensure_key_file(path) if key else home.save(p["file"], content)
     except LayerlineError as e:
         module.fail_json(msg=str(e), path=path)
     except OSError as e:
         module.fail_json(msg="%s: cannot be written (%s); fix the permissions of layerline_home" % (path, e.strerror),
                          path=path)
     module.exit_json(changed=changed, path=path)
+
+
+def _content(module, p):
+    content = p["content"]
+    if isinstance(content, str):
+        try:
+            content = json.loads(content)
+        except ValueError:
+            module.fail_json(msg="layerline_save %s: content is not JSON data" % p["file"])
+    return content
 
 
 if __name__ == "__main__":

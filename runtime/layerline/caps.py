@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from .endpoints import LOOPBACK
 from .errors import LayerlineError
 
 
@@ -42,7 +43,7 @@ class DeviceCaps:
 
 @dataclass(frozen=True)
 class NodeCaps:
-    addr: str = "127.0.0.1"
+    addr: str = LOOPBACK
     hostname: str | None = None
     machine_id: str | None = None      # the kernel's boot id: hosts with the same one share a machine
     os: str | None = None

@@ -12,6 +12,7 @@ import sys
 import time
 
 from .model import COMPILE_MODES
+from .endpoints import LOOPBACK
 from .errors import LayerlineError
 from .precision import PRECISIONS, precision as precision_row
 from .local import free_ports as _free_ports  # noqa: F401  (tests and benchmarks start local pipelines)
@@ -375,7 +376,7 @@ def build_parser() -> argparse.ArgumentParser:
     dr.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     dr.add_argument("--top-p", type=float, default=1.0)
     dr.add_argument("--ignore-eos", action="store_true")
-    dr.add_argument("--reply-host", default="127.0.0.1",
+    dr.add_argument("--reply-host", default=LOOPBACK,
                     help="an address of this machine the last stage can reach (its result socket binds there)")
     dr.add_argument("--keys", default=None,
                     help="the controller's CURVE keys dir (made by playbooks/keys.yml; needed off loopback)")

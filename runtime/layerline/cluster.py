@@ -251,9 +251,9 @@ class Cluster:
                     data_dir: str | os.PathLike | None = None, **kw) -> "Cluster":
         """An inventory given as a dict (YAML inventory shape: {layerline: {hosts: {...}, vars: {...}}}).
 
-        It is written into the Cluster's private data dir. When the dict does not set them,
-        layerline_home defaults to DATA_DIR/home and layerline_state_dir to
-        layerline_home/state/HOST; layerline_checkpoint must be set unless
+        It is written into the Cluster's private data dir. When the dict does not set it,
+        layerline_home defaults to DATA_DIR/home (so a host on this machine keeps its state in
+        layerline_home/state/HOST: layerline.settings); layerline_checkpoint must be set unless
         layerline_demo_checkpoint is true (then it defaults to layerline_home/demo-llama).
         """
         if not isinstance(config, dict):
@@ -271,8 +271,6 @@ class Cluster:
         given = {**(extravars or {})}
         if not _has_key(config, "layerline_home") and "layerline_home" not in given:
             avars["layerline_home"] = str(data / "home")
-        if not _has_key(config, "layerline_state_dir") and "layerline_state_dir" not in given:
-            avars["layerline_state_dir"] = "{{ layerline_home }}/state/{{ inventory_hostname }}"
         if not _has_key(config, "layerline_checkpoint") and "layerline_checkpoint" not in given:
             demo = any(k == "layerline_demo_checkpoint" and str(v).lower() in ("true", "yes", "1")
                        for k, v in list(_walk(config)) + list(given.items()))
@@ -451,7 +449,7 @@ class Cluster:
                 "name": "Report this host's settings and worker argv",
                 "ansible.builtin.set_fact": {"layerline_cluster_report": (
                     "{{ hostvars[inventory_hostname] | layerline_host_report(inventory_hostname, "
-                    "layerline_plan | default(none), ansible_python_interpreter | default(none)) }}")},
+                    "layerline_plan | default(none)) }}")},
             }],
         }
 
@@ -708,21 +706,25 @@ class Cluster:
 
         plan = self._need_plan()
         first = next(s for s in plan["stages"] if s["role"] == "active")
-        rep = self._report.get(first["host"]) or {}
-        ids = self._inputs(inputs, rep)
+        hs = self._settings(first["host"])
+        ids = self._inputs(inputs, hs)
         # as playbooks/drive.yml: CURVE (auto: off loopback) with the controller's keys from the keys role
-        with pipeline_for_plan(plan, keys_dir=rep.get("keys_controller_dir") or None,
-                               reply_host=rep.get("driver_addr") or None, curve=rep.get("curve") or "auto",
-                               timeout_s=timeout_s) as pipe:
+        with pipeline_for_plan(plan, keys_dir=hs.controller_home.keys_controller,
+                               reply_host=hs.driver_addr, curve=hs.curve, timeout_s=timeout_s) as pipe:
             return drive(pipe, ids.tolist(), DriveOptions(generate=int(generate), warm=warm,
                                                           precision=plan["precision"]))
 
-    def _inputs(self, inputs, rep: dict):
+    def _settings(self, host: str):
+        """A host's HostSettings as the last report play read them (defaults: layerline.settings)."""
+        from .settings import HostSettings
+        return HostSettings.from_vars(host, (self._report.get(host) or {}).get("vars"))
+
+    def _inputs(self, inputs, hs):
         import torch
-        vocab = self._vocab(rep)
+        vocab = self._vocab(hs)
         if inputs is None:
-            seq = int(rep.get("seq") or 16)
-            g = torch.Generator().manual_seed(int(rep.get("rng_seed") or 0))
+            seq = hs.seq
+            g = torch.Generator().manual_seed(hs.rng_seed)
             if not vocab:
                 raise LayerlineError("drive: the model's vocab size is unknown (no config.json on this machine); "
                                      "pass inputs= token ids")
@@ -745,10 +747,10 @@ class Cluster:
             raise LayerlineError(f"drive: token ids must be in 0..{vocab - 1} (the model's vocab)")
         return ids
 
-    def _vocab(self, rep: dict) -> int | None:
+    def _vocab(self, hs) -> int | None:
         if self._index and (self._index.get("cost") or {}).get("vocab_size"):
             return int(self._index["cost"]["vocab_size"])
-        ckpt = rep.get("checkpoint")
+        ckpt = hs.checkpoint
         try:
             from .checkpoint import open_checkpoint
             return int(open_checkpoint(ckpt).config["vocab_size"]) if ckpt else None

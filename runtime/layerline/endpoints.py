@@ -34,6 +34,14 @@ def is_loopback(host: str) -> bool:
     return ip.is_loopback
 
 
+WILDCARDS = ("0.0.0.0", "::", "*")   # a bind on every address
+
+
+def is_wildcard(host: str) -> bool:
+    """A bind address that listens on every address (reach it at LOOPBACK from the same machine)."""
+    return host.strip().strip("[]") in WILDCARDS
+
+
 def is_ip(addr: str) -> bool:
     try:
         ipaddress.ip_address(addr.strip("[]"))

@@ -374,11 +374,25 @@ class Engine:
             elif len(seqs[0].tokens) == len(seqs[0].prompt):  # a prompt's prefill (a replay moves nothing)
                 self._prefill_done = now
         logits = res.logits[:, -1].float()
+        # a row whose logits are NaN or Inf (a bad weight or host for that sequence) fails alone: argmax
+        # would pick a token from garbage, and sampling would raise for every row of the step
+        finite = torch.isfinite(logits[[i for i, _ in sampled]]).all(-1).tolist()
+        bad = [s for (_, s), ok in zip(sampled, finite) if not ok]
+        if bad:
+            self._fail(bad, DriveError("the model's logits for this sequence are not finite (NaN or Inf): a stage's "
+                                       "weights or arithmetic failed on it; other requests go on", "non_finite"))
+            sampled = [(i, s) for (i, s), ok in zip(sampled, finite) if ok]
         greedy = [i for i, s in sampled if s.sampling.temperature == 0]
         picks = dict(zip(greedy, logits[greedy].argmax(-1).tolist())) if greedy else {}
         for i, s in sampled:
-            tok = picks[i] if i in picks else int(sample(logits[i:i + 1], s.sampling.temperature,
-                                                         s.sampling.top_p, s.gen)[0])
+            if s.state == DONE:
+                continue
+            try:
+                tok = picks[i] if i in picks else int(sample(logits[i:i + 1], s.sampling.temperature,
+                                                             s.sampling.top_p, s.gen)[0])
+            except (ValueError, RuntimeError) as e:  # this row's settings or numbers: its own failure
+                self._fail([s], DriveError(f"sampling failed: {e}", "sampling"))
+                continue
             s.tokens.append(tok)
             s.emit("token", tok)
             if tok in s.eos:

@@ -8,8 +8,11 @@
     HOME/keys/controller      the controller's own keys dir (drive, server)
     HOME/keys/api_keys        the server's API keys (Bearer), HOME/keys/admin_key its admin key
     HOME/state/server         the server's supervisor state, log and ready file
+    HOME/state/HOST           a host's worker state dir by default, for a host on the controller
+                              (layerline.settings.HostSettings.default_state_dir)
     HOME/stages/HOST          a host's staged tensors, cut on the controller
-    HOME/wheels               the layerline wheel the runtime role installs
+    HOME/wheels               the layerline wheel the runtime role installs (SOURCE/.cache/wheels
+                              without a layerline_home: wheel_dir)
 
 Every write is atomic (files.atomic_write_json): a reader sees the old file or the new one whole.
 """
@@ -23,6 +26,7 @@ from .errors import LayerlineError
 from .files import atomic_write_json
 
 FILES = {"plan": "plan.json", "route": "route.json", "drive": "drive.json", "request": "request.json"}
+SERVER_STATE_NAME = "server"   # HOME/state/server: the server's; HOME/state/HOST: a host's on the controller
 
 
 @dataclass(frozen=True)
@@ -77,7 +81,11 @@ class ControllerHome:
 
     @property
     def server_state(self) -> str:
-        return os.path.join(self.root, "state", "server")
+        return os.path.join(self.root, "state", SERVER_STATE_NAME)
+
+    def host_state(self, host: str) -> str:
+        """A host's worker state dir under this home (the default for a host on the controller)."""
+        return os.path.join(self.root, "state", host)
 
     def stages(self, host: str) -> str:
         return os.path.join(self.root, "stages", host)
@@ -128,3 +136,9 @@ class ControllerHome:
             raise LayerlineError("plan.json: refusing to keep a plan without stages (run the Plan play first)")
         os.makedirs(self.root, exist_ok=True)
         return atomic_write_json(self.file(what), value, mode, if_changed=True)
+
+
+def wheel_dir(home: "str | os.PathLike | None", source: "str | os.PathLike") -> str:
+    """Where the runtime role builds the layerline wheel: HOME/wheels, or SOURCE/.cache/wheels (the checkout
+    the wheel is built from) for a play without a layerline_home."""
+    return ControllerHome.of(home if home not in (None, "") else os.path.join(os.fspath(source), ".cache")).wheels

@@ -40,6 +40,18 @@ def plan_for_hosts(host_vars: dict[str, dict], cost: dict | ModelCost, objective
     return make_plan(nodes, mc, opts, policy)
 
 
+def plan_for_route(host_vars: dict[str, dict], cost: dict | ModelCost, route: dict) -> dict:
+    """The plan a route state asks for (the layerline_route filter's answer): its in-place plan where every
+    drained host's standby took its place, else a new plan of these hosts (a play's, in any order) in the
+    route's order (promoted standbys where their hosts stood), its drained hosts left out as draining."""
+    if route.get("plan"):
+        return route["plan"]
+    drained = set(route.get("drained") or ())
+    order = [h for h in route.get("order") or host_vars if h in host_vars]
+    return plan_for_hosts({h: {**host_vars[h], **({"layerline_role": "draining"} if h in drained else {})}
+                           for h in order}, cost).to_dict()
+
+
 def check_vars(host_vars: dict[str, dict], objective: dict | None = None, policy: str | None = None,
                reserve_ram_gb: float | None = None) -> None:
     """LayerlineError naming the first variable no plan can take: every host's settings and what

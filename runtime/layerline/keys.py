@@ -87,6 +87,16 @@ def _z85_ok(key: bytes) -> bool:
         return False
 
 
+def public_file(directory: str, name: str) -> str:
+    """NAME.key in a store or keys dir: the public key (0644)."""
+    return os.path.join(directory, f"{name}.key")
+
+
+def secret_file(directory: str, name: str = SELF) -> str:
+    """NAME.key_secret in a store or keys dir (SELF in a host's keys dir): the keypair (0600)."""
+    return os.path.join(directory, f"{name}.key_secret")
+
+
 def check_name(name: str, field: str = "name") -> str:
     if not isinstance(name, str) or not NAME_RE.match(name) or name == SELF:
         raise KeysError(f"{field}: {str(name)[:60]!r} is not a usable key name (letters, digits, _ . : -; "
@@ -163,7 +173,7 @@ def make_keypair(directory: str, name: str) -> tuple[bytes, bool]:
     """
     check_name(name)
     ensure_dir(directory)
-    pub_path, sec_path = os.path.join(directory, f"{name}.key"), os.path.join(directory, f"{name}.key_secret")
+    pub_path, sec_path = public_file(directory, name), secret_file(directory, name)
     made = False
     if os.path.exists(sec_path):
         check_secret_mode(sec_path, fix="then run this again")
@@ -248,7 +258,7 @@ def load_host_keys(directory: str | None, field: str = "--keys", why: str = "CUR
     if not os.path.isdir(directory):
         raise KeysError(f"{why}, so it needs this host's keys, but {field} {directory} is not a directory; {hint}")
     check_dir_mode(directory, field)
-    sec_path = os.path.join(directory, f"{SELF}.key_secret")
+    sec_path = secret_file(directory)
     check_secret_mode(sec_path)
     public, secret = read_key_file(sec_path)
     if secret is None:
@@ -314,12 +324,12 @@ def place(dest: str, name: str, public: dict[str, bytes | str]) -> bool:
 def install(store: str, name: str, dest: str, peers: list[str]) -> bool:
     """Lay out one whole keys dir from the store: self.key_secret and place() of the peers' keys."""
     check_name(name)
-    pub, sec = read_key_file(os.path.join(store, f"{name}.key_secret"))
+    pub, sec = read_key_file(secret_file(store, name))
     if sec is None:
         raise KeysError(f"{store}/{name}.key_secret: holds no secret-key line; remove it and run make again")
     public = {p: read_key_file(os.path.join(store, f"{check_name(p, 'peer')}.key"))[0] for p in [name, *peers]}
     changed = place(dest, name, public)
-    changed |= _write(os.path.join(dest, f"{SELF}.key_secret"), _secret_text(pub, sec), 0o600)
+    changed |= _write(secret_file(dest), _secret_text(pub, sec), 0o600)
     return changed
 
 

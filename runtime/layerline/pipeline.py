@@ -24,6 +24,7 @@ import zmq
 
 from . import keys as keymod
 from . import wire
+from .endpoints import LOOPBACK, endpoint_host, is_loopback
 from .errors import LayerlineError
 from .planner import pipeline_depth
 
@@ -61,7 +62,7 @@ class Answer:
 @dataclass
 class Pipeline:
     first: str                     # stage 0's data endpoint
-    reply_host: str = "127.0.0.1"  # an address of this machine the last stage can reach
+    reply_host: str = LOOPBACK     # an address of this machine the last stage can reach
     timeout_s: float = 120.0
     ctx: zmq.Context | None = None   # None: the pipeline makes (and terminates) its own
     keys_dir: str | None = None    # the controller's keys dir (needed when CURVE is on)
@@ -233,20 +234,16 @@ class Pipeline:
 
 def reply_host_for(endpoint: str) -> str:
     """An address of this machine that the endpoint's host can reach (no packets sent)."""
-    import ipaddress
     import socket
-    host = endpoint.rsplit(":", 1)[0].split("://", 1)[-1].strip("[]")
-    try:
-        if ipaddress.ip_address(host).is_loopback:
-            return "127.0.0.1"
-    except ValueError:
-        pass
+    host = endpoint_host(endpoint)
+    if is_loopback(host):
+        return LOOPBACK
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
             s.connect((host, 9))  # UDP connect only picks the route
             return s.getsockname()[0]
     except OSError:
-        return "127.0.0.1"
+        return LOOPBACK
 
 
 def active_stages(plan) -> list:

@@ -24,6 +24,7 @@ import time
 
 import psutil
 
+from .endpoints import LOOPBACK
 from .errors import LayerlineError
 
 __all__ = ["probe", "machine_id", "NODECAPS_KEYS", "DEVICE_KEYS", "with_step_factor", "carry_step_factors"]
@@ -500,7 +501,7 @@ def primary_ipv4() -> str:
         addrs = psutil.net_if_addrs()
         stats = psutil.net_if_stats()
     except Exception:
-        return "127.0.0.1"
+        return LOOPBACK
     default_ifaces = _default_route_interfaces()
     candidates = []
     for name, entries in addrs.items():
@@ -523,7 +524,7 @@ def primary_ipv4() -> str:
             )
             candidates.append((rank, str(ip)))
     if not candidates:
-        return "127.0.0.1"
+        return LOOPBACK
     return min(candidates)[1]
 
 

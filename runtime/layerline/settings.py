@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 from .cost import CostOptions
 from .endpoints import CURVE_MODES, DEFAULT_PORT, LOOPBACK, SLOTS, is_ip, slot_port, worker_ports
+from .home import SERVER_STATE_NAME, ControllerHome
 from .planner import COMPILE_MODES, POLICIES, ROLES, Node, PlanError, parse_layers
 
 PREFIX = "layerline_"
@@ -25,17 +26,18 @@ DEFAULT_SERVE_PORT = 8000
 SERVE_PORT_FROM_BASE = 90       # with layerline_port_base set, the server listens at base + 90 (the demo: 29190)
 READY_TIMEOUT_S = 300.0         # load the checkpoint, bind, answer: minutes at most
 COMPILE_READY_TIMEOUT_S = 1800.0  # a compiling worker is ready only after its warm-up compile
+DEFAULT_PYTHON = "/usr/bin/python3"  # a host's interpreter when the inventory names none (ansible_python_interpreter)
 # What each role is handed by the plays that are not inventory variables: computed values (a plan,
 # the controller's interpreter, the hosts of a group), never set by hand.
 ROLE_INPUTS = {
     "layerline_worker": ("layerline_worker_plan",),
     "layerline_server": ("layerline_server_plan", "layerline_server_gate_may_be_down"),
-    "layerline_keys": ("layerline_keys_hosts", "layerline_keys_python", "layerline_keys_host_python"),
+    "layerline_keys": ("layerline_keys_hosts", "layerline_keys_python"),
     "layerline_runtime": ("layerline_runtime_version", "layerline_runtime_source", "layerline_runtime_wheel_dir",
                           "layerline_runtime_dependencies"),
 }
 # Ansible's own variables a host's settings read (how it is reached).
-ANSIBLE_KEYS = ("ansible_connection", "ansible_host", "ansible_port")
+ANSIBLE_KEYS = ("ansible_connection", "ansible_host", "ansible_port", "ansible_python_interpreter")
 
 
 class SettingsError(PlanError):
@@ -159,6 +161,7 @@ class HostSettings:
     connection: str = ""
     ansible_host: str = ""
     ansible_port: int = 22
+    ansible_python_interpreter: str = ""
     # -- the model and the run (group vars) --
     checkpoint: str | None = _var(None, _str, group=True)
     checkpoint_shared: bool = _var(True, _bool, group=True)
@@ -228,7 +231,8 @@ class HostSettings:
         """Every layerline_* variable of this host, checked; unset (None, "") ones keep their default."""
         hvars = hvars or {}
         kw: dict[str, Any] = {"host": str(host), "connection": str(hvars.get("ansible_connection") or ""),
-                              "ansible_host": str(hvars.get("ansible_host") or "")}
+                              "ansible_host": str(hvars.get("ansible_host") or ""),
+                              "ansible_python_interpreter": str(hvars.get("ansible_python_interpreter") or "")}
         try:
             kw["ansible_port"] = int(hvars.get("ansible_port") or 22)
         except (TypeError, ValueError):
@@ -251,8 +255,11 @@ class HostSettings:
         return hvars if isinstance(hvars, HostSettings) else cls.from_vars(host, hvars)
 
     def to_vars(self) -> dict[str, Any]:
-        """The variables as the inventory names them, with defaults filled in (None: derived)."""
-        return {PREFIX + f.name: getattr(self, f.name) for f in variables()}
+        """The variables as the inventory names them, with defaults filled in (None: derived), and how
+        the host is reached: from_vars(host, to_vars()) is this HostSettings again."""
+        return {PREFIX + f.name: getattr(self, f.name) for f in variables()} | {
+            "ansible_connection": self.connection, "ansible_host": self.ansible_host, "ansible_port": self.ansible_port,
+            "ansible_python_interpreter": self.ansible_python_interpreter}
 
     # -- derived values: each decided here once ---------------------------------------------------
 
@@ -287,8 +294,20 @@ class HostSettings:
     def endpoint(self) -> str:
         return f"tcp://{self.address}:{self.data_port()}"
 
+    @property
+    def default_state_dir(self) -> str:
+        """The state dir when layerline_state_dir is not set: HOME/state/HOST (layerline.home) for a host on
+        the controller (local connection) when layerline_home is set, else /tmp/layerline-HOST on the
+        host itself (a remote host does not see the controller's dirs)."""
+        if self.home and self.local:
+            if self.host == SERVER_STATE_NAME:
+                raise SettingsError(f"{self.host}: its default state dir would be the server's "
+                                    f"({ControllerHome.of(self.home).server_state}); set layerline_state_dir for it")
+            return ControllerHome.of(self.home).host_state(self.host)
+        return f"/tmp/layerline-{self.host}"
+
     def state_dir_in(self, slot: int | None = None) -> str:
-        base = self.state_dir or f"/tmp/layerline-{self.host}"
+        base = self.state_dir or self.default_state_dir
         slot = self.slot if slot is None else slot
         return base if slot == 0 else f"{base}.{slot}"
 
@@ -308,12 +327,21 @@ class HostSettings:
         return self.stage_dir or os.path.join(self.home_state_dir, "checkpoint")
 
     @property
+    def checkpoint_path(self) -> str:
+        """layerline_checkpoint as the controller opens it; one line naming the fix when it is not set."""
+        if not self.checkpoint:
+            raise SettingsError("layerline_checkpoint is not set; point it at a Hugging Face model dir or a .gguf file")
+        return self.checkpoint
+
+    @property
+    def controller_home(self) -> ControllerHome:
+        """layerline_home: the controller's files (plan, route, keys, server state); one line when unset."""
+        return ControllerHome.of(self.home)
+
+    @property
     def worker_checkpoint(self) -> str:
         """The checkpoint path the worker opens on its host."""
-        if not self.checkpoint:
-            raise SettingsError(f"{self.host}: layerline_checkpoint is not set; point it at a Hugging Face model "
-                                "dir or a .gguf file")
-        return self.checkpoint if self.checkpoint_shared else self.staged_checkpoint_dir
+        return self.checkpoint_path if self.checkpoint_shared else self.staged_checkpoint_dir
 
     @property
     def probe_checkpoint(self) -> str:
@@ -327,8 +355,31 @@ class HostSettings:
         return ckpt if ckpt.endswith(".gguf") else os.path.join(ckpt, "layerline-demo.json")
 
     @property
+    def probe_throttle(self) -> int:
+        """The probe task's throttle: 1 (one host at a time) with layerline_probe_serial, else 0 (no limit)."""
+        return 1 if self.probe_serial else 0
+
+    @property
     def probe_device(self) -> str:
         return self.device.split("+")[0]
+
+    @property
+    def host_python(self) -> str:
+        """The host's interpreter as Ansible runs it: ansible_python_interpreter, else (also for Ansible's
+        discovery modes, auto...) DEFAULT_PYTHON."""
+        given = self.ansible_python_interpreter
+        return DEFAULT_PYTHON if not given or given.startswith("auto") else given
+
+    @property
+    def runtime_interpreter(self) -> str:
+        """The interpreter the runtime role makes layerline importable in (the keys role lays out the keys
+        with it): layerline_runtime_python, else the host's."""
+        return self.runtime_python or self.host_python
+
+    @property
+    def worker_interpreter(self) -> str:
+        """The interpreter the worker runs under: layerline_worker_python, else the runtime role's."""
+        return self.worker_python or self.runtime_interpreter
 
     @property
     def worker_keys_dir(self) -> str:
@@ -360,7 +411,9 @@ class HostSettings:
                    home_state_dir=self.home_state_dir, caps_file=self.caps_file, stage_dir=self.staged_checkpoint_dir,
                    keys_dir=self.worker_keys_dir, probe_checkpoint=self.probe_checkpoint,
                    probe_device=self.probe_device, serve_port=self.serve_port_resolved,
-                   demo_checkpoint_stamp=self.demo_checkpoint_stamp,
+                   demo_checkpoint_stamp=self.demo_checkpoint_stamp, host_python=self.host_python,
+                   probe_throttle=self.probe_throttle,
+                   runtime_python=self.runtime_interpreter, worker_python=self.worker_interpreter,
                    drain=list(self.drain), rejoin=list(self.rejoin))
         return out
 

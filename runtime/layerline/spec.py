@@ -14,9 +14,9 @@ import os
 import shlex
 from dataclasses import asdict, dataclass, field
 
-from .endpoints import LOOPBACK, endpoint_host, is_loopback
+from .endpoints import LOOPBACK, endpoint_host, is_loopback, is_wildcard
 from .errors import LayerlineError
-from .home import ControllerHome
+from .keys import secret_file
 from .planner import Plan
 from .settings import COMPILE_READY_TIMEOUT_S, READY_TIMEOUT_S, HostSettings  # noqa: F401 - re-exported
 
@@ -27,6 +27,7 @@ SettingsLike = HostSettings | dict
 class WorkerSpec:
     host: str
     argv: tuple[str, ...]
+    python: str               # the interpreter (argv[0]) and the supervisor's
     state_dir: str
     ready_file: str
     keys_dir: str
@@ -40,7 +41,7 @@ class WorkerSpec:
         return asdict(self) | {"argv": list(self.argv)}
 
 
-def planned_worker(plan: Plan, host: str, hvars: SettingsLike, python: str = "python3") -> dict:
+def planned_worker(plan: Plan, host: str, hvars: SettingsLike, python: str | None = None) -> dict:
     """What the worker role reads: {"planned": False} for a host the plan holds no stage on (its worker
     is stopped), else the host's WorkerSpec as a dict with "planned": True."""
     if plan.stage(host) is None:
@@ -54,9 +55,11 @@ def ships_stage(plan: Plan, host: str, hvars: SettingsLike) -> bool:
     return not HostSettings.of(host, hvars).checkpoint_shared and plan.stage(host) is not None
 
 
-def worker_spec(plan: Plan, host: str, hvars: SettingsLike, python: str = "python3") -> WorkerSpec:
-    """This host's worker launch, from its stage of the plan (looked up by host name)."""
+def worker_spec(plan: Plan, host: str, hvars: SettingsLike, python: str | None = None) -> WorkerSpec:
+    """This host's worker launch, from its stage of the plan (looked up by host name). python: the
+    interpreter, where the caller knows better than the host's settings (local stages: this one)."""
     hs = HostSettings.of(host, hvars)
+    python = python or hs.worker_interpreter
     s = plan.stage(host)
     if s is None:
         raise LayerlineError(f"{host}: not in the plan (role {hs.role}); only planned hosts start workers")
@@ -103,7 +106,7 @@ def worker_spec(plan: Plan, host: str, hvars: SettingsLike, python: str = "pytho
         argv += ["--nice", str(hs.nice)]
     if s.compile != "off":
         argv += ["--compile", s.compile, "--compile-cache", hs.worker_compile_cache]
-    return WorkerSpec(host=host, argv=tuple(argv), state_dir=state, ready_file=ready, keys_dir=keys,
+    return WorkerSpec(host=host, argv=tuple(argv), python=python, state_dir=state, ready_file=ready, keys_dir=keys,
                       ready_timeout=hs.ready_timeout(s.compile != "off"), endpoint=str(s.endpoint),
                       step={"device": s.device.split("+")[0], "precision": s.precision, "compile": s.compile,
                             "predicted_s": s.predicted_s, "factor": s.step_factor})
@@ -132,15 +135,93 @@ def stage_checkpoint_argv(plan: Plan, host: str, hvars: SettingsLike, python: st
     s = plan.stage(host)
     if s is None:
         raise LayerlineError(f"{host}: not in the plan; nothing to stage")
-    if not hs.checkpoint:
-        raise LayerlineError(f"{host}: layerline_checkpoint is not set; point it at a Hugging Face model dir "
-                             "or a .gguf file")
-    argv = [python, "-m", "layerline.cli", "stage-checkpoint", hs.checkpoint,
-            "--layers", f"{s.layers[0]}:{s.layers[1]}", "--out", ControllerHome.of(hs.home or ".").stages(host),
+    argv = [python, "-m", "layerline.cli", "stage-checkpoint", hs.checkpoint_path,
+            "--layers", f"{s.layers[0]}:{s.layers[1]}", "--out", hs.controller_home.stages(host),
             "--json"]
     argv += ["--first"] if s.layers[0] == 0 else []
     argv += ["--last"] if s.layers[1] == plan.num_layers else []
     return argv
+
+
+def demo_checkpoint_argv(hvars: SettingsLike, python: str = "python3", host: str = "controller") -> list[str]:
+    """The controller's command that writes the demo checkpoint at layerline_checkpoint (a .gguf: the
+    packaged SmolLM2; a dir: the random-init demo model); it is whole once demo_checkpoint_stamp exists."""
+    return [python, "-m", "layerline.cli", "demo-checkpoint", HostSettings.of(host, hvars).checkpoint_path]
+
+
+def index_argv(hvars: SettingsLike, python: str = "python3", host: str = "controller") -> list[str]:
+    """The controller's command that prints the checkpoint's tensor index and ModelCost as JSON (headers only)."""
+    return [python, "-m", "layerline.cli", "index", HostSettings.of(host, hvars).checkpoint_path, "--json"]
+
+
+@dataclass(frozen=True)
+class KeysSpec:
+    """The keys role's commands and files for one host (layerline.keys: make on the controller, place on the
+    host, then the host's secret copied from the controller's store)."""
+    make_argv: tuple[str, ...]   # on the controller: every missing keypair and the controller's keys dir
+    keys_dir: str                # the host's keys dir (the worker's --keys)
+    secret_src: str              # on the controller: the host's keypair in the store (0600)
+    secret_dest: str             # on the host: KEYS_DIR/self.key_secret (0600)
+
+    def to_dict(self) -> dict:
+        return asdict(self) | {"make_argv": list(self.make_argv)}
+
+
+def keys_spec(host: str, hvars: SettingsLike, hosts: list[str], python: str = "python3") -> KeysSpec:
+    """The keys role's spec for `host`: keypairs for `hosts` (names checked by `layerline.keys make`) made by
+    the controller's `python`."""
+    hs = HostSettings.of(host, hvars)
+    home = hs.controller_home
+    return KeysSpec(make_argv=(python, "-m", "layerline.keys", "make", "--store", home.keys_store,
+                               "--controller-dir", home.keys_controller, "--", *[str(h) for h in hosts]),
+                    keys_dir=hs.worker_keys_dir, secret_src=secret_file(home.keys_store, host),
+                    secret_dest=secret_file(hs.worker_keys_dir))
+
+
+def keys_place_argv(host: str, hvars: SettingsLike, public: dict) -> list[str]:
+    """The host's command (under its runtime interpreter) that lays out the public half of its keys dir."""
+    hs = HostSettings.of(host, hvars)
+    if not isinstance(public, dict) or host not in public:
+        raise LayerlineError(f"{host}: the keys made on the controller hold no public key for it (is it in "
+                             "layerline_keys_hosts?); re-run playbooks/keys.yml")
+    return [hs.runtime_interpreter, "-m", "layerline.keys", "place", "--dest", hs.worker_keys_dir, "--name", host,
+            "--public", json.dumps(public, sort_keys=True)]
+
+
+# what the runtime role asks a host's interpreter, which may not have layerline yet (plain Python only)
+VERSION_CODE = "import layerline; print(layerline.__version__)"
+MISSING_CODE = ("import importlib.util, json, sys; need = json.loads(sys.argv[1]); "
+                "print(json.dumps([d for d, m in need.items() if importlib.util.find_spec(m) is None]))")
+
+
+@dataclass(frozen=True)
+class RuntimeSpec:
+    """The runtime role's commands for one host: its interpreter (HostSettings.runtime_interpreter), what
+    asks it for its layerline version and for the dependencies it lacks, and the controller's wheel build."""
+    python: str
+    version_argv: tuple[str, ...]    # prints the host's layerline version (fails without layerline)
+    missing_argv: tuple[str, ...]    # prints the distributions of `dependencies` it lacks, as a JSON list
+    build_argv: tuple[str, ...]      # on the controller: prints {"wheel": PATH, "version": V}
+
+    def to_dict(self) -> dict:
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
+
+
+def runtime_spec(host: str, hvars: SettingsLike, dependencies: dict, controller_python: str, role_path: str,
+                 source: str, wheel_dir: str) -> RuntimeSpec:
+    """The runtime role's spec: dependencies maps distribution to import name; the wheel is built from
+    source into wheel_dir by the role's files/build_wheel.py under the controller's interpreter."""
+    python = HostSettings.of(host, hvars).runtime_interpreter
+    return RuntimeSpec(python=python, version_argv=(python, "-c", VERSION_CODE),
+                       missing_argv=(python, "-c", MISSING_CODE, json.dumps(dict(dependencies), sort_keys=True)),
+                       build_argv=(controller_python, os.path.join(role_path, "files", "build_wheel.py"), source,
+                                   wheel_dir))
+
+
+def runtime_install_argv(host: str, hvars: SettingsLike, wheel: str) -> list[str]:
+    """The host's pip install of the controller's wheel: no dependencies, no index, over any other version."""
+    return [HostSettings.of(host, hvars).runtime_interpreter, "-m", "pip", "install", "--no-deps", "--no-index",
+            "--force-reinstall", "--disable-pip-version-check", "-q", wheel]
 
 
 def drive_argv(plan: Plan, hvars: SettingsLike, python: str = "python3", host: str = "controller") -> list[str]:
@@ -148,17 +229,15 @@ def drive_argv(plan: Plan, hvars: SettingsLike, python: str = "python3", host: s
     hs = HostSettings.of(host, hvars)
     if not plan.actives:
         raise LayerlineError("plan: no active stage to drive; run playbooks/plan.yml first")
-    if not hs.checkpoint:
-        raise LayerlineError("layerline_checkpoint is not set; point it at a Hugging Face model dir or a .gguf file")
     first, last = plan.actives[0], plan.actives[-1]
     reply = hs.driver_addr or LOOPBACK
     if is_loopback(reply) and not is_loopback(endpoint_host(str(last.endpoint))):
         raise LayerlineError(f"layerline_driver_addr: results go to {reply}, but the last stage ({last.host}) is "
                              "not on this machine; set it to an address of the controller that host can reach")
     argv = [python, "-m", "layerline.cli", "drive", "--first", str(first.endpoint),
-            "--checkpoint", hs.checkpoint, "--precision", plan.precision,
+            "--checkpoint", hs.checkpoint_path, "--precision", plan.precision,
             "--seq", str(hs.seq), "--seed", str(hs.rng_seed), "--generate", str(hs.generate),
-            "--reply-host", reply, "--keys", ControllerHome.of(hs.home or ".").keys_controller,
+            "--reply-host", reply, "--keys", hs.controller_home.keys_controller,
             "--first-key", first.host, "--curve", hs.curve, "--json"]
     # the reference runs the whole model on the controller, one stage in memory at a time
     if hs.drive_reference:  # stage by stage, each at the precision its worker runs
@@ -225,27 +304,25 @@ class ServerSpec:
 def server_spec(hvars: SettingsLike, python: str = "python3", host: str = "controller") -> ServerSpec:
     """The server's launch on the serving host (the controller unless group layerline_server names one)."""
     hs = HostSettings.of(host, hvars)
-    home = ControllerHome.of(hs.home)
-    if not hs.checkpoint:
-        raise LayerlineError("layerline_checkpoint is not set; point it at a Hugging Face model dir or a .gguf file")
+    home, checkpoint = hs.controller_home, hs.checkpoint_path
     bind, port = hs.serve_bind, hs.serve_port_resolved
     keyed = hs.serve_api_keys or not is_loopback(bind)
-    reach = LOOPBACK if bind in ("0.0.0.0", "::", "*") else (f"[{bind}]" if ":" in bind else bind)
+    reach = LOOPBACK if is_wildcard(bind) else (f"[{bind}]" if ":" in bind else bind)
     url = f"http://{reach}:{port}"
     state = home.server_state
     python = hs.server_python or python
-    argv = [python, "-m", "layerline.cli", "serve", "--plan", home.plan, "--checkpoint", hs.checkpoint,
+    argv = [python, "-m", "layerline.cli", "serve", "--plan", home.plan, "--checkpoint", checkpoint,
             "--host", bind, "--port", str(port), "--keys", home.keys_controller, "--curve", hs.curve,
             "--ready-file", os.path.join(state, "ready.json"), "--log-file", os.path.join(state, "requests.log"),
             "--admin-keys", home.admin_key]
     argv += ["--api-keys", home.api_keys] if keyed else []
     argv += ["--restart-wait", _num(hs.serve_restart_wait), "--health-deadline", _num(hs.serve_health_deadline)]
     argv += ["--on-stage-lost", hs.serve_on_stage_lost] if hs.serve_on_stage_lost else []
-    model = os.path.basename(hs.checkpoint.rstrip("/"))
-    chat = _has_chat_template(hs.checkpoint)
+    model = os.path.basename(checkpoint.rstrip("/"))
+    chat = _has_chat_template(checkpoint)
     request = ({"model": model, "messages": [{"role": "user", "content": "Name three colors."}], "max_tokens": 32}
                if chat else {"model": model, "prompt": "The capital of France is", "max_tokens": 16}
-               if hs.checkpoint.endswith(".gguf") else {"model": model, "prompt": [1, 2, 3], "max_tokens": 8})
+               if checkpoint.endswith(".gguf") else {"model": model, "prompt": [1, 2, 3], "max_tokens": 8})
     return ServerSpec(argv=tuple(argv), python=python, state_dir=state, ready_timeout=hs.server_ready_timeout,
                       bind=bind, port=port, url=url, keyed=keyed, api_keys_file=home.api_keys,
                       admin_key_file=home.admin_key,
@@ -254,6 +331,24 @@ def server_spec(hvars: SettingsLike, python: str = "python3", host: str = "contr
                       request=request, request_path=home.request,
                       curl=curl_line(f"{url}/v1/{'chat/completions' if chat else 'completions'}", request,
                                      home.api_keys if keyed else None))
+
+
+def health_gate(url: str, status: int | None, body: dict | None, may_be_down: list[str] = ()) -> dict:
+    """Whether a running server may be touched (a drain's gate): its /health answered (200, or 503 with
+    stages down), its engine runs, and no stage is down but those in may_be_down. {"ok", "down", "msg"}:
+    down names the stages that do not answer, msg says what is wrong in one line."""
+    body = body if isinstance(body, dict) else {}
+    down = [str(s.get("name")) for s in body.get("stages") or [] if isinstance(s, dict) and not s.get("ok")]
+    answered = status in (200, 503)
+    ok = answered and bool(body.get("engine")) and not [h for h in down if h not in may_be_down]
+    if ok:
+        msg = "the pipeline is healthy"
+    elif not answered and status in (None, -1):
+        msg = f"the pipeline is not healthy, so nothing was changed: nothing answers at {url} (deploy.yml starts the server)"
+    else:
+        msg = (f"the pipeline is not healthy, so nothing was changed: the server at {url} answered {status}; stages "
+               f"down: {', '.join(down) or 'none (the engine is not running)'}")
+    return {"ok": ok, "down": down, "msg": msg}
 
 
 def _has_chat_template(checkpoint: str) -> bool:
@@ -276,11 +371,11 @@ def curl_line(url: str, body: dict, api_keys_file: str | None = None) -> str:
     return " ".join(parts)
 
 
-def host_report(plan: Plan | None, host: str, hvars: SettingsLike, host_python: str | None = None) -> dict:
-    """What layerline.Cluster keeps of a host between steps: its settings (defaults filled in), the
-    controller's keys dir, and its worker argv ([] when the plan holds no stage for it)."""
+def host_report(plan: Plan | None, host: str, hvars: SettingsLike) -> dict:
+    """What layerline.Cluster keeps of a host between steps: its settings (defaults filled in), its
+    variables as given (`vars`: HostSettings.from_vars reads them back), the controller's keys dir, and its worker argv under its worker interpreter ([] when the plan holds no
+    stage for it)."""
     hs = HostSettings.of(host, hvars)
-    python = hs.worker_python or host_python or "/usr/bin/python3"
     planned = plan is not None and plan.stage(host) is not None
-    return hs.facts() | {"keys_controller_dir": ControllerHome.of(hs.home or ".").keys_controller,
-                         "argv": list(worker_spec(plan, host, hs, python).argv) if planned else []}
+    return hs.facts() | {"keys_controller_dir": hs.controller_home.keys_controller, "vars": hs.to_vars(),
+                         "argv": list(worker_spec(plan, host, hs).argv) if planned else []}

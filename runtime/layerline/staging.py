@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -144,6 +145,41 @@ def finish_stage(dest: str | os.PathLike, manifest: dict) -> bool:
     from .files import atomic_write_json
     return atomic_write_json(root / MANIFEST, {k: v for k, v in manifest.items() if k != "changed"},
                              if_changed=True)
+
+
+def _results(copied: object) -> list[dict]:
+    """The per-file results of Ansible's copy over the stage's files (a loop), or the one result."""
+    if not isinstance(copied, dict):
+        return []
+    items = copied.get("results")
+    return [r for r in items if isinstance(r, dict)] if isinstance(items, list) else [copied]
+
+
+def _cause(result: dict) -> str:
+    """What a failed copy said, on one line: the OS error where it names one, else its message, cut short."""
+    msg = " ".join(str(result.get("msg") or result.get("module_stderr") or "copy failed").split())
+    m = re.search(r"\[Errno [0-9]+\][^'\"]*", msg)
+    msg = m.group(0) if m else (msg if len(msg) <= 200 else msg[:197] + "...")
+    return msg.strip().rstrip(":;,") or "copy failed"
+
+
+def copy_failure(host: str, stage_dir: str, stage_bytes: int, copied: object) -> str:
+    """The one line naming the host that could not take its stage, why, and the fix; `copied` is what
+    Ansible's copy of the stage's files registered (a loop result: one result per file).
+
+    A copy cut off (the connection, or the copy process on the host, gone mid-transfer: Ansible calls
+    the host unreachable) is run again: the files already there whose SHA-1 matches are not sent
+    again. Any other failure (a full disk, a dir it may not write) names the OS error and the room
+    the stage needs."""
+    results = _results(copied)
+    cut = next((r for r in results if r.get("unreachable")), None)
+    if cut is not None:
+        return (f"{host}: the copy of its stage ({stage_bytes} bytes) into {stage_dir} was cut off "
+                f"({_cause(cut)}); run deploy.yml again once the host is up: files already staged there "
+                "whose SHA-1 matches are not sent again")
+    failed = next((r for r in results if r.get("failed")), results[0] if results else {})
+    return (f"{host}: could not write its stage to {stage_dir} ({_cause(failed)}); the stage needs "
+            f"{stage_bytes} bytes there: free space, or set layerline_stage_dir to a disk with room, and run again")
 
 
 def parse_range(value: str) -> tuple[int, int]:

@@ -20,6 +20,7 @@ import os
 import re
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -30,7 +31,7 @@ from pathlib import Path
 import pytest
 
 from big_gguf import Shape, big_gguf
-from helpers import BIN, ROOT, ansible_env, playbook
+from helpers import BIN, ROOT, ansible_env, playbook, testhosts_teardown
 
 pytestmark = [
     pytest.mark.big,
@@ -119,8 +120,9 @@ def netns_inode(ns: str) -> int:
 class Watch(threading.Thread):
     """Samples a running deploy every 50 ms: the controller's process tree (the ansible-playbook
     process and every descendant: forks, the stage cutters) and when staging starts (the first
-    stage cutter) and ends (the first worker process); with kill_in set, SIGKILLs every file-copy
-    process (sftp-server, scp, dd) inside that namespace host while staging runs."""
+    stage cutter) and ends (the first worker process); with kill_in set, SIGKILLs the file-copy
+    processes (sftp-server, scp, dd) inside that namespace host while staging runs, the first once
+    it has written part of its file."""
 
     COPIERS = {"sftp-server", "scp", "dd"}
 
@@ -129,7 +131,8 @@ class Watch(threading.Thread):
         self.root_pid, self.stop = root_pid, threading.Event()
         self.host_inos = {netns_inode(ns) for ns in hosts}   # workers of other deployments do not count
         self.kill_ino = netns_inode(kill_in) if kill_in else None
-        self.killed: list[str] = []
+        self.killed: list[tuple[str, str, int]] = []       # (process, file it wrote, its bytes then)
+        self.killed_pids: set[int] = set()
         self.samples: list[tuple[float, int, int]] = []    # (t, tree RssAnon, tree VmRSS)
         self.stage_start: float | None = None
         self.stage_end: float | None = None
@@ -189,7 +192,25 @@ class Watch(threading.Thread):
         except OSError:
             return None
 
+    @staticmethod
+    def _writing(pid: str) -> tuple[str, int] | None:
+        """The regular file the process has open for writing (its path, its bytes now), if any."""
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                info = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/fdinfo/{fd}").read_text().splitlines()
+                            if ":" in line)
+                if int(info.get("flags", "0").strip(), 8) & (os.O_WRONLY | os.O_RDWR):
+                    st = os.stat(f"/proc/{pid}/fd/{fd}")
+                    if stat.S_ISREG(st.st_mode):
+                        return os.readlink(f"/proc/{pid}/fd/{fd}"), st.st_size
+        except (OSError, ValueError):
+            pass
+        return None
+
     def _kill_copies(self) -> None:
+        """SIGKILL the file copies into the host: the first once it has written part of its file (so the
+        kill lands mid-transfer, with a partial file on the host's disk), then every copy (Ansible's
+        fallbacks: scp, then dd) at once. Each kill is recorded as (process, file, bytes it held)."""
         for d in os.listdir("/proc"):
             if not d.isdigit():
                 continue
@@ -200,9 +221,13 @@ class Watch(threading.Thread):
             except OSError:
                 continue
             if comm in self.COPIERS:
+                path, size = self._writing(d) or ("", 0)
+                if (not self.killed and size == 0) or int(d) in self.killed_pids:
+                    continue            # not writing yet (the first kill waits for a partial file), or dying
                 try:
                     os.kill(int(d), signal.SIGKILL)
-                    self.killed.append(comm)
+                    self.killed.append((comm, path, size))
+                    self.killed_pids.add(int(d))
                 except ProcessLookupError:
                     pass
 
@@ -291,11 +316,7 @@ def big():
         yield {"info": info, "inventory": str(inventory), "home": home, "extra": extra, "ckpt": ckpt,
                "stored": stored, "work": work, "figures": {}}
     finally:
-        if extra is not None:
-            playbook("teardown.yml", "-i", str(work / "inventory.yml"), "-e", extra, check=False, timeout=300)
-        r = hostctl("down", "--prefix", PREFIX, "--out", str(out), timeout=300)
-        shutil.rmtree(work, ignore_errors=True)
-        assert r.returncode == 0, f"testhosts down failed: {r.stderr[-2000:]}"
+        testhosts_teardown(work / "inventory.yml", extra, PREFIX, out, work)
 
 
 def staged_files(big: dict, host: str) -> dict[str, tuple[int, int, int]]:
@@ -424,9 +445,6 @@ def test_capped_hosts_hold_the_model_no_host_could(big):
     print("\n[big] " + json.dumps(figs, indent=2))
 
 
-# Not yet seen to pass: its one run found no copy process to kill (the hosts' sshd ran internal-sftp;
-# testhosts now runs the sftp-server binary), and the deadline came before a second run had the lock.
-@pytest.mark.xfail(reason="not yet run to completion with testhosts' external sftp-server", strict=False)
 def test_a_copy_killed_while_staging_fails_in_one_line_and_the_rerun_ships_only_what_is_missing(big):
     if not big["stored"]:
         pytest.skip("this runtime plans a GGUF at bf16, not at its stored bytes (precision gguf and "
@@ -435,14 +453,26 @@ def test_a_copy_killed_while_staging_fails_in_one_line_and_the_rerun_ships_only_
     playbook("teardown.yml", "-i", big["inventory"], "-e", big["extra"], timeout=300)
     before = {h: staged_files(big, h) for h in HOSTS}
     assert all(before.values())
+    h3_bytes = sum(v[0] for v in before["h3"].values())
     shutil.rmtree(big["work"] / "stage-h3")          # h3 lost its stage: the next run ships it again
 
-    r, watch, _ = deploy(big, kill_in=f"{PREFIX}-h3")
-    assert watch.killed, "no copy into h3 was seen to kill"
+    # the copy into h3 (sftp-server, run by h3's sshd) is SIGKILLed once it has written part of the
+    # stage file, and so is every fallback Ansible tries (scp, dd)
+    r, kill, _ = deploy(big, kill_in=f"{PREFIX}-h3")
+    assert kill.killed, "no copy into h3 was seen to kill"
+    comm, path, held = kill.killed[0]
+    assert 0 < held < h3_bytes, f"{comm} was killed with {held} of the stage's {h3_bytes} bytes written ({path})"
     msg = one_line_failure(r)
-    assert msg.startswith("h3:") and "h1:" not in msg and "h2:" not in msg, msg
+    assert msg.startswith("h3: ") and "cut off" in msg and not re.search(r"\bh[12]\b", msg), msg
+    # the deploy stopped at staging: no worker started anywhere, and h3 holds no partial stage file
+    assert not kill.workers, "a worker started"
     assert not (host_root(info, "h3") / "tmp" / "layerline" / "state" / "ready.json").exists(), "no worker starts"
-    print(f"\n[big] h3's copy killed ({', '.join(sorted(set(watch.killed)))}): {msg}")
+    assert not staged_files(big, "h3"), staged_files(big, "h3")
+    assert not Path(path).exists(), f"the partial upload {path} was left on h3"
+    for h in ("h1", "h2"):
+        assert staged_files(big, h) == before[h], f"{h}'s stage changed in the failed run"
+    kills = ", ".join(f"{c} at {n} bytes" for c, _, n in kill.killed)
+    print(f"\n[big] h3's copy killed ({kills}; into {path}, removed after): {msg}")
 
     r, _, seconds = deploy(big)
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-2000:]
@@ -451,7 +481,8 @@ def test_a_copy_killed_while_staging_fails_in_one_line_and_the_rerun_ships_only_
         assert staged_files(big, h) == before[h], f"{h}'s stage was sent again"
     assert {k: v[0] for k, v in staged_files(big, "h3").items()} == {k: v[0] for k, v in before["h3"].items()}
     m = re.search(r"shipped (\d+) bytes to 3 hosts", out)
-    assert m and int(m.group(1)) == sum(v[0] for v in before["h3"].values()), out[-3000:]
+    assert m and int(m.group(1)) == h3_bytes, out[-3000:]
     assert json.loads((home / "drive.json").read_text())["ok"] is True
-    big["figures"]["rerun_s"] = round(seconds, 1)
+    big["figures"].update(copy_killed=msg, copy_kills=[{"process": c, "file": f, "bytes": n} for c, f, n in kill.killed],
+                          rerun_s=round(seconds, 1), rerun_shipped=int(m.group(1)))
     FIGURES.write_text(json.dumps(big["figures"], indent=2))

@@ -24,20 +24,15 @@ from pathlib import Path
 
 import pytest
 
-from helpers import BIN, ROOT, ansible_env, playbook, recap
+from helpers import BIN, ROOT, ansible_env, playbook, recap, testhosts_teardown
+from helpers import testhosts as hostctl
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("ip"),
                                 reason="test hosts need root and iproute2 (network namespaces, a bridge)")
 
-SCRIPT = ROOT / "scripts" / "testhosts.py"
 PREFIX = "llt"
 SUBNET = "10.77.0.0/24"
 HOSTS = ("h1", "h2", "h3")
-
-
-def hostctl(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -71,11 +66,7 @@ def cluster():
                             "layerline_nice": 10})
         yield {"info": info, "inventory": info["inventory"], "home": home, "extra": ["-e", extra]}
     finally:
-        if extra is not None:
-            playbook("teardown.yml", "-i", str(out / "inventory.yml"), "-e", extra, check=False, timeout=300)
-        r = hostctl("down", "--prefix", PREFIX, "--out", str(out), timeout=300)
-        shutil.rmtree(work, ignore_errors=True)
-        assert r.returncode == 0, f"testhosts down failed: {r.stderr[-2000:]}"
+        testhosts_teardown(out / "inventory.yml", extra, PREFIX, out, work)
 
 
 def host_root(info: dict, host: str) -> Path:

@@ -7,25 +7,22 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 
-from helpers import ROOT
+from helpers import testhosts
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("ip"),
                                 reason="test hosts need root and iproute2 (network namespaces, a bridge)")
 
-SCRIPT = ROOT / "scripts" / "testhosts.py"
 PREFIX = "llcap"
 CAPS = (512 << 20, 640 << 20)  # a probe imports torch (~210 MiB) and measures with buffers of its own
 
 
 def hostctl(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+    return testhosts(*args, timeout=300)
 
 
 @pytest.fixture(scope="module")

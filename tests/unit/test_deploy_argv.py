@@ -338,3 +338,16 @@ def test_check_vars_names_what_no_plan_takes_without_facts_or_model():
             ({}, None, None, "inventory: no hosts to plan for")):
         with pytest.raises(LayerlineError, match=re.escape(says)):
             hosts_inventory.check_vars(host_vars, objective, policy)
+
+
+def test_the_route_decides_what_is_planned():
+    """plan.yml hands the route over (layerline_route_plan): the in-place plan where there is one, else a plan
+    of the play's hosts in the route's order with its drained hosts left out."""
+    from layerline.inventory import plan_for_route
+    inv = {h: hv(h, 9100 + 10 * i) for i, h in enumerate(("w1", "w2", "w3"))}
+    cost = COST.to_dict()
+    kept = {"stages": [{"host": "w9"}]}
+    assert plan_for_route(inv, cost, {"plan": kept, "order": ["w1"], "drained": []}) is kept
+    plan = plan_for_route(inv, cost, {"plan": None, "order": ["w3", "w1", "w2"], "drained": ["w2"]})
+    assert [s["host"] for s in plan["stages"]] == ["w3", "w1"], "route order, drained host left out"
+    assert plan_for_route(inv, cost, {"order": ["w1", "w2", "w3", "gone"], "drained": []}) == plan_for_hosts(inv, cost)

@@ -12,6 +12,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 
+from helpers import gguf_writer  # noqa: E402
 from layerline.checkpoint import open_checkpoint  # noqa: E402
 from layerline.checkpoint.gguf import hf_tensor_name  # noqa: E402
 from layerline.model.llama import ModelArgs  # noqa: E402
@@ -34,17 +35,10 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def _write(model, arch: str, path: Path) -> None:
     cfg = model.config
     sd = model.state_dict()
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_key_length(HD)
-    w.add_value_length(HD)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(cfg.rope_parameters.get("full_attention", cfg.rope_parameters)["rope_theta"])
+    w = gguf_writer(path, arch, layers=cfg.num_hidden_layers, context=cfg.max_position_embeddings,
+                    hidden=cfg.hidden_size, ffn=cfg.intermediate_size, heads=cfg.num_attention_heads,
+                    kv_heads=cfg.num_key_value_heads, head_dim=HD, rms_eps=cfg.rms_norm_eps,
+                    rope_base=cfg.rope_parameters.get("full_attention", cfg.rope_parameters)["rope_theta"])
     w.add_sliding_window(cfg.sliding_window)
     if arch == "gemma2":
         w.add_float32("gemma2.attn_logit_softcapping", cfg.attn_logit_softcapping)

@@ -21,6 +21,7 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
+from helpers import gguf_writer  # noqa: E402
 from layerline.checkpoint import open_checkpoint  # noqa: E402
 from layerline.checkpoint.base import STORED_BLOCK_TYPES  # noqa: E402
 from layerline.checkpoint.gguf import permute_for_gguf  # noqa: E402
@@ -59,19 +60,8 @@ def _blocks(w: np.ndarray, t) -> np.ndarray:
 
 def _write(path: Path, arch: str) -> None:
     rng = np.random.default_rng(1)
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(len(LAYER_TYPES))
-    w.add_context_length(128)
-    w.add_embedding_length(H)
-    w.add_feed_forward_length(FF)
-    w.add_head_count(HEADS)
-    w.add_head_count_kv(KV_HEADS)
-    w.add_key_length(HD)
-    w.add_value_length(HD)
-    w.add_rope_dimension_count(HD)
-    w.add_rope_freq_base(10000.0)
-    w.add_layer_norm_rms_eps(1e-6)
-    w.add_vocab_size(VOCAB)
+    w = gguf_writer(path, arch, layers=len(LAYER_TYPES), context=128, hidden=H, ffn=FF, heads=HEADS,
+                    kv_heads=KV_HEADS, head_dim=HD, rope_dims=HD, rope_base=10000.0, rms_eps=1e-6, vocab=VOCAB)
     if arch == "gemma3":
         w.add_sliding_window(8)
 

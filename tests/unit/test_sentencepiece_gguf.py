@@ -12,6 +12,7 @@ import pytest
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 
+from helpers import gguf_writer  # noqa: E402
 from layerline.checkpoint import open_checkpoint  # noqa: E402
 
 WORDS = ["▁", "a", "b", "c", "h", "e", "l", "o", "▁a", "ab", "▁ab", "he", "ll", "hel", "hell", "hello", "▁hello",
@@ -24,14 +25,7 @@ def _write(path: Path, arch: str) -> None:
     pieces = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + WORDS
     types = [2, 3, 3] + [6] * 256 + [1] * (len(WORDS) - 2) + [3, 4]  # normal, control, user-defined, byte
     scores = [0.0] * 259 + [-float(i) for i in range(len(WORDS))]
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(1)
-    w.add_context_length(64)
-    w.add_embedding_length(8)
-    w.add_feed_forward_length(16)
-    w.add_head_count(2)
-    w.add_head_count_kv(2)
-    w.add_layer_norm_rms_eps(1e-6)
+    w = gguf_writer(path, arch, layers=1, context=64, hidden=8, ffn=16, heads=2, kv_heads=2, rms_eps=1e-6)
     w.add_sliding_window(4)
     w.add_tokenizer_model("llama")
     w.add_token_list(pieces)

@@ -106,18 +106,28 @@ def test_role_argument_specs_and_defaults_agree_with_the_dataclass(role):
             f"roles/{role}: argument spec {name} is neither a HostSettings variable nor one of the role's inputs "
             f"(layerline.settings.ROLE_INPUTS)")
     assert set(defaults) <= set(specs), f"roles/{role}: defaults without an argument spec: {set(defaults) - set(specs)}"
+    tasks = "\n".join(p.read_text() for p in sorted((ROOT / "roles" / role / "tasks").glob("*.yml")))
     for name, f in by_var.items():
         if role not in f.metadata["roles"]:
             assert name not in specs, f"roles/{role} takes {name}: add the role to its field's roles in HostSettings"
             continue
         assert name in specs, f"roles/{role}: argument spec lacks {name} (HostSettings says the role takes it)"
         assert specs[name]["type"] in SPEC_TYPES[str(f.type)], f"roles/{role}: {name} type {specs[name]['type']}"
-        if name in defaults:
-            d = defaults[name]
-            if isinstance(d, str) and "{{" in d:   # derived from Ansible's facts (an interpreter)
-                assert f.default is None, f"roles/{role}: {name} defaults to a template, HostSettings to {f.default!r}"
-            else:
-                assert d == f.default, f"roles/{role}: {name} defaults to {d!r}, HostSettings to {f.default!r}"
+        # its default and check are HostSettings': the role reads it through the layerline_settings filter
+        assert name not in defaults, f"roles/{role}: defaults/main.yml sets {name}; its default is HostSettings'"
+        used = rf"\{{\{{[^}}]*\b{name}\b|^\s*(\w+_)?(when|that|until):[^#\n]*\b{name}\b|^\s*-\s+\(?{name}\b"
+        assert not re.search(used, tasks, re.M), (
+            f"roles/{role}: tasks read {name} as it was given; read it through layerline_settings (defaults filled in)")
+
+
+def test_the_embedded_inventory_restates_no_default():
+    """The demo's group vars set only what differs from HostSettings' defaults (one home for each default)."""
+    doc = yaml.safe_load((ROOT / "inventory" / "group_vars" / "all.yml").read_text())
+    by_var = _fields_by_var()
+    same = [k for k, v in doc.items() if k in by_var and "{{" not in str(v)
+            and HostSettings.from_vars("w1", {k: v}).to_vars()[k] == HostSettings.from_vars("w1", {}).to_vars()[k]]
+    assert not same, f"inventory/group_vars/all.yml restates HostSettings' defaults of {same}: leave them out"
+    assert "layerline_state_dir" not in doc, "the state dirs' default is HostSettings.default_state_dir"
 
 
 def test_the_embedded_inventory_sets_only_known_variables():
@@ -141,6 +151,8 @@ def test_defaults_and_derived_values():
     assert local.worker_keys_dir == "/s/w2/keys" and local.caps_file == "/s/w2/caps.json"
     assert local.serve_port_resolved == 29190 and local.checkpoint_shared is False
     assert local.facts()["other_state_dir"] == "/s/w2"
+    assert (s.facts()["probe_throttle"], HostSettings.from_vars("w1", {"layerline_probe_serial": "yes"}).probe_throttle) \
+        == (0, 1), "probe.yml's throttle"
 
 
 @pytest.mark.parametrize("hvars,says", [
@@ -250,6 +262,13 @@ DECIDED_IN_PYTHON = {
     r"groups\['layerline_server'\]": "the server host (layerline_server_host filter)",
     r"'layerline\.cli',\s*'serve'|layerline\.cli, serve": "the server's argv (layerline.spec.server_spec)",
     r"layerline_(seq|rng_seed|curve|checkpoint_shared|device|port)\s*\|\s*default\(": "a variable's default (HostSettings)",
+    r"/usr/bin/python|\{\{[^}]*ansible_python_interpreter": "a host's interpreter (HostSettings.host_python)",
+    r"-m,\s*['\"]?layerline\.|'-m',\s*'layerline\.|^\s*-\s+layerline\.\w+\s*$": "a layerline command line (layerline.spec)",
+    r"key_secret": "the keys' file names (layerline.keys, layerline.spec.keys_spec)",
+    r"'/\.cache'|\}\}/wheels|/wheels\b": "the wheel dir (layerline.home.wheel_dir)",
+    r"\{\{\s*layerline_(state_dir|keys_dir|stage_dir|compile_cache)\b": "a host's dirs (HostSettings, the layerline_settings filter)",
+    r"lookup\('ansible\.builtin\.password'": "a secret (the layerline_save module: layerline.server.auth)",
+    r"^\s*argv:\s*$|\bargv:\s*\[": "a command line typed in YAML (layerline.spec builds each)",
 }
 
 
@@ -264,3 +283,185 @@ def test_playbooks_and_roles_decide_nothing_python_decides():
                 if re.search(pattern, code):
                     found.append(f"{path.relative_to(ROOT)}:{n}: {home}: {line.strip()}")
     assert not found, "\n".join(found)
+
+
+def _tasks(doc):
+    """Every task in a playbook or task file, blocks and plays opened."""
+    for item in doc or []:
+        if not isinstance(item, dict):
+            continue
+        for key in ("tasks", "pre_tasks", "post_tasks", "handlers", "block", "rescue", "always"):
+            yield from _tasks(item.get(key))
+        yield item
+
+
+def test_secrets_are_written_by_a_module_not_by_copy_content():
+    """A key written with copy: content: is logged unless each task remembers no_log, and not atomic: the
+    server's keys come from the layerline_save module (made once, 0600), and every task that touches a
+    secret is no_log."""
+    books = [*sorted((ROOT / "playbooks").glob("*.yml")), *sorted((ROOT / "roles").glob("*/tasks/*.yml"))]
+    for path in books:
+        for task in _tasks(yaml.safe_load(path.read_text())):
+            copy = task.get("ansible.builtin.copy") or task.get("copy")
+            assert not (isinstance(copy, dict) and "content" in copy), f"{path.relative_to(ROOT)}: {task.get('name')}"
+            save = task.get("layerline_save")
+            if (isinstance(save, dict) and save.get("file") in ("admin_key", "api_keys")) or \
+                    (isinstance(copy, dict) and "secret" in str(copy)):
+                assert task.get("no_log") is True, f"{path.relative_to(ROOT)}: {task.get('name')} must be no_log"
+    server = yaml.safe_load((ROOT / "roles" / "layerline_server" / "tasks" / "main.yml").read_text())
+    made = [t["layerline_save"]["file"] for t in server if "layerline_save" in t and "content" not in t["layerline_save"]]
+    assert made == ["admin_key", "api_keys"], "the admin key and the API keys"
+
+
+# -- facts the review found decided twice, each now decided once in Python ---------------------------
+
+def test_the_interpreters_are_decided_once():
+    from layerline.settings import DEFAULT_PYTHON
+    from layerline.spec import host_report, keys_place_argv
+    bare = HostSettings.from_vars("w1", {})
+    assert (bare.host_python, bare.runtime_interpreter, bare.worker_interpreter) == (DEFAULT_PYTHON,) * 3
+    assert HostSettings.from_vars("w1", {"ansible_python_interpreter": "auto_silent"}).host_python == DEFAULT_PYTHON
+    given = HostSettings.from_vars("w1", {"ansible_python_interpreter": "/v/bin/python"})
+    assert given.runtime_interpreter == given.worker_interpreter == "/v/bin/python"
+    runtime = {"ansible_python_interpreter": "/v/bin/python", "layerline_runtime_python": "/r/python"}
+    assert HostSettings.from_vars("w1", runtime).worker_interpreter == "/r/python", "the worker runs where layerline is"
+    both = HostSettings.from_vars("w1", {**runtime, "layerline_worker_python": "/w/python"})
+    assert (both.runtime_interpreter, both.worker_interpreter) == ("/r/python", "/w/python")
+    assert both.facts()["runtime_python"] == "/r/python" and both.facts()["worker_python"] == "/w/python"
+    home = {"layerline_home": "/h", **runtime}
+    assert keys_place_argv("w1", home, {"w1": "k"})[0] == "/r/python", "the keys are laid out where layerline is"
+    assert host_report(None, "w1", home)["worker_python"] == "/r/python"
+
+
+def test_the_state_dir_default_is_decided_once(tmp_path):
+    home = str(tmp_path / "home")
+    local = {"ansible_connection": "local", "layerline_home": home}
+    assert HostSettings.from_vars("w1", local).state_dir_in() == ControllerHome.of(home).host_state("w1")
+    assert HostSettings.from_vars("w1", {**local, "layerline_slot": 1}).state_dir_in() == f"{home}/state/w1.1"
+    assert HostSettings.from_vars("w1", {"layerline_home": home}).state_dir_in() == "/tmp/layerline-w1", (
+        "a remote host does not see the controller's dirs")
+    assert HostSettings.from_vars("w1", {**local, "layerline_state_dir": "/s"}).state_dir_in() == "/s"
+    with pytest.raises(LayerlineError, match="server: its default state dir would be the server's .*layerline_state_dir"):
+        HostSettings.from_vars("server", local).state_dir_in()
+
+
+def test_the_controllers_commands_are_built_in_python(tmp_path):
+    from layerline.spec import demo_checkpoint_argv, index_argv, keys_spec
+    hv = {"layerline_home": str(tmp_path), "layerline_checkpoint": "/m/model.gguf"}
+    assert demo_checkpoint_argv(hv, "/py") == ["/py", "-m", "layerline.cli", "demo-checkpoint", "/m/model.gguf"]
+    assert index_argv(hv, "/py") == ["/py", "-m", "layerline.cli", "index", "/m/model.gguf", "--json"]
+    with pytest.raises(LayerlineError, match="^layerline_checkpoint is not set; point it at"):
+        index_argv({"layerline_home": str(tmp_path)}, "/py")
+    k = keys_spec("w2", {**hv, "layerline_state_dir": "/s/w2"}, ["w1", "w2"], "/py")
+    home = ControllerHome.of(tmp_path)
+    assert k.make_argv == ("/py", "-m", "layerline.keys", "make", "--store", home.keys_store, "--controller-dir",
+                           home.keys_controller, "--", "w1", "w2")
+    assert (k.keys_dir, k.secret_dest) == ("/s/w2/keys", "/s/w2/keys/self.key_secret")
+    assert k.secret_src == f"{home.keys_store}/w2.key_secret"
+
+
+def test_the_keys_spec_names_the_files_the_keys_module_makes(tmp_path):
+    """keys_spec's secret_src is the file `layerline.keys make` writes, and place lays out what it names."""
+    from layerline import keys
+    from layerline.spec import keys_place_argv, keys_spec
+    k = keys_spec("w1", {"layerline_home": str(tmp_path), "layerline_state_dir": str(tmp_path / "s")}, ["w1"])
+    public, _ = keys.make_store(ControllerHome.of(tmp_path).keys_store, ["w1"])
+    assert keys.read_key_file(k.secret_src)[1], "the store holds w1's secret where the spec says"
+    argv = keys_place_argv("w1", {"layerline_state_dir": str(tmp_path / "s")}, {n: p.decode() for n, p in public.items()})
+    assert keys.main(argv[3:]) == 0 and (tmp_path / "s" / "keys" / "allowed" / "controller.key").is_file()
+    with pytest.raises(LayerlineError, match="no public key for it"):
+        keys_place_argv("w9", {}, {"w1": "k"})
+
+
+def test_the_servers_key_files_are_made_once_0600(tmp_path):
+    from layerline.server.auth import KEY_LENGTH, ensure_key_file, load_keys
+    path = str(tmp_path / "keys" / "admin_key")
+    assert ensure_key_file(path)
+    assert Path(path).stat().st_mode & 0o777 == 0o600 and (tmp_path / "keys").stat().st_mode & 0o777 == 0o700
+    key = load_keys(path)
+    assert len(key) == 1 and len(key[0]) == KEY_LENGTH
+    assert not ensure_key_file(path) and load_keys(path) == key, "kept: the server and drain.yml read it"
+    Path(path).chmod(0o644)
+    assert ensure_key_file(path) and Path(path).stat().st_mode & 0o777 == 0o600 and load_keys(path) == key
+    Path(path).write_text("\n")
+    assert ensure_key_file(path) and load_keys(path) != key, "an empty file gets a key"
+
+
+def test_the_wheel_dir_is_decided_once(tmp_path):
+    from layerline.home import wheel_dir
+    assert wheel_dir(str(tmp_path), "/src") == ControllerHome.of(tmp_path).wheels == str(tmp_path / "wheels")
+    assert wheel_dir(None, "/src") == wheel_dir("", "/src") == "/src/.cache/wheels"
+
+
+def test_the_drives_reply_address_asks_the_one_loopback_check():
+    from layerline import endpoints, pipeline
+    assert pipeline.is_loopback is endpoints.is_loopback
+    for ep in ("tcp://127.0.0.1:9100", "tcp://[::1]:9100", "tcp://localhost:9100", "tcp://127.2.0.1:1"):
+        assert pipeline.reply_host_for(ep) == endpoints.LOOPBACK, ep
+    assert endpoints.is_wildcard("0.0.0.0") and endpoints.is_wildcard("[::]") and not endpoints.is_wildcard("::1")
+
+
+def test_settings_go_back_and_forth_through_the_variables():
+    hs = HostSettings.from_vars("w1", {"ansible_connection": "local", "ansible_python_interpreter": "/p",
+                                       "layerline_seq": 7, "layerline_drain": "w2,w3", "layerline_slot": 1,
+                                       "layerline_objective": {"context": 64}})
+    assert HostSettings.from_vars("w1", json.loads(json.dumps(hs.to_vars()))) == hs
+
+
+def test_the_clusters_drive_reads_the_settings_defaults(tmp_path):
+    """Cluster.drive's prompt length, seed and CURVE mode are HostSettings' (no fallbacks of its own)."""
+    from layerline import Cluster
+    from layerline.spec import host_report
+    c = Cluster.from_path(ROOT / "inventory", quiet=True, data_dir=tmp_path / "d")
+    assert c._settings("w1") == HostSettings.from_vars("w1", {})
+    c._report = {"w1": json.loads(json.dumps(host_report(None, "w1", {"layerline_home": str(tmp_path),
+                                                                        "layerline_seq": 5})))}
+    hs = c._settings("w1")
+    assert (hs.seq, hs.rng_seed, hs.curve, hs.driver_addr) == (5, 0, "auto", None)
+    import inspect
+    src = inspect.getsource(Cluster)
+    assert not re.search(r"\.get\(\"(seq|rng_seed|curve|driver_addr|checkpoint)\"\)", src), "read HostSettings instead"
+
+
+def test_the_drain_gate_is_decided_in_python():
+    from layerline.spec import health_gate
+    url = "http://127.0.0.1:8000"
+    up = {"engine": True, "stages": [{"name": "w1", "ok": True}, {"name": "w2", "ok": False}]}
+    assert health_gate(url, 503, up, ["w2"]) == {"ok": True, "down": ["w2"], "msg": "the pipeline is healthy"}
+    bad = health_gate(url, 503, up, [])
+    assert not bad["ok"] and bad["msg"].endswith(f"the server at {url} answered 503; stages down: w2")
+    assert not health_gate(url, 200, {**up, "engine": False}, ["w2"])["ok"]
+    gone = health_gate(url, -1, None, [])
+    assert not gone["ok"] and f"nothing answers at {url} (deploy.yml starts the server)" in gone["msg"]
+    assert "stages down: none (the engine is not running)" in health_gate(url, 500, {}, [])["msg"]
+
+
+def test_the_runtime_roles_commands_are_built_in_python():
+    from layerline.spec import runtime_install_argv, runtime_spec
+    hv = {"ansible_python_interpreter": "/h/python", "layerline_runtime_python": "/r/python"}
+    r = runtime_spec("w1", hv, {"pyzmq": "zmq"}, "/c/python", "/roles/layerline_runtime", "/src", "/w")
+    assert r.python == r.version_argv[0] == r.missing_argv[0] == "/r/python"
+    assert r.build_argv == ("/c/python", "/roles/layerline_runtime/files/build_wheel.py", "/src", "/w")
+    assert json.loads(r.missing_argv[-1]) == {"pyzmq": "zmq"}
+    assert runtime_install_argv("w1", hv, "/tmp/x/layerline.whl")[:4] == ["/r/python", "-m", "pip", "install"]
+    import subprocess
+    import sys
+    missing = subprocess.run([sys.executable, *r.missing_argv[1:3], json.dumps({"pyzmq": "zmq", "nope-x": "nope_x"})],
+                             capture_output=True, text=True, check=True)
+    assert json.loads(missing.stdout) == ["nope-x"]
+    version = subprocess.run([sys.executable, *r.version_argv[1:]], capture_output=True, text=True, check=True)
+    from layerline import __version__
+    assert version.stdout.strip() == __version__
+
+
+def test_the_discover_modules_worker_port_is_the_settings_default():
+    """layerline_discover is self-contained (it imports no layerline); the worker port it gives added hosts
+    must be the one HostSettings gives a host without layerline_port."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("ll_discover", ROOT / "modules" / "library" / "layerline_discover.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    documented = yaml.safe_load(mod.DOCUMENTATION)["options"]["worker_port"]["default"]
+    import inspect
+    assert documented == inspect.signature(mod.discover).parameters["worker_port"].default == \
+        HostSettings.from_vars("h", {}).port

@@ -1,12 +1,47 @@
-"""API keys: Bearer tokens from a 0600 file, one key per line, compared in constant time."""
+"""API keys: Bearer tokens from a 0600 file, one key per line, compared in constant time; a file made
+once with a new random key (ensure_key_file: the server role's admin and API keys, never logged)."""
 from __future__ import annotations
 
 import hmac
 import os
+import secrets
 import stat
+import string
 
 from ..endpoints import is_loopback  # noqa: F401 - the one definition (server/cli imports it from here)
 from ..errors import LayerlineError
+from ..files import atomic_write
+
+KEY_ALPHABET = string.ascii_letters + string.digits
+KEY_LENGTH = 48
+
+
+def new_key() -> str:
+    """A random Bearer key (48 letters and digits: about 285 bits)."""
+    return "".join(secrets.choice(KEY_ALPHABET) for _ in range(KEY_LENGTH))
+
+
+def ensure_key_file(path: str) -> bool:
+    """A key file at path: kept when it holds a key (its mode made 0600), else written atomically (0600) with
+    a new key, its dir made 0700. True when anything changed. The key is never returned."""
+    changed = False
+    d = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(d):
+        os.makedirs(d, mode=0o700, exist_ok=True)
+        changed = True
+    try:
+        st = os.stat(path)
+        if stat.S_IMODE(st.st_mode) != 0o600:
+            os.chmod(path, 0o600)
+            changed = True
+        load_keys(path)
+        return changed
+    except FileNotFoundError:
+        pass
+    except LayerlineError:   # empty, or no key in it: a new one
+        pass
+    atomic_write(path, new_key() + "\n", 0o600)
+    return True
 
 
 def load_keys(path: str, flag: str = "--api-keys") -> list[bytes]:

@@ -13,6 +13,7 @@ import os
 import sys
 import time
 
+from ..endpoints import LOOPBACK
 from ..errors import LayerlineError
 
 PROG = "layerline serve"
@@ -25,7 +26,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                                      "worker's next hop)")
     p.add_argument("--checkpoint", help="the model dir: tokenizer.json, tokenizer_config.json (chat template), "
                                         "config.json / generation_config.json (stop tokens, context)")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (non-loopback needs --api-keys)")
+    p.add_argument("--host", default=LOOPBACK, help="address to listen on (non-loopback needs --api-keys)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-keys", default=None, help="file of API keys, one per line, mode 0600 (Bearer auth)")
     p.add_argument("--admin-keys", default=None,
