@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -206,6 +207,28 @@ def llama_gguf_writer(out, cfg: dict):
     w.add_bos_token_id(cfg["bos_token_id"])
     w.add_eos_token_id(cfg["eos_token_id"])
     return w
+
+
+def tiny_gguf(hf_dir: Path, out: Path) -> Path:
+    """A Hugging Face demo dir's tensors as a llama GGUF at `out` (F32, the rows not permuted: for tests
+    where only the format matters)."""
+    import numpy as np
+    from safetensors.torch import load_file
+
+    from layerline.checkpoint.gguf import hf_tensor_name
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    w = llama_gguf_writer(out, cfg)
+    gguf_of = {hf_tensor_name(g): g for g in ["token_embd.weight", "output_norm.weight", "output.weight"] + [
+        f"blk.{n}.{p}.weight" for n in range(cfg["num_hidden_layers"])
+        for p in ("attn_norm", "ffn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")]}
+    for f in sorted(hf_dir.glob("*.safetensors")):
+        for name, t in load_file(str(f)).items():
+            w.add_tensor(gguf_of[name], np.ascontiguousarray(t.float().numpy(), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
 
 
 class Phases:

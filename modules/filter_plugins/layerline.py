@@ -24,8 +24,10 @@
     {{ drive_result | layerline_drive_report }}
     {{ layerline_home | layerline_route(ansible_play_hosts, layerline_drain, layerline_rejoin) }}
     {{ hostvars[inventory_hostname] | layerline_state_dir(inventory_hostname, slot) }}
-    {{ hostvars | layerline_host_errors(ansible_play_hosts_all, 'layerline_drain_error') }}
+    {{ hostvars | layerline_host_errors(ansible_play_hosts, 'layerline_stage_error') }}
     {{ copied | layerline_stage_copy_error(inventory_hostname, stage_dir, stage_bytes) }}  (layerline.staging)
+    {{ hostvars | layerline_drain_outcome(ansible_play_hosts_all, layerline_drain) }}    (layerline.operations)
+    {{ layerline_route | layerline_drain_stops(inventory_hostname, failed) }}
 """
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ try:
     from layerline import __version__
     from layerline.home import ControllerHome, wheel_dir
     from layerline.inventory import check_vars, host_errors, known_addresses, peers_of, plan_for_hosts, plan_for_route
+    from layerline.operations import HOST_ERROR, RESTORE_ERROR, SWITCH_ERROR, drain_outcome, drain_stops
     from layerline.planner import Plan, plan_table
     from layerline.routes import host_order, load_route, next_route, promote_in_place
     from layerline.settings import ANSIBLE_KEYS, PREFIX, HostSettings, server_host
@@ -282,6 +285,22 @@ def layerline_host_errors(hostvars, hosts, fact):
     return host_errors({str(h): _plain(hostvars[h].get(fact)) for h in hosts})
 
 
+def layerline_drain_outcome(hostvars, hosts, drain=None):
+    """What failed in drain.yml so far, from the facts its rescues noted (layerline.operations.drain_outcome):
+    {errors, failed, msg}."""
+    _need_runtime()
+    facts = (HOST_ERROR, SWITCH_ERROR, RESTORE_ERROR)
+    return _adapt("layerline_drain_outcome", drain_outcome,
+                  {str(h): {f: _plain(hostvars[h].get(f)) for f in facts} for h in hosts}, _plain(drain))
+
+
+def layerline_drain_stops(route, host, failed=False):
+    """The slots whose worker on this host stops once drain.yml switched or went back
+    (layerline.operations.drain_stops)."""
+    _need_runtime()
+    return _adapt("layerline_drain_stops", drain_stops, _plain(route), str(host), bool(failed))
+
+
 def layerline_known_addresses(hostvars, hosts):
     """Names and addresses of these hosts (layerline_discover skips them)."""
     _need_runtime()
@@ -313,4 +332,5 @@ class FilterModule:
             layerline_wheel_dir, layerline_version, layerline_health_gate, layerline_runtime_spec,
             layerline_runtime_install_argv,
             layerline_stage_argv, layerline_stage_copy_error, layerline_state_dir, layerline_saved_plan,
-            layerline_route, layerline_host_errors, layerline_known_addresses, layerline_peers, layerline_plan_table, layerline_drive_report)}
+            layerline_route, layerline_host_errors, layerline_drain_outcome, layerline_drain_stops,
+            layerline_known_addresses, layerline_peers, layerline_plan_table, layerline_drive_report)}

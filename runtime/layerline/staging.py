@@ -9,6 +9,13 @@ of the file's own blocks copied as byte ranges, with all its metadata and the mo
 manifest records where it came from and each file's SHA-1 (what Ansible's copy checks after
 transfer); a stage already made from the same source and range is reused. The controller's
 memory grows by a chunk, not by the stage.
+
+On the host (the layerline_stage module, before the copy) `prune_stage` makes the stage dir hold
+nothing but what the current stage lists: a dir that once held another stage, or another model (a
+Hugging Face stage's config.json and *.safetensors, then a GGUF's model.gguf), keeps none of it,
+and a manifest that no longer describes the dir goes first. `finish_stage` writes the manifest last,
+once the files are whole, so a dir with one holds the whole stage it lists (`open_checkpoint` reads
+the format and the files from it).
 """
 from __future__ import annotations
 
@@ -77,6 +84,67 @@ def stage_checkpoint(src: str, start: int, end: int, first: bool, last: bool, ou
         shutil.rmtree(dest)
     tmp.rename(dest)
     return {**man, "changed": True}
+
+
+def stage_files(manifest: dict) -> list[str]:
+    """The file names a stage manifest lists (what the host's stage dir holds besides the manifest)."""
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict) or not files:
+        raise LayerlineError("stage manifest: no files listed; make the stage again "
+                             "(`layerline stage-checkpoint`, playbooks/stage.yml)")
+    bad = [f for f in files if not isinstance(f, str) or f in ("", ".", "..", MANIFEST) or "/" in f]
+    if bad:
+        raise LayerlineError(f"stage manifest: file name {bad[0]!r} is not a plain file name; make the stage again")
+    return sorted(files)
+
+
+def has_manifest(dest: str | os.PathLike, manifest: dict) -> bool:
+    """Whether the stage dir `dest` holds this stage manifest already."""
+    try:
+        current = json.loads((Path(dest) / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return False
+    return current == {k: v for k, v in manifest.items() if k != "changed"}
+
+
+def prune_stage(dest: str | os.PathLike, manifest: dict, dry_run: bool = False) -> list[str]:
+    """Remove from the stage dir `dest` everything the stage `manifest` does not list (files, links and
+    dirs: the dir is layerline's), and its manifest when that is not this one (it is shipped again
+    once the files are whole). Returns the names removed (that would be, with dry_run), sorted."""
+    keep = set(stage_files(manifest))
+    root = Path(dest)
+    if not root.is_dir():
+        return []
+    if has_manifest(root, manifest):
+        keep.add(MANIFEST)
+    gone = sorted(e.name for e in root.iterdir() if e.name not in keep)
+    if not dry_run:
+        for name in gone:
+            p = root / name
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p)
+            else:
+                p.unlink(missing_ok=True)
+    return gone
+
+
+def finish_stage(dest: str | os.PathLike, manifest: dict) -> bool:
+    """Write the stage manifest into the host's stage dir `dest` once every file it lists is there at
+    its size (the copy checked their SHA-1); True when it was written (it differed)."""
+    root = Path(dest)
+    files = manifest.get("files") or {}
+    for name in stage_files(manifest):
+        want = files[name].get("bytes") if isinstance(files[name], dict) else None
+        try:
+            size = (root / name).stat().st_size
+        except OSError:
+            raise LayerlineError(f"{root / name}: missing after the copy; stage again (playbooks/stage.yml)") from None
+        if want is not None and size != int(want):
+            raise LayerlineError(f"{root / name}: {size} bytes, but the stage lists {want}; stage again "
+                                 "(playbooks/stage.yml)")
+    from .files import atomic_write_json
+    return atomic_write_json(root / MANIFEST, {k: v for k, v in manifest.items() if k != "changed"},
+                             if_changed=True)
 
 
 def _results(copied: object) -> list[dict]:

@@ -5,7 +5,9 @@ bridge, own sshd with its own host key; host key checking on). deploy.yml runs a
 inventory as against any remote machines; the checks are that each worker runs inside its
 host's namespace and binds that host's address, that activations cross from host to host,
 that the drive matches a one-process forward, that a re-run changes nothing, that a drain under
-load loses no request, and teardown.
+load loses no request, and teardown. The checkpoint is not shared (layerline_checkpoint_shared false):
+each host is staged its own layers in its private /tmp, and the drain stages the re-planned hosts'
+new layers before it starts their workers.
 Needs root (namespaces, a bridge); installs openssh-server with apt-get when sshd is missing.
 """
 from __future__ import annotations
@@ -54,7 +56,9 @@ def cluster():
         # layerline_policy uniform: every host holds layers (2 each), whatever the probes measure;
         # under auto the planner may validly leave a host out of a model this small.
         extra = json.dumps({"layerline_home": str(home), "layerline_checkpoint": str(ckpt),
-                            "layerline_demo_checkpoint": False, "layerline_policy": "uniform", "layerline_serve_port": 29880,
+                            "layerline_demo_checkpoint": False, "layerline_policy": "uniform",
+                            # each host gets its own stage in its private /tmp (and the drain, new layers)
+                            "layerline_checkpoint_shared": False, "layerline_serve_port": 29880,
                             "layerline_seq": 12, "layerline_generate": 4,
                             # fp32: a replayed prefix gives the very logits its steps gave (the drain below)
                             "layerline_precision": "fp32",
@@ -218,9 +222,15 @@ def test_deploy_across_hosts_idempotent_teardown(cluster):
     # a drain over ssh, under load: h2 drained, h1 and h3 re-planned in the other slot on their hosts;
     # every request equals the undisturbed run (tests/deploy/test_deployment.py runs the rest of the operations:
     # rejoin, standby promotion, SIGSTOP, a dead host re-planned around, on the embedded inventory)
+    for s in actives:   # deploy staged each host its own layers
+        assert staged_layers(info, s["host"]) == s["layers"], s["host"]
     drain_under_load(inv, home, extra)
     slot1 = {h: json.loads((host_root(info, h) / "tmp" / "layerline" / "state.1" / "ready.json").read_text())["pid"]
              for h in ("h1", "h3")}
+    # the drain re-planned h1 and h3 onto other layers and staged those before it started their workers
+    for s in json.loads((home / "plan.json").read_text())["stages"]:
+        ready = json.loads((host_root(info, s["host"]) / "tmp" / "layerline" / "state.1" / "ready.json").read_text())
+        assert ready["layers"] == s["layers"] == staged_layers(info, s["host"]), (s, ready)
 
     # teardown stops every worker, in every namespace and slot
     playbook("teardown.yml", "-i", inv, *extra, timeout=300)
@@ -230,6 +240,12 @@ def test_deploy_across_hosts_idempotent_teardown(cluster):
         assert pid not in netns_pids(f"{PREFIX}-{h}")
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def staged_layers(info: dict, host: str) -> list[int]:
+    """The layers the host's stage dir holds (its stage manifest, in the host's private /tmp)."""
+    d = host_root(info, host) / "tmp" / "layerline" / "state" / "checkpoint"
+    return json.loads((d / "layerline-stage.json").read_text())["layers"]
 
 
 def strangers_refused(home: Path, actives: list[dict], pids: dict) -> None:

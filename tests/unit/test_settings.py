@@ -273,7 +273,7 @@ DECIDED_IN_PYTHON = {
 
 
 def test_playbooks_and_roles_decide_nothing_python_decides():
-    books = [ROOT / "deploy.yml", ROOT / "drain.yml", ROOT / "teardown.yml", *sorted((ROOT / "playbooks").glob("*.yml")),
+    books = [ROOT / "deploy.yml", ROOT / "drain.yml", ROOT / "teardown.yml", *sorted((ROOT / "playbooks").rglob("*.yml")),
              *sorted((ROOT / "roles").glob("*/tasks/*.yml")), *sorted((ROOT / "roles").glob("*/defaults/*.yml"))]
     found = []
     for path in books:
@@ -299,7 +299,7 @@ def test_secrets_are_written_by_a_module_not_by_copy_content():
     """A key written with copy: content: is logged unless each task remembers no_log, and not atomic: the
     server's keys come from the layerline_save module (made once, 0600), and every task that touches a
     secret is no_log."""
-    books = [*sorted((ROOT / "playbooks").glob("*.yml")), *sorted((ROOT / "roles").glob("*/tasks/*.yml"))]
+    books = [*sorted((ROOT / "playbooks").rglob("*.yml")), *sorted((ROOT / "roles").glob("*/tasks/*.yml"))]
     for path in books:
         for task in _tasks(yaml.safe_load(path.read_text())):
             copy = task.get("ansible.builtin.copy") or task.get("copy")

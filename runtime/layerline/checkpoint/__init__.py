@@ -14,6 +14,7 @@ text side of every format lives in layerline.text.
 """
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -26,12 +27,20 @@ from .hf import MAX_HEADER_BYTES, HFCheckpoint, check_index, read_safetensors_he
 
 
 def open_checkpoint(path: str | os.PathLike, *, check: bool = True) -> Checkpoint:
-    """The checkpoint at `path`: a Hugging Face model dir, a GGUF file (known by its magic bytes), or a
-    dir without config.json holding one GGUF file (a staged GGUF stage).
+    """The checkpoint at `path`: a stage dir (its layerline-stage.json names the format and the files:
+    a GGUF stage's model.gguf or a Hugging Face stage, whatever else the dir holds), a Hugging Face
+    model dir, a GGUF file (known by its magic bytes), or a dir without config.json holding one GGUF
+    file (a GGUF stage staged without its manifest).
     Nothing is read beyond that until asked for. check (a dir): its index also refuses files cut
     short and a config that disagrees with the weights."""
     p = Path(path)
     if p.is_dir():
+        staged = _staged_files(p)
+        if staged is not None:  # a stage dir: its manifest names the format and the files, nothing else counts
+            fmt, files = staged
+            if fmt == "gguf":
+                return GGUFCheckpoint(p / next(f for f in files if f.endswith(".gguf")))
+            return HFCheckpoint(p, check, only=files)
         if not (p / "config.json").exists():  # a staged GGUF stage: its one .gguf file
             ggufs = sorted(f for f in p.glob("*.gguf") if f.is_file())
             if len(ggufs) == 1 and has_gguf_magic(ggufs[0]):
@@ -51,6 +60,30 @@ def open_checkpoint(path: str | os.PathLike, *, check: bool = True) -> Checkpoin
                               "a Hugging Face model dir")
     raise CheckpointError(f"{p}: no such checkpoint directory; set layerline_checkpoint to a model dir "
                           "or a .gguf file, or make one with `layerline demo-checkpoint DIR`")
+
+
+def _staged_files(p: Path) -> tuple[str, list[str]] | None:
+    """(format, files) of the stage manifest in dir p (layerline.staging), None when p has none. A
+    manifest whose files are not all there is an unfinished staging: refused, not guessed around."""
+    try:
+        man = json.loads((p / STAGE_MANIFEST).read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{p / STAGE_MANIFEST}: not a stage manifest ({e}); stage the checkpoint again "
+                              "(playbooks/stage.yml)") from None
+    files = man.get("files") if isinstance(man, dict) else None
+    fmt = man.get("format", "safetensors") if isinstance(man, dict) else None
+    if not isinstance(files, dict) or fmt not in ("gguf", "safetensors") or \
+            (fmt == "gguf" and not any(str(f).endswith(".gguf") for f in files)):
+        raise CheckpointError(f"{p / STAGE_MANIFEST}: not a stage manifest (format {fmt!r}, files "
+                              f"{sorted(files) if isinstance(files, dict) else files!r}); stage the checkpoint again "
+                              "(playbooks/stage.yml)")
+    missing = sorted(str(f) for f in files if not (p / str(f)).is_file())
+    if missing:
+        raise CheckpointError(f"{p}: staged checkpoint lacks {', '.join(missing)} that its {STAGE_MANIFEST} lists "
+                              "(a staging that did not finish); stage it again (playbooks/stage.yml)")
+    return fmt, sorted(str(f) for f in files)
 
 
 def read_index(ckpt: str | os.PathLike, check: bool = True) -> CheckpointIndex:

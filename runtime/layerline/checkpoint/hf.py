@@ -178,15 +178,18 @@ class HFCheckpoint(Checkpoint):
     """A Hugging Face model dir. check: the index also refuses a dir whose files are cut short or whose
     config and tensors disagree (`check_index`)."""
 
-    def __init__(self, path: Path, check: bool = True):
+    def __init__(self, path: Path, check: bool = True, only: list[str] | None = None):
         super().__init__(path)
         self.check = check
+        self.only = only  # a stage dir: the files its manifest lists, whatever else lies there
         self._handles: dict[tuple[str, str], object] = {}  # (file, device) -> safe_open handle
 
     def _read_config(self) -> dict:
         return read_dir_config(self.path)
 
     def source_files(self) -> list[Path]:
+        if self.only is not None:
+            return sorted(self.path / f for f in self.only if f.endswith(".safetensors"))
         return sorted(self.path.glob("*.safetensors"))
 
     def _read_index(self) -> CheckpointIndex:

@@ -1,0 +1,74 @@
+"""What a drain (drain.yml) decides as it goes, in one place: whether a drive through the new route
+passed (drive_verdict, for the layerline_drive module), what failed across the hosts and the play
+(drain_outcome, the layerline_drain_outcome filter) and which of a host's worker slots stop
+afterwards (drain_stops, the layerline_drain_stops filter). The playbook only calls these.
+Pure functions over JSON data: no Ansible, no torch.
+"""
+from __future__ import annotations
+
+import json
+
+from .routes import DrainState
+
+# the facts drain.yml notes in its rescues: each host's (its worker did not start), the switch's and
+# the restore's (run_once: every host holds the same)
+HOST_ERROR, SWITCH_ERROR, RESTORE_ERROR = "layerline_drain_error", "layerline_drain_switch_error", \
+    "layerline_drain_restore_error"
+
+
+def drive_verdict(rc: int, stdout: str, stderr: str, what: str = "the pipeline") -> tuple[bool, str, dict | None]:
+    """(passed, one line, the drive's JSON result or None) of a `layerline drive --json` run: it passes
+    when it exited 0 with a result that is not a mismatch against the one-process forward."""
+    result = None
+    for line in reversed((stdout or "").splitlines()):
+        try:
+            v = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(v, dict):
+            result = v
+            break
+    if result is not None and result.get("ok") is False:
+        return False, (f"{what}'s logits differ from the one-process forward by {result.get('max_abs_diff')}, "
+                       f"over the {result.get('precision')} tolerance {result.get('tolerance')}"), result
+    if rc == 0 and result is not None:
+        return True, f"{what} {'matches the one-process forward' if 'ok' in result else 'answers a drive'}", result
+    said = next((ln.strip() for ln in reversed((stderr or "").splitlines()) if ln.strip()), "") or \
+        (stdout or "").strip()[-300:] or "no output"
+    return False, f"the drive through {what} failed (exit status {rc}): {said}", result
+
+
+def drain_outcome(noted: dict[str, dict], drain=None) -> dict:
+    """What failed in a drain so far, from the facts its hosts noted (host -> {fact: message}):
+    {"errors": [...] (the hosts' in play order, then the switch's, then the restore's),
+    "failed": bool, "msg": the play's one line when it failed, else ""}."""
+    errors = [m if m.startswith(f"{h}: ") else f"{h}: {m}"   # a stage error names its host already
+              for h, m in ((h, str(facts.get(HOST_ERROR) or "")) for h, facts in noted.items()) if m]
+    for fact in (SWITCH_ERROR, RESTORE_ERROR):   # run_once facts: every host holds the same, report it once
+        msg = next((facts[fact] for facts in noted.values() if facts.get(fact)), None)
+        if msg:
+            errors.append(f"and the restore failed: {msg}" if fact == RESTORE_ERROR else str(msg))
+    names = drain if isinstance(drain, str) else ",".join(drain or [])
+    msg = (f"drain of {names} failed ({'; '.join(errors)}); restored: the server routes through the old plan "
+           f"again, {names} still serves, the new route's workers are stopped") if errors else ""
+    return {"errors": errors, "failed": bool(errors), "msg": msg}
+
+
+def newly_drained(route: dict) -> list[str]:
+    """The hosts this drain takes out: drained now, not before (layerline_route's `before`)."""
+    before = DrainState.from_dict(route.get("before")).drained
+    return [h for h in DrainState.from_dict(route).drained if h not in before]
+
+
+def drain_stops(route: dict, host: str, failed: bool) -> list[int]:
+    """The slots whose worker on `host` stops once the drain has switched (or gone back):
+    - workers moved to the other slot: the slot that no longer serves (the old one, or after a
+      failure the new one);
+    - a standby promoted in place: the worker of the host it replaced, in the serving slot;
+    - nothing changed: none."""
+    if not route.get("changed"):
+        return []
+    before, after = DrainState.from_dict(route.get("before")), DrainState.from_dict(route)
+    if route.get("moves"):
+        return [after.slot if failed else before.slot]
+    return [after.slot] if not failed and host in newly_drained(route) else []
