@@ -38,18 +38,18 @@ def playbook(name: str, *args: str, timeout: int = 600, check: bool = True) -> s
 TESTHOSTS = ROOT / "scripts" / "testhosts.py"
 
 
-def testhosts(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+def run_testhosts(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     """scripts/testhosts.py (up, down, ...): the multihost tier's network-namespace hosts."""
     return subprocess.run([sys.executable, str(TESTHOSTS), *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout)
 
 
-def testhosts_teardown(inventory, extra: str | None, prefix: str, out, work) -> None:
+def remove_testhosts(inventory, extra: str | None, prefix: str, out, work) -> None:
     """What a multihost fixture made goes away, also after a failure: its deployment (teardown.yml, once its
     extra vars were made), its hosts and its work dir; fails when the hosts did not come down."""
     if extra is not None:
         playbook("teardown.yml", "-i", str(inventory), "-e", extra, check=False, timeout=300)
-    r = testhosts("down", "--prefix", prefix, "--out", str(out), timeout=300)
+    r = run_testhosts("down", "--prefix", prefix, "--out", str(out), timeout=300)
     shutil.rmtree(work, ignore_errors=True)
     assert r.returncode == 0, f"testhosts down failed: {r.stderr[-2000:]}"
 

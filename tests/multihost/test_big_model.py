@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 
 from big_gguf import Shape, big_gguf
-from helpers import BIN, ROOT, ansible_env, playbook, testhosts_teardown
+from helpers import BIN, ROOT, ansible_env, playbook, remove_testhosts
 
 pytestmark = [
     pytest.mark.big,
@@ -316,7 +316,7 @@ def big():
         yield {"info": info, "inventory": str(inventory), "home": home, "extra": extra, "ckpt": ckpt,
                "stored": stored, "work": work, "figures": {}}
     finally:
-        testhosts_teardown(work / "inventory.yml", extra, PREFIX, out, work)
+        remove_testhosts(work / "inventory.yml", extra, PREFIX, out, work)
 
 
 def staged_files(big: dict, host: str) -> dict[str, tuple[int, int, int]]:

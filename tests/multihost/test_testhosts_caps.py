@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import testhosts
+from helpers import run_testhosts
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("ip"),
                                 reason="test hosts need root and iproute2 (network namespaces, a bridge)")
@@ -22,7 +22,7 @@ CAPS = (512 << 20, 640 << 20)  # a probe imports torch (~210 MiB) and measures w
 
 
 def hostctl(*args: str) -> subprocess.CompletedProcess:
-    return testhosts(*args, timeout=300)
+    return run_testhosts(*args, timeout=300)
 
 
 @pytest.fixture(scope="module")
