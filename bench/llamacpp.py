@@ -104,6 +104,23 @@ def fetch_source(version: str = VERSION) -> Path:
     return src
 
 
+# every build here: native for this CPU, no GPU backends, none of llama.cpp's UI, tests or examples
+COMMON_FLAGS = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DGGML_CUDA=OFF", "-DGGML_METAL=OFF",
+                "-DGGML_VULKAN=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_UI=OFF",
+                "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"]
+
+
+def cmake(src: Path, bld: Path, flags: list[str], targets, jobs: int) -> None:
+    """Configure `src` into `bld` with COMMON_FLAGS + `flags`, then build `targets` (nice 19: a
+    benchmark's build must not starve the machine's other work)."""
+    nice = ["nice", "-n", "19"]
+    log(f"cmake configure {src} -> {bld} ({' '.join(flags)})")
+    subprocess.run([*nice, "cmake", "-S", str(src), "-B", str(bld), *COMMON_FLAGS, *flags], check=True)
+    log(f"cmake build {' '.join(targets)} (-j {jobs}, nice 19; a few minutes on 2 cores)")
+    subprocess.run([*nice, "cmake", "--build", str(bld), "--config", "Release", "-j", str(jobs),
+                    "--target", *targets], check=True)
+
+
 def build(version: str = VERSION, jobs: int = 2) -> Path:
     """Build the tools unless they are there; returns the bin dir."""
     out = bin_dir(version)
@@ -113,17 +130,8 @@ def build(version: str = VERSION, jobs: int = 2) -> Path:
     ensure_tools()
     src = fetch_source(version)
     bld = home(version) / "build"
-    nice = ["nice", "-n", "19"]
-    flags = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DGGML_RPC=ON", "-DGGML_CUDA=OFF",
-             "-DGGML_METAL=OFF", "-DGGML_VULKAN=OFF", "-DBUILD_SHARED_LIBS=OFF",
-             "-DLLAMA_OPENSSL=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_UI=OFF",
-             "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"]
     t0 = time.time()
-    log(f"cmake configure {src} -> {bld}")
-    subprocess.run([*nice, "cmake", "-S", str(src), "-B", str(bld), *flags], check=True)
-    log(f"cmake build {' '.join(TARGETS)} (-j {jobs}, nice 19; a few minutes on 2 cores)")
-    subprocess.run([*nice, "cmake", "--build", str(bld), "--config", "Release", "-j", str(jobs),
-                    "--target", *TARGETS], check=True)
+    cmake(src, bld, ["-DGGML_RPC=ON", "-DBUILD_SHARED_LIBS=OFF"], TARGETS, jobs)
     out.mkdir(parents=True, exist_ok=True)
     for t in TARGETS:
         found = next((p for p in (bld / "bin" / t, bld / t) if p.exists()), None)
@@ -152,18 +160,10 @@ def build_ggml(version: str = VERSION, jobs: int = 2) -> Path:
     ensure_tools()
     src = fetch_source(version)  # the whole tree: the sdist lacks ggml's standalone ggml.pc.in
     bld = home(version) / "build-ggml-native"
-    nice = ["nice", "-n", "19"]
-    flags = ["-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=ON", "-DGGML_NATIVE=ON", "-DGGML_OPENMP=OFF",
-             "-DGGML_BACKEND_DL=OFF", "-DGGML_CUDA=OFF", "-DGGML_METAL=OFF", "-DGGML_VULKAN=OFF",
-             "-DGGML_RPC=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_UI=OFF",
-             "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
-             "-DLLAMA_BUILD_TOOLS=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DCMAKE_BUILD_RPATH_USE_ORIGIN=ON"]
     t0 = time.time()
-    log(f"cmake configure {src} -> {bld} (shared, native)")
-    subprocess.run([*nice, "cmake", "-S", str(src), "-B", str(bld), *flags], check=True)
-    log(f"cmake build ggml-base ggml-cpu (-j {jobs}, nice 19)")
-    subprocess.run([*nice, "cmake", "--build", str(bld), "--config", "Release", "-j", str(jobs),
-                    "--target", "ggml-base", "ggml-cpu"], check=True)
+    cmake(src, bld, ["-DBUILD_SHARED_LIBS=ON", "-DGGML_OPENMP=OFF", "-DGGML_BACKEND_DL=OFF", "-DGGML_RPC=OFF",
+                     "-DLLAMA_BUILD_TOOLS=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DCMAKE_BUILD_RPATH_USE_ORIGIN=ON"],
+          ("ggml-base", "ggml-cpu"), jobs)
     tmp = out.with_name(out.name + ".part")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

@@ -50,3 +50,14 @@ def atomic_write(path: str | os.PathLike, data: bytes | str, mode: int = 0o600, 
 
 def atomic_write_json(path: str | os.PathLike, value, mode: int = 0o600, **kw) -> bool:
     return atomic_write(path, json.dumps(value, indent=2, sort_keys=True) + "\n", mode, **kw)
+
+
+def user_cache_dir(env: str, name: str) -> os.PathLike:
+    """Where a build of this host's own is cached: $`env` when set, else
+    $XDG_CACHE_HOME (or ~/.cache)/layerline/`name`."""
+    from pathlib import Path
+    d = os.environ.get(env)
+    if d:
+        return Path(d)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "layerline" / name

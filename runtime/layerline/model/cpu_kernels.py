@@ -32,6 +32,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ..files import user_cache_dir
+
 MAX_ROWS = 8     # rows per call the kernels take; more (a prefill) go to torch's GEMMs
 K_MULTIPLE = 32  # the kernels' step along K
 ISAS = {"avx2": 1, "avx512-bf16": 2}  # the C++ side's numbers
@@ -61,11 +63,7 @@ def enabled() -> bool:
 
 
 def cache_dir() -> Path:
-    d = os.environ.get("LAYERLINE_KERNEL_CACHE")
-    if d:
-        return Path(d)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "layerline" / "kernels"
+    return Path(user_cache_dir("LAYERLINE_KERNEL_CACHE", "kernels"))
 
 
 def compiler() -> tuple[str, list[str]]:

@@ -24,6 +24,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from ..files import user_cache_dir
+
 PACKAGE = "libggml-python"
 LIBS = ("libggml-base", "libggml-cpu")
 BUILD_TIMEOUT_S = 1800
@@ -66,11 +68,7 @@ def key(version: str, flags: list[str], machine: str | None = None) -> str:
 
 
 def cache_root() -> Path:
-    d = os.environ.get("LAYERLINE_GGML_CACHE")
-    if d:
-        return Path(d)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "layerline" / "ggml"
+    return Path(user_cache_dir("LAYERLINE_GGML_CACHE", "ggml"))
 
 
 def target_dir() -> Path | None:
