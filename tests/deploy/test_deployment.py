@@ -461,11 +461,13 @@ def test_a_bf16_worker_runs_this_machines_kernels_and_a_drive_check_can_fail(dep
     against other weights than the worker serves fails: the check can fail."""
     home, extra, *_ = deployed
     (home / "route.json").unlink(missing_ok=True)
-    one = home / "inventory-w1"   # the embedded inventory's group vars, w1 its only host
+    import yaml
+    one = home / "inventory-w1"   # the embedded inventory, w1 its only host
     shutil.copytree(home / "inventory", one)
     (one / "standby.yml").unlink()
-    (one / "hosts.yml").write_text(json.dumps({"layerline": {"hosts": {"w1": {
-        "layerline_port": "{{ layerline_port_base | int }}"}}}}))
+    hosts = yaml.safe_load((one / "hosts.yml").read_text())
+    hosts["layerline"]["hosts"] = {"w1": hosts["layerline"]["hosts"]["w1"]}
+    (one / "hosts.yml").write_text(json.dumps(hosts))
     extra = ["-i", str(one), *extra[2:], "-e", "layerline_precision=bf16"]
     again = playbook("deploy.yml", *extra)
     out = " ".join(again.stdout.split())
