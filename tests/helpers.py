@@ -30,6 +30,10 @@ def playbook(name: str, *args: str, timeout: int = 600, check: bool = True) -> s
     # shown with -s (and in a failure's captured output): where an e2e test's time goes
     print(f"[playbook] {name} {' '.join(a for a in args if len(a) < 40)}: {time.perf_counter() - t0:.1f} s, "
           f"rc {r.returncode}")
+    if os.environ.get("LAYERLINE_TEST_PLAYBOOK_LOG"):   # a dir: every run's output kept (where a suite's time goes)
+        log = Path(os.environ["LAYERLINE_TEST_PLAYBOOK_LOG"])
+        log.mkdir(parents=True, exist_ok=True)
+        (log / f"{time.time():.3f}-{Path(name).stem}.log").write_text(f"{' '.join(cmd)}\n{r.stdout}\n{r.stderr}")
     if check and r.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {r.returncode}\n{r.stdout[-6000:]}\n{r.stderr[-3000:]}")
     return r

@@ -54,8 +54,6 @@ def _reusable(dest: Path, want: dict) -> dict | None:
 
 def stage_checkpoint(src: str, start: int, end: int, first: bool, last: bool, out: str) -> dict:
     """Make (or reuse) the stage checkpoint; returns its manifest plus "changed"."""
-    from .model.loader import stage_tensor_names
-
     ck, dest = open_checkpoint(src), Path(out)
     idx = ck.index
     stamp = [[p.name, p.stat().st_size, int(p.stat().st_mtime)] for p in ck.source_files()]
@@ -65,6 +63,9 @@ def stage_checkpoint(src: str, start: int, end: int, first: bool, last: bool, ou
     man = _reusable(dest, want)
     if man is not None:
         return {**man, "changed": False}
+    # torch comes with the loader (seconds of CPU): a stage that is already there does without it,
+    # as every deploy after the first one does on each host
+    from .model.loader import stage_tensor_names
     names = stage_tensor_names(idx, start, end, first, last)
     tmp = dest.with_name(dest.name + f".tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)

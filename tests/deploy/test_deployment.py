@@ -1,17 +1,19 @@
 """One deployment, as a user runs it, carrying ordered checks (each test goes on from the state the
-one before left): deploy.yml on the embedded inventory plus a standby for w3 (w4), its plan, its
-staging, its drive and its server; a re-run that changes nothing; drains refused with one line; then,
-while clients keep streaming greedy completions through the deployed server, drain.yml, a standby
-taking over a SIGKILLed worker, a SIGSTOPped worker waited for, a rejoin, a drain that promotes the
-standby in place and the drain of a dead host; teardown; a controller SIGKILLed mid-deploy and the
-next deploy.yml converging; a drive whose check fails.
+one before left): deploy.yml on the embedded inventory plus a standby for w3 (w4), its controller
+SIGKILLed while the workers start and the next deploy.yml converging; its plan, its staging, its
+drive and its server; a re-run that changes nothing; then, while clients keep streaming greedy
+completions through the deployed server, drain.yml, a standby taking over a SIGKILLed worker, a
+SIGSTOPped worker waited for, a rejoin, a drain that promotes the standby in place and the drain of a
+dead host; drains refused with one line; teardown; a bf16 deploy of one host and a drive whose check
+fails.
 
 layerline_checkpoint_shared is false for the deploys here, so they prove weight staging too: each host
 gets only its own layers' tensors, once, and a staged file corrupted after shipping is shipped again
 (the operations under load read the checkpoint shared: see SHARED).
 The deployment runs fp32 (a replayed prefix, one batched prefill, gives the very logits its
-token-by-token steps gave, so every request under load equals the undisturbed run); the deploy after
-the controller's kill runs bf16, so a deployed worker's decode kernels and the bf16 check are proved.
+token-by-token steps gave, so every request under load equals the undisturbed run); the last deploy,
+of w1 alone (one worker: what it proves does not need more, and each host costs every play's tasks),
+runs bf16, so a deployed worker's decode kernels and the bf16 check are proved.
 Run the file whole: a test on its own lacks the state its predecessors leave (pytest -x stops at the
 first failure, as later checks would only fail on its state)."""
 from __future__ import annotations
@@ -36,10 +38,11 @@ from helpers import BIN, ROOT, Phases, ansible_env, playbook, recap, wait_for
 PORT_BASE = 29300  # clear of the demo (29100), test_cluster (29500), molecule (29600), test_bad_deploys (29700)
 URL = f"http://127.0.0.1:{PORT_BASE + 90}"
 HOSTS = ("w1", "w2", "w3", "w4")
-# four clients of 32 tokens: requests always running while a route switches, short enough that the
-# ones running when a load stops end soon
-N_TOKENS = 32
-PROMPTS = [[5 + i, 17, 3 + 2 * i, 99 - i] for i in range(4)]
+# two clients of 16 tokens, each sending its next request as soon as one ends: requests always
+# running while a route switches (the replay counter must rise), short enough that the ones running
+# when a load stops end soon; more clients or tokens only add steps the CPU must run beside the plays
+N_TOKENS = 16
+PROMPTS = [[5 + i, 17, 3 + 2 * i, 99 - i] for i in range(2)]
 # The operations under load (drains, the rejoin, the server's own drain of a dead host) read the
 # checkpoint where it lies, as they did on a deployment of their own: with layerline_checkpoint_shared
 # false, a drain that re-plans a standby (w4 to layers 3:6 in slot 1) starts it on the stage it got
@@ -50,8 +53,9 @@ SHARED = {"layerline_checkpoint_shared": True}
 
 @pytest.fixture(scope="module")
 def deployed(tmp_path_factory):
-    """The deployment every test here goes on with: (home, extra args, the first deploy.yml's run,
-    the undisturbed tokens of PROMPTS)."""
+    """The deployment every test here goes on with: (home, extra args, the deploy.yml run that
+    converged, the undisturbed tokens of PROMPTS, the output of the run killed before it, the staged
+    file corrupted between the two and its size)."""
     from layerline.checkpoint import write_demo_checkpoint
     home = tmp_path_factory.mktemp("deployment")
     ckpt = write_demo_checkpoint(home / "ckpt", layers=6, hidden=128, vocab=500, dtype="float32", seed=7)
@@ -81,6 +85,14 @@ def deployed(tmp_path_factory):
     (home / "vars.json").write_text(json.dumps({**ev, **SHARED}))
     extra = ["-i", str(inv), "-e", json.dumps(ev)]
     try:
+        # the first deploy.yml dies (SIGKILL, its whole process group) while the workers start, after
+        # staging; then a staged file is corrupted after shipping; the next deploy.yml must converge
+        killed = killed_while_workers_start(extra)
+        corrupted = home / "state" / "w2" / "checkpoint" / "model.safetensors"
+        size = corrupted.stat().st_size
+        with open(corrupted, "r+b") as f:
+            f.seek(size // 2)
+            f.write(b"\xff" * 64)
         first = playbook("deploy.yml", *extra)
         # the undisturbed run: the same requests at once, as the load sends them
         t0 = time.perf_counter()
@@ -88,9 +100,27 @@ def deployed(tmp_path_factory):
             reference = dict(enumerate(ex.map(complete, PROMPTS)))
         print(f"[phase] deployment: the undisturbed run: {time.perf_counter() - t0:.1f} s")
         assert all(len(t) == N_TOKENS for t in reference.values())
-        yield home, extra, first, reference
+        yield home, extra, first, reference, killed, (corrupted, size)
     finally:
         playbook("teardown.yml", *extra, check=False)
+
+
+def killed_while_workers_start(extra: list[str]) -> str:
+    """deploy.yml SIGKILLed (its process group: the controller and its forks) once it reaches the
+    workers' start; its output until then."""
+    p = subprocess.Popen([str(BIN / "ansible-playbook"), "deploy.yml", *extra], cwd=ROOT, env=ansible_env(),
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    seen, deadline = [], time.monotonic() + 300
+    try:
+        for line in p.stdout:
+            seen.append(line)
+            if "Start the worker" in line or time.monotonic() > deadline:
+                break
+    finally:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait(30)
+    assert any("Start the worker" in line for line in seen), "".join(seen)[-3000:]
+    return "".join(seen)
 
 
 def _pids(home) -> dict:
@@ -101,8 +131,22 @@ def _pids(home) -> dict:
     return out
 
 
+def test_controller_killed_mid_deploy_then_run_again(deployed):
+    """The controller died (SIGKILL) while the workers started; the next deploy.yml converged: the
+    staged file corrupted after shipping (its SHA-1 differs) alone was shipped again, every worker
+    serves the plan (test_deploy_plans_stages_drives_and_serves), the drive matches, and no
+    half-written file is left in layerline_home."""
+    home, _, first, _, _, (corrupted, size) = deployed
+    out = " ".join(first.stdout.split())
+    assert "matches" in out and "DOES NOT MATCH" not in out
+    assert f"shipped {size} bytes to {len(HOSTS)} hosts" in out, out[-3000:]
+    assert corrupted.read_bytes() == (home / "stages" / "w2" / "model.safetensors").read_bytes(), "repaired"
+    left = [str(f) for f in home.rglob("*") if ".tmp" in f.name or f.name.startswith(".ansible_tmp")]
+    assert not left, left
+
+
 def test_deploy_plans_stages_drives_and_serves(deployed):
-    home, extra, first, _ = deployed
+    home, extra, first, _, killed, _ = deployed
     plan = json.loads((home / "plan.json").read_text())
     actives_ = [s for s in plan["stages"] if s["role"] == "active"]
     assert [s["host"] for s in actives_] == ["w1", "w2", "w3"], "three workers, in inventory order"
@@ -119,7 +163,8 @@ def test_deploy_plans_stages_drives_and_serves(deployed):
     drive = json.loads((home / "drive.json").read_text())
     assert "for 2 sequence(s)" in out and len(drive["generate"]["new_tokens"]) == 2
     assert all(len(t) == 4 for t in drive["generate"]["new_tokens"]) and drive["generate"]["tokens_per_s"] > 0
-    staged_only_own_layers(home, plan, out)
+    # the first run (killed later, while the workers started) staged every host's own layers
+    staged_only_own_layers(home, plan, " ".join(killed.split()))
     # every worker (the standby too) runs with the plan's precision and layers, niced as asked
     for s in plan["stages"]:
         ready_ = json.loads((home / "state" / s["host"] / "ready.json").read_text())
@@ -148,7 +193,7 @@ def test_deploy_plans_stages_drives_and_serves(deployed):
 def test_a_rerun_changes_nothing(deployed):
     """Nothing changed: nothing restarts (workers, the standby nor the server), nothing is shipped
     again, the play reports no change."""
-    home, extra, _, _ = deployed
+    home, extra, *_ = deployed
     pids = _pids(home)
     assert all(pids.values()), pids
     second = playbook("deploy.yml", *extra)
@@ -237,7 +282,7 @@ def operations(extra: list[str]) -> list[str]:
 
 
 def test_drain_and_rejoin_under_load_lose_nothing(deployed):
-    home, extra, _, reference = deployed
+    home, extra, _, reference, *_ = deployed
     extravars = {**json.loads(extra[3]), **SHARED}
     extra = operations(extra)
     phase = Phases("drain")
@@ -362,7 +407,7 @@ def test_drain_and_rejoin_under_load_lose_nothing(deployed):
 
 
 def test_bad_drains_are_one_line_and_touch_nothing(deployed):
-    home, extra, _, _ = deployed
+    home, extra, *_ = deployed
     extra = operations(extra)
     plan = (home / "plan.json").read_text()
     for arg, says in (("layerline_drain=w9", "layerline_drain: w9 is not a host of group layerline"),
@@ -399,7 +444,7 @@ def staged_only_own_layers(home, plan: dict, out: str) -> None:
 def test_teardown_stops_every_worker_and_the_server(deployed):
     """After all the above (two slots used, a host dead, a standby promoted): every worker and the
     server stop, and no ready file is left."""
-    home, extra, _, _ = deployed
+    home, extra, *_ = deployed
     pids = {f.parent.name: json.loads(f.read_text())["pid"] for f in (home / "state").glob("*/ready.json")}
     assert "server" in pids and len(pids) > 2, pids
     playbook("teardown.yml", *extra)
@@ -409,53 +454,36 @@ def test_teardown_stops_every_worker_and_the_server(deployed):
             os.kill(pid, 0)
 
 
-def test_controller_killed_mid_deploy_then_run_again(deployed):
-    """From scratch (route.json removed, as its own error message says: slot 0, nothing drained), at
-    bf16: the controller dies (SIGKILL) while the workers start; the next deploy.yml converges: every
-    worker serves the plan, the drive matches, and no half-written file is left in layerline_home.
-    Then a drive against other weights than the workers serve fails: the check can fail."""
-    home, extra, _, _ = deployed
+def test_a_bf16_worker_runs_this_machines_kernels_and_a_drive_check_can_fail(deployed):
+    """From scratch (route.json removed, as its own error message says: slot 0, nothing drained), w1
+    alone at bf16: deploy.yml's drive matches within the bf16 tolerance, the deployed worker says
+    which decode kernels it runs (those of this machine: a bf16 stage loads them); then a drive
+    against other weights than the worker serves fails: the check can fail."""
+    home, extra, *_ = deployed
     (home / "route.json").unlink(missing_ok=True)
-    extra = [*extra, "-e", "layerline_precision=bf16"]
-    p = subprocess.Popen([str(BIN / "ansible-playbook"), "deploy.yml", *extra], cwd=ROOT, env=ansible_env(),
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    seen, deadline = [], time.monotonic() + 300
-    try:
-        for line in p.stdout:
-            seen.append(line)
-            if "Start the worker" in line or time.monotonic() > deadline:
-                break
-    finally:
-        os.killpg(p.pid, signal.SIGKILL)
-        p.wait(30)
-    assert any("Start the worker" in line for line in seen), "".join(seen)[-3000:]
-    # a staged file corrupted after shipping: its SHA-1 differs, so it alone is shipped again
-    w2 = home / "state" / "w2" / "checkpoint" / "model.safetensors"
-    size = w2.stat().st_size
-    with open(w2, "r+b") as f:
-        f.seek(size // 2)
-        f.write(b"\xff" * 64)
+    import yaml
+    one = home / "inventory-w1"   # the embedded inventory, w1 its only host
+    shutil.copytree(home / "inventory", one)
+    (one / "standby.yml").unlink()
+    hosts = yaml.safe_load((one / "hosts.yml").read_text())
+    hosts["layerline"]["hosts"] = {"w1": hosts["layerline"]["hosts"]["w1"]}
+    (one / "hosts.yml").write_text(json.dumps(hosts))
+    extra = ["-i", str(one), *extra[2:], "-e", "layerline_precision=bf16"]
     again = playbook("deploy.yml", *extra)
     out = " ".join(again.stdout.split())
     assert "matches" in out and "DOES NOT MATCH" not in out
-    assert f"shipped {size} bytes to {len(HOSTS)} hosts" in out, out[-3000:]
-    assert w2.read_bytes() == (home / "stages" / "w2" / "model.safetensors").read_bytes(), "repaired"
     plan = json.loads((home / "plan.json").read_text())
-    assert [(s["host"], s["precision"]) for s in plan["stages"]] == [(h, "bf16") for h in HOSTS]
-    # each worker says which decode kernels it runs: those of this machine (a bf16 stage loads them)
+    assert [(s["host"], s["layers"], s["precision"]) for s in plan["stages"]] == [("w1", [0, 6], "bf16")]
     import torch  # noqa: F401
     from layerline.model import cpu_kernels
     from layerline.model.loader import load_stage
     load_stage(str(home / "ckpt"), 0, 6, True, True, precision="bf16")
-    for s in plan["stages"]:
-        ready_ = json.loads((home / "state" / s["host"] / "ready.json").read_text())
-        assert ready_["layers"] == s["layers"] and ready_["precision"] == s["precision"] == "bf16"
-        assert ready_["kernels"] == cpu_kernels.status()
-    left = [str(f) for f in home.rglob("*") if ".tmp" in f.name or f.name.startswith(".ansible_tmp")]
-    assert not left, left
+    ready_ = json.loads((home / "state" / "w1" / "ready.json").read_text())
+    assert ready_["layers"] == [0, 6] and ready_["precision"] == "bf16"
+    assert ready_["kernels"] == cpu_kernels.status()
 
     # the drive's check can fail: drive.yml on its own reads the saved plan, and its reference now
-    # reads other weights than the workers serve
+    # reads other weights than the worker serves
     from layerline.checkpoint import write_demo_checkpoint
     other = write_demo_checkpoint(home / "other", layers=6, hidden=128, vocab=500, dtype="float32", seed=4)
     r = playbook("playbooks/drive.yml", *extra, "-e", f"layerline_checkpoint={other}", check=False)
