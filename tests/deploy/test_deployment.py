@@ -424,7 +424,7 @@ def test_bad_drains_are_one_line_and_touch_nothing(deployed):
 def staged_only_own_layers(home, plan: dict, out: str) -> None:
     """Each host holds only its own layers' tensors (the first the embedding, the last the head),
     its worker loads them, and the run reports the bytes shipped against the whole model."""
-    from layerline.checkpoint import read_index
+    from layerline.checkpoint import STAGE_MANIFEST, read_index
     # probed before staging, each host timed the disk its stage lands on (not "not measured")
     assert all(s["disk_read_bytes_per_s"] for s in plan["stages"]), plan["stages"]
     shipped = 0
@@ -436,7 +436,8 @@ def staged_only_own_layers(home, plan: dict, out: str) -> None:
         assert ("lm_head.weight" in idx.tensors) == (s["layers"][1] == plan["num_layers"])
         argv = json.loads((home / "state" / s["host"] / "argv.json").read_text())
         assert argv[argv.index("--checkpoint") + 1] == str(staged)
-        shipped += sum(p.stat().st_size for p in staged.iterdir())
+        # the stage's manifest is written on the host, not shipped
+        shipped += sum(p.stat().st_size for p in staged.iterdir() if p.name != STAGE_MANIFEST)
     total = read_index(home / "ckpt").total_bytes
     assert f"shipped {shipped} bytes to {len(plan['stages'])} hosts; the whole model is {total} bytes" in out
 
