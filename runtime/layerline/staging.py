@@ -30,6 +30,7 @@ from .checkpoint import STAGE_MANIFEST as MANIFEST
 from .checkpoint import open_checkpoint
 from .checkpoint.stagefile import CHUNK  # noqa: F401  (the copy chunk; tests report it)
 from .errors import LayerlineError
+from .files import atomic_write_json
 
 
 def _sha1(path: Path) -> str:
@@ -99,13 +100,18 @@ def stage_files(manifest: dict) -> list[str]:
     return sorted(files)
 
 
+def _stored(manifest: dict) -> dict:
+    """The manifest as the stage dir keeps it: without stage_checkpoint's "changed"."""
+    return {k: v for k, v in manifest.items() if k != "changed"}
+
+
 def has_manifest(dest: str | os.PathLike, manifest: dict) -> bool:
     """Whether the stage dir `dest` holds this stage manifest already."""
     try:
         current = json.loads((Path(dest) / MANIFEST).read_text())
     except (OSError, ValueError):
         return False
-    return current == {k: v for k, v in manifest.items() if k != "changed"}
+    return current == _stored(manifest)
 
 
 def prune_stage(dest: str | os.PathLike, manifest: dict, dry_run: bool = False) -> list[str]:
@@ -143,9 +149,7 @@ def finish_stage(dest: str | os.PathLike, manifest: dict) -> bool:
         if want is not None and size != int(want):
             raise LayerlineError(f"{root / name}: {size} bytes, but the stage lists {want}; stage again "
                                  "(playbooks/stage.yml)")
-    from .files import atomic_write_json
-    return atomic_write_json(root / MANIFEST, {k: v for k, v in manifest.items() if k != "changed"},
-                             if_changed=True)
+    return atomic_write_json(root / MANIFEST, _stored(manifest), if_changed=True)
 
 
 def _results(copied: object) -> list[dict]:
