@@ -213,9 +213,10 @@ def llama_gguf_writer(out, cfg: dict):
     return w
 
 
-def tiny_gguf(hf_dir: Path, out: Path) -> Path:
-    """A Hugging Face demo dir's tensors as a llama GGUF at `out` (F32, the rows not permuted: for tests
-    where only the format matters)."""
+def tiny_gguf(hf_dir: Path, out: Path, qtype: str | None = None) -> Path:
+    """A Hugging Face demo dir's tensors as a llama GGUF at `out` (F32, or the layers' matrices in the
+    block type `qtype` such as "Q8_0"; the rows not permuted: for tests where only the format matters)."""
+    import gguf
     import numpy as np
     from safetensors.torch import load_file
 
@@ -227,7 +228,12 @@ def tiny_gguf(hf_dir: Path, out: Path) -> Path:
         for p in ("attn_norm", "ffn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")]}
     for f in sorted(hf_dir.glob("*.safetensors")):
         for name, t in load_file(str(f)).items():
-            w.add_tensor(gguf_of[name], np.ascontiguousarray(t.float().numpy(), dtype=np.float32))
+            a = np.ascontiguousarray(t.float().numpy(), dtype=np.float32)
+            if qtype is not None and gguf_of[name].startswith("blk.") and a.ndim == 2:
+                q = gguf.GGMLQuantizationType[qtype]
+                w.add_tensor(gguf_of[name], gguf.quants.quantize(a, q), raw_dtype=q)
+            else:
+                w.add_tensor(gguf_of[name], a)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

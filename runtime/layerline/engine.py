@@ -11,7 +11,11 @@ token history and what the stages hold of it; every step it
   (the plan's core groups: stages sharing a machine's cores take turns anyway), so no machine
   idles while another computes; sequences join and leave at every step,
 - replays a sequence's history from position 0 when a stage lost its cache (restart,
-  promotion, eviction: error code "seq_unknown"),
+  promotion, eviction: error code "seq_unknown") through the very computations that made it:
+  the prompt in the chunks it first went in (`Sequence.bounds`), then each generated token as a
+  one-token row step, so the logits, and a greedy stream's tokens, are those of the undisturbed
+  run (one batched prefill of the whole history gives other last bits at bf16 and at a file's
+  own bits, and greedy text that changes after a failover),
 - fails over when told a stage is gone or the route changes (`fail_over`): the wire epoch goes
   up (every forward carries it; a stage drops one of an older epoch than the last that wrote its
   sequence there), every request in flight is forgotten (late answers are dropped as unknown),
@@ -85,6 +89,7 @@ class Sequence:
     state: str = WAITING
     replays: int = 0               # replays that count toward the engine's max_replays
     failed_over: bool = False      # a failover since its last answer: a replay it causes is not counted
+    bounds: list[int] = field(default_factory=list)   # where the prompt's prefill chunks ended, in order
     finish: str | None = None
     error: str | None = None
 
@@ -102,6 +107,24 @@ class Sequence:
     @property
     def generated(self) -> list[int]:
         return self.tokens[len(self.prompt):]
+
+    def prefill_chunk(self, chunk: int) -> int:
+        """Tokens the next prefill message carries: inside the prompt, up to the next boundary it
+        was first sent with (decided once, so a replay or a resend after a failover cuts the prompt
+        as the first run did), else one (a replay's generated tokens, or a pipeline without rows)."""
+        if self.held >= len(self.prompt):
+            return 1
+        for end in self.bounds:
+            if end > self.held:
+                return end - self.held
+        n = min(chunk, len(self.prompt) - self.held)
+        self.bounds.append(self.held + n)
+        return n
+
+    @property
+    def prefilling(self) -> bool:
+        """Its next message is a prompt chunk (the stages do not hold the whole prompt yet)."""
+        return self.held < len(self.prompt)
 
     def emit(self, kind: str, value=None) -> None:
         if self.sink is not None:
@@ -250,9 +273,10 @@ class Engine:
             return
         if self.rows is None:
             self.rows = rows_supported(self.pipe)
-        prefill = [s for s in ready if s.held == 0 or len(s.tokens) - s.held > 1 or not self.rows]
+        # a replay's generated tokens go as row steps, one a step, as they first went (catching up)
+        prefill = [s for s in ready if s.prefilling or not self.rows]
         prefill.sort(key=lambda s: len(s.tokens) == len(s.prompt))  # replays (they have tokens) go out first
-        decode = [s for s in ready if not (s.held == 0 or len(s.tokens) - s.held > 1 or not self.rows)]
+        decode = [s for s in ready if not (s.prefilling or not self.rows)]
         kinds = [k for k, _, _ in self.inflight.values()]
         decoding = len(decode) + sum(len(seqs) for k, seqs, _ in self.inflight.values() if k == "rows")
         # prompts fill what decode micro-batches leave of the pipeline's depth, and at least one
@@ -276,7 +300,7 @@ class Engine:
                 n_rows += 1
 
     def _submit_seq(self, s: Sequence, chunk: int) -> None:
-        n = min(chunk, len(s.tokens) - s.held)
+        n = s.prefill_chunk(chunk)
         ids = torch.tensor([s.tokens[s.held:s.held + n]], dtype=torch.int64)
         rid = self.pipe.submit(ids, seq=s.sid, pos=s.held, cache=True, last_only=True,
                                reserve=s.reserve if s.held == 0 else None)
@@ -284,7 +308,7 @@ class Engine:
         self.inflight[rid] = ("seq", [s], [n])
 
     def _submit_rows(self, batch: list[Sequence]) -> None:
-        ids = torch.tensor([[s.tokens[-1]] for s in batch], dtype=torch.int64)
+        ids = torch.tensor([[s.tokens[s.held]] for s in batch], dtype=torch.int64)  # the last, unless catching up
         rid = self.pipe.submit_rows([(s.sid, s.held) for s in batch], ids)
         for s in batch:
             s.state = INFLIGHT

@@ -1,6 +1,9 @@
 """Failover, live: three real stages (and a standby) under the real supervisor, a live server,
 four clients streaming greedy tokens while a stage's worker is SIGKILLed or SIGSTOPped. Every
-request completes with 200 and exactly the tokens of an undisturbed run."""
+request completes with 200 and exactly the tokens of an undisturbed run, at bf16 and at a GGUF
+file's own bits (Q8_0 blocks, precision gguf), where a replay of a sequence's history as one
+batched prefill gives other last bits than the steps that made it (the engine replays through the
+same computations; tests/deploy/test_deployment.py proves fp32)."""
 from __future__ import annotations
 
 import json
@@ -45,7 +48,7 @@ def supervise(*args: str, timeout: float = 150) -> dict:
 class Cluster:
     """Planned stages (hosts stage0..2, optionally a standby for one of them), each under its own supervisor."""
 
-    def __init__(self, ckpt: Path, tmp: Path, standby: str | None = None):
+    def __init__(self, ckpt: Path, tmp: Path, standby: str | None = None, precision: str = "bf16"):
         self.tmp = tmp
         hosts = ["stage0", "stage1", "stage2"] + (["standby"] if standby else [])
         ports = free_ports(len(hosts))
@@ -61,7 +64,7 @@ class Cluster:
             if h == "standby":
                 v.update(layerline_role="standby", layerline_standby_for=standby)
             self.hv[h] = v
-        plan = local_plan(str(ckpt), 3, "fp32", self.hv, kv_context=1024)
+        plan = local_plan(str(ckpt), 3, precision, self.hv, kv_context=1024)
         self.plan = plan.to_dict()
         self.plan_file = tmp / "plan.json"
         self.plan_file.write_text(json.dumps(self.plan))
@@ -294,10 +297,18 @@ def test_sigstop_without_a_standby(plain):
     assert re.search(r"stage stage2 \(active\) at tcp://127\.0\.0\.1:\d+ is down", server.log.read_text())
 
 
+@pytest.fixture(scope="module")
+def q8_gguf(ckpt, tmp_path_factory) -> Path:
+    from helpers import tiny_gguf
+    return tiny_gguf(ckpt, tmp_path_factory.mktemp("fo-gguf") / "m.gguf", qtype="Q8_0")
+
+
 @pytest.mark.parametrize("dead", ["stage1", "stage0"])
-def test_standby_takes_over(ckpt, tmp_path, dead):
-    """stage1: the predecessor's set_next moves to the standby; stage0: the server's pipeline does."""
-    cluster = Cluster(ckpt, tmp_path, standby=dead)
+def test_standby_takes_over(ckpt, q8_gguf, tmp_path, dead):
+    """stage1: the predecessor's set_next moves to the standby; stage0: the server's pipeline does
+    (this one on a GGUF file of Q8_0 blocks at its own bits)."""
+    ckpt, precision = (q8_gguf, "gguf") if dead == "stage0" else (ckpt, "bf16")
+    cluster = Cluster(ckpt, tmp_path, standby=dead, precision=precision)
     server = None
     try:
         server = Server(cluster, ckpt, tmp_path)
