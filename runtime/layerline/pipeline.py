@@ -68,7 +68,7 @@ class Pipeline:
     keys_dir: str | None = None    # the controller's keys dir (needed when CURVE is on)
     first_key: str | None = None   # stage 0's host name in keys_dir/peers/ (or a .key file, or z85)
     curve: str = "auto"            # auto: CURVE on each socket whose address is not loopback; on: always
-    epoch: int | None = None       # stamped on every forward (None: none, never dropped as stale)
+    epoch: int | None = None       # stamped on every forward (None: none, never refused as stale)
     depth: int | None = None       # micro-batches worth keeping in flight (the plan's; None: one per stage)
 
     def __post_init__(self):

@@ -3,7 +3,7 @@
 A seeded mutator (reproducible: LAYERLINE_FUZZ_SEED, default 14) takes valid messages and
 truncates, duplicates, reorders and empties frames, lies about shapes, dtypes and frame
 counts, asks for huge sizes, breaks the header's UTF-8 and JSON, swaps ops, names stale or
-unknown sequences and wire epochs (stale ones are dropped unanswered) and sends oversized
+unknown sequences and wire epochs (stale ones are refused, not computed) and sends oversized
 frames. They go to a two-stage pipeline on loopback (--curve auto: the data sockets are plain
 TCP) and to one with --curve on (every socket CURVE), data sockets as the controller, control
 sockets as the controller and as strangers.
@@ -92,7 +92,7 @@ class Mutator:
             return {"op": "release", "seq": r.choice(self.seqs)}, {}
         base = {"op": "forward", "id": rid, "reply_to": self.reply_to, "deadline": time.time() + 60,
                 "timings": [], "logits": r.choice(["last", "all"])}
-        if r.random() < 0.5:   # a wire epoch: older ones than a sequence's last are dropped unanswered
+        if r.random() < 0.5:   # a wire epoch: older ones than a sequence's last are refused, not computed
             base["epoch"] = r.randint(0, 3)
         if kind == "plain":
             return base, self.tensor(r.randint(1, 3), r.randint(1, 8))

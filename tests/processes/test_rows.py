@@ -386,10 +386,12 @@ def test_a_step_behind_what_a_stage_holds_rewinds_it(client, reference):
     client.release("rw")
 
 
-def test_a_forward_of_an_older_epoch_is_dropped_unanswered(client, pipeline):
-    """A stage that has seen epoch 1 for a sequence drops an epoch-0 forward of it without
-    computing or answering it (stale_dropped); forwards without an epoch are served; the epoch
-    travels with the message to the last stage."""
+def test_a_forward_of_an_older_epoch_is_answered_and_not_computed(client, pipeline):
+    """A stage that has seen epoch 1 for a sequence does not compute an epoch-0 forward of it (it could
+    rewind what the newer one wrote) and answers it as seq_unknown naming that sequence, so a sender
+    that still waits for it fails just that sequence instead of stalling (one that failed over forgot
+    the request and drops the answer); forwards without an epoch are served; the epoch travels with
+    the message to the last stage."""
     before = [control(c, "stats") for c in pipeline.control]
     h, t = client.call({"seq": "ep", "pos": 0, "cache": True, "reserve": 24, "logits": "last", "epoch": 1},
                        {"input_ids": torch.tensor([[1, 2, 3]])})
@@ -402,9 +404,17 @@ def test_a_forward_of_an_older_epoch_is_dropped_unanswered(client, pipeline):
                          {"input_ids": torch.tensor([[9]])})]
     rid = client.send({"rows": [["ep", 3]], "cache": True, "logits": "last", "epoch": 2},
                       {"input_ids": torch.tensor([[4]])})
-    got, h, t = client.recv()   # one pipeline, first in first out: an answer to a stale one would come first
-    assert got == rid and got not in stale and h["epoch"] == 2 and ok(h, t).shape == (1, 1, VOCAB)
-    step_alone(client, "ep", 4, 5)   # no epoch: never dropped
+    answers = {}
+    for _ in range(4):
+        got, h, t = client.recv()
+        answers[got] = (h, t)
+    for r in stale:   # refused at stage0, not computed: nothing went on to the later stages
+        h, _ = answers[r]
+        assert h["op"] == "error" and h["code"] == "seq_unknown" and h["seqs"] == ["ep"] and h["stage"] == "stage0"
+        assert "epoch 0 is older than the one that last wrote ep (epoch 1)" in h["error"], h
+    h, t = answers[rid]   # the pos-0 one did not restart it: the epoch-2 row continues at 3
+    assert h["epoch"] == 2 and ok(h, t).shape == (1, 1, VOCAB)
+    step_alone(client, "ep", 4, 5)   # no epoch: never stale
     after = [control(c, "stats") for c in pipeline.control]
     assert [a["stale_dropped"] - b["stale_dropped"] for a, b in zip(after, before)] == [3, 0, 0]
     assert after[0]["requests"] - before[0]["requests"] == 6 and after[1]["requests"] - before[1]["requests"] == 3

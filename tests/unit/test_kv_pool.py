@@ -100,3 +100,21 @@ def test_a_forward_of_an_older_epoch_is_stale():
         p.rows([("a", 2)], epoch=2)
     p.step("a", 2, 1, 1, reserve=8, epoch=None)     # no epoch: never stale
     p.step("a", 2, 1, 1, reserve=8, epoch=3)
+
+
+def test_a_sequence_written_at_an_absurd_epoch_fails_alone():
+    """A forward with a huge epoch (a bad or buggy sender) poisons only its own sequence: a rows step
+    holding it is refused naming it alone (code seq_unknown: the sender resends the others and
+    replays it, which stays stale, so it fails after its replays); its neighbours go on untouched."""
+    p = pool()
+    a = written(p.step("a", 0, 1, 2, reserve=8, epoch=1), 0, 2)
+    b = written(p.step("b", 0, 1, 2, reserve=8, epoch=1), 0, 2)
+    written(p.step("a", 2, 1, 1, reserve=8, epoch=2**62), 2, 1)
+    with pytest.raises(Stale) as e:
+        p.rows([("a", 3), ("b", 2)], epoch=1)
+    assert e.value.code == "seq_unknown" and e.value.header == {"seqs": ["a"]}
+    assert "a (epoch 4611686018427387904)" in str(e.value) and b.length == 2   # nothing applied
+    with pytest.raises(Stale):
+        p.step("a", 0, 1, 3, reserve=8, epoch=1)   # its replay from 0 is refused too
+    assert p.rows([("b", 2)], epoch=1) == [b]
+    assert a.length == 3

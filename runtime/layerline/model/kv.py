@@ -8,9 +8,9 @@
   `Stage.forward_rows` ask it for a cache they are handed.
 - `KVPool` is a stage's caches by sequence id within a byte budget: it admits a sequence (the
   oldest go first when the budget or the sequence cap is reached), continues one at a position,
-  hands out the caches of a rows step, releases one, and drops a forward of an older wire epoch
-  than the last that wrote a sequence. The worker holds one; its errors name the sequence so the
-  sender can replay just it.
+  hands out the caches of a rows step, releases one, and refuses a forward of an older wire epoch
+  than the last that wrote a sequence (Stale, naming those sequences). The worker holds one; its
+  errors name the sequence so the sender can replay just it.
 """
 from __future__ import annotations
 
@@ -139,9 +139,11 @@ class SeqUnknown(LayerlineError):
         self.header = {"seqs": list(seqs)}
 
 
-class Stale(Exception):
-    """A forward of an older wire epoch than the last one that wrote one of its sequences here:
-    dropped without an answer (its driver forgot the request)."""
+class Stale(SeqUnknown):
+    """A forward of an older wire epoch than the last one that wrote one of its sequences here. The
+    worker answers it as seq_unknown naming those sequences: a driver that failed over forgot the
+    request and drops the answer; a sequence some sender wrote at a later (or absurd) epoch fails
+    alone after its replays, and the other rows of its step are resent, not stalled."""
 
 
 class KVPool:
@@ -188,11 +190,16 @@ class KVPool:
         self._seqs[seq] = cache
         return cache
 
-    def _fresh(self, epoch: int | None, caches: list) -> None:
+    def _fresh(self, epoch: int | None, seqs: list[str]) -> None:
         """Raise Stale for a forward of an older epoch than the last one that wrote any of these
-        caches (None: a sequence this stage lacks). Forwards without an epoch are never stale."""
-        if epoch is not None and any(c is not None and c.epoch > epoch for c in caches):
-            raise Stale()
+        sequences (one this stage lacks is not stale). Forwards without an epoch are never stale."""
+        if epoch is None:
+            return
+        stale = [(q, c.epoch) for q in seqs if (c := self._seqs.get(q)) is not None and c.epoch > epoch]
+        if stale:
+            raise Stale(f"stage {self.name}: epoch {epoch} is older than the one that last wrote "
+                        f"{', '.join(f'{q} (epoch {e})' for q, e in stale)} here; a forward of a route "
+                        "failed over since, or a sequence written at a wrong epoch", [q for q, _ in stale])
 
     def _touch(self, seq: str, cache: StageCache, epoch: int | None) -> None:
         self._seqs.move_to_end(seq)
@@ -204,8 +211,8 @@ class KVPool:
         max(reserve, tokens)) at position 0, else the one held, rewound to `pos` by the write.
         Raises Stale, SeqUnknown (lacking it, or holding fewer than pos tokens), KVRows (another
         batch than it holds) or LayerlineError (past its reserve)."""
+        self._fresh(epoch, [seq])
         cache = self._seqs.get(seq)
-        self._fresh(epoch, [cache])
         if pos == 0 or cache is None:
             if pos != 0:
                 raise SeqUnknown(f"stage {self.name}: seq {seq} is unknown at position {pos}; "
@@ -229,7 +236,7 @@ class KVPool:
         checked before any is touched. Raises Stale, SeqUnknown naming every sequence this stage
         lacks or holds fewer tokens of, KVRows (a sequence of several rows) or LayerlineError (past
         a reserve)."""
-        self._fresh(epoch, [self._seqs.get(seq) for seq, _ in rows])
+        self._fresh(epoch, [seq for seq, _ in rows])
         bad = []
         for seq, pos in rows:
             c = self._seqs.get(seq)

@@ -75,8 +75,9 @@ class Worker:
                 self.net.send(self.net.peer(h["reply_to"]), msg, h["reply_to"])
             else:
                 self.net.send_next(msg)
-        except Stale:
+        except Stale as e:  # answered: the sender drops it if it forgot the request, else fails just these
             stats.stale_dropped += 1
+            self._error(ident, h, str(e), e.code, e.header)
         except (wire.WireError, KVRows) as e:  # the message's fault
             stats.rejected += 1
             self._error(ident, h, str(e))

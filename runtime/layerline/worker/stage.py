@@ -15,9 +15,11 @@ What a cached sequence must hold, and what happens when it holds more, is the KV
 the message with code "seq_unknown" and `seqs` in the error header, so the sender replays just
 those from 0; one it holds more of is rewound to pos.
 `epoch` (optional, an integer >= 0): the driver's wire epoch, passed on to the next stage. A
-forward of an older epoch than the last one that wrote any of its sequences here is dropped
-unanswered (its driver forgot it; computing it could rewind what the newer one wrote), counted in
-`stats` as stale_dropped. Forwards without an epoch are never dropped.
+forward of an older epoch than the last one that wrote any of its sequences here is not computed
+(it could rewind what the newer one wrote) and is answered as seq_unknown naming those sequences
+(a driver that failed over forgot the request and drops the answer; otherwise only they fail, after
+their replays, and the step's other rows are resent rather than stalled), counted in `stats` as
+stale_dropped. Forwards without an epoch are never stale.
 """
 from __future__ import annotations
 
