@@ -192,11 +192,16 @@ def remove_caps(lay: "Layout") -> None:
 # --- sshd -----------------------------------------------------------------------------------
 
 def ensure_sshd() -> None:
-    if os.access(SSHD, os.X_OK):
+    """openssh-server for the hosts' sshd, and systemd for `systemd-analyze verify` (the unit tests of
+    layerline.units), installed with apt-get where missing."""
+    packages = [] if os.access(SSHD, os.X_OK) else ["openssh-server", "openssh-client"]
+    if not shutil.which("systemd-analyze"):
+        packages.append("systemd")
+    if not packages:
         return
     if not shutil.which("apt-get"):
-        raise SystemExit(f"testhosts: {SSHD} is missing and apt-get is not here; install openssh-server")
-    log("installing openssh-server (apt-get)")
+        raise SystemExit(f"testhosts: {' '.join(packages)} missing and apt-get is not here; install them")
+    log(f"installing {' '.join(packages)} (apt-get)")
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
     # Keep the package's own sshd from starting on the machine: a policy-rc.d saying 101
     # (the Debian way); only made, and removed again, when there is none already.
@@ -207,7 +212,7 @@ def ensure_sshd() -> None:
         policy.chmod(0o755)
     try:
         run("apt-get", "update", "-q", env=env)
-        run("apt-get", "install", "-y", "-q", "--no-install-recommends", "openssh-server", "openssh-client", env=env)
+        run("apt-get", "install", "-y", "-q", "--no-install-recommends", *packages, env=env)
     finally:
         if made_policy:
             policy.unlink(missing_ok=True)
