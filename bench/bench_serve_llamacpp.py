@@ -1,0 +1,197 @@
+"""Serving beside llama.cpp on the same GGUF file: one streaming client, measured in one run.
+
+    .venv/bin/python bench/bench_serve_llamacpp.py [--gguf FILE] [--clients 1,4,16] [--requests 32]
+        [--prompt 128] [--new 64] [--threads 2]
+
+Three servers, taking turns on this machine, each given the same requests (token-id prompts of
+`--prompt` tokens, `--new` tokens each, greedy, eos ignored, streamed; each client sends its next
+request when one ends):
+  layerline   `python -m layerline.server` over three local workers at the file's own bits
+              (precision gguf, what a deploy of a GGUF file picks), as `layerline generate
+              --local-stages 3` starts them;
+  llama-server `-np 16` slots with continuous batching, one process, the file whole;
+  llama-server over three local `ggml-rpc-server`s (`--rpc`, `-ngl 99`): llama.cpp's own split.
+It prints aggregate tokens/s and p50/p99 inter-token latency at each client count, and layerline's
+ratios against both (issue #39's goals: at 16 clients >= 1.0x llama-server's aggregate, >= 0.8x at
+1, p99 inter-token <= 2x llama-server's, >= 2x llama-server over rpc-servers). llama.cpp comes from
+bench/llamacpp.py (built once, never used by the tests). The CPU is named: ratios move with it.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+
+import llamacpp  # noqa: E402
+from bench_serve import free_port, pct  # noqa: E402
+
+
+def cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown CPU"
+
+
+async def one(client, url: str, model: str, prompt: list[int], new: int) -> dict:
+    """One streamed completion; each data chunk with text or token ids counts its tokens (llama-server
+    streams one token a chunk; layerline says how many in token_ids)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": new, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    t0, times = time.perf_counter(), []
+    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            c = json.loads(line[6:])["choices"]
+            if not c:
+                continue
+            n = len(c[0].get("token_ids") or []) or (1 if c[0].get("text") else 0)
+            times += [time.perf_counter()] * n
+    return {"start": t0, "times": times}
+
+
+async def level(url: str, model: str, clients: int, requests: int, prompts, new: int) -> dict:
+    """`clients` clients sending `requests` requests in all, request i with prompts[i] (each prompt once
+    in a run: llama-server's prompt cache must not answer a repeat; layerline has none)."""
+    import httpx
+    per = max(1, requests // clients)
+    # no keep-alive: llama-server closes an idle connection after 5 s, racing a reused one
+    limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=0)
+    async with httpx.AsyncClient(timeout=900, limits=limits) as c:
+        async def client(k: int):
+            return [await one(c, url, model, prompts[(k * per + j) % len(prompts)], new) for j in range(per)]
+        t0 = time.perf_counter()
+        res = [r for rs in await asyncio.gather(*(client(k) for k in range(clients))) for r in rs]
+        wall = time.perf_counter() - t0
+    itl = [b - a for r in res for a, b in zip(r["times"], r["times"][1:])]
+    tokens = sum(len(r["times"]) for r in res)
+    return {"tokens_per_s": tokens / wall, "itl_p50": pct(itl, 50), "itl_p99": pct(itl, 99),
+            "ttft_p50": pct([r["times"][0] - r["start"] for r in res if r["times"]], 50), "tokens": tokens}
+
+
+def run_levels(name: str, url: str, model: str, levels, requests, prompts, new) -> dict:
+    asyncio.run(level(url, model, 1, 1, prompts[-1:], 4))  # warm, with a prompt no level sends
+    out, at = {}, 0
+    for c in levels:
+        n = max(c, requests)
+        out[c] = asyncio.run(level(url, model, c, n, prompts[at:at + n], new))
+        at += n
+        r = out[c]
+        print(f"{name:28} {c:3d} clients: {r['tokens_per_s']:7.1f} tok/s; ITL p50 {r['itl_p50'] * 1e3:6.1f} "
+              f"p99 {r['itl_p99'] * 1e3:7.1f} ms; TTFT p50 {r['ttft_p50'] * 1e3:7.1f} ms", file=sys.stderr, flush=True)
+    return out
+
+
+NOTES: list[str] = []
+
+
+def llama_levels(name: str, gguf: str, log: Path, slots: int, threads: int, ctx: int, rpc: str | None,
+                 levels, requests, prompts, new) -> dict:
+    """llama-server's levels. This build's AMX kernels (a GGML_NATIVE build on a CPU with AMX) die of
+    SIGSEGV while the server sets up its context: then it runs again with --no-repack (no extra buffer
+    types: AVX-512 kernels instead of AMX), and the report says so."""
+    for extra in ([], ["--no-repack"]):
+        srv = llamacpp.LlamaServer(gguf, log, slots=slots, threads=threads, ctx_per_slot=ctx, rpc=rpc)
+        srv.cmd += extra
+        try:
+            with srv:
+                if extra:
+                    NOTES.append(f"{name}: its default (AMX) path died of SIGSEGV at start; ran with {' '.join(extra)}")
+                return run_levels(name, srv.url, "m", levels, requests, prompts, new)
+        except RuntimeError as e:
+            if "exited with -11" not in str(e) or extra:
+                raise
+    raise AssertionError("unreachable")
+
+
+def layerline_levels(gguf: str, threads: int, levels, requests, prompts, new) -> dict:
+    import httpx
+
+    from layerline.local import local_stages, stop_local
+    procs, first, tmp, depth = local_stages(gguf, 3, "gguf", threads=threads)
+    server = None
+    try:
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        server = subprocess.Popen([sys.executable, "-m", "layerline.server", "--first", first, "--first-key", "stage0",
+                                   "--keys", os.path.join(tmp, "keys", "controller"), "--checkpoint", gguf,
+                                   "--model-name", "bench", "--port", str(port), "--microbatches", str(depth),
+                                   "--log-file", os.path.join(tmp, "server.log")],
+                                  stderr=open(os.path.join(tmp, "server.err"), "w"))
+        deadline = time.time() + 180
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if server.poll() is not None or time.time() > deadline:
+                raise SystemExit("layerline server did not start: "
+                                 + open(os.path.join(tmp, "server.err")).read()[-2000:])
+            time.sleep(0.3)
+        return run_levels("layerline (3 workers, gguf)", url, "bench", levels, requests, prompts, new)
+    finally:
+        if server is not None and server.poll() is None:
+            server.terminate()
+            server.wait(15)
+        stop_local(procs)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--gguf", default=None, help="default: the packaged SmolLM2-135M-Instruct Q4_1 file")
+    p.add_argument("--clients", default="1,4,16")
+    p.add_argument("--requests", type=int, default=32, help="requests per level (at least one per client)")
+    p.add_argument("--prompt", type=int, default=128)
+    p.add_argument("--new", type=int, default=64)
+    p.add_argument("--threads", type=int, default=2, help="llama.cpp's threads (each rpc-server's too)")
+    a = p.parse_args(argv)
+    from layerline.checkpoint import open_checkpoint
+    from layerline.cli import packaged_smollm2
+    gguf = a.gguf or packaged_smollm2()
+    if not llamacpp.built():
+        llamacpp.build()
+    levels = [int(x) for x in a.clients.split(",")]
+    vocab = open_checkpoint(gguf).index.config.get("vocab_size") or 32000
+    import random
+    rng = random.Random(0)
+    n = sum(max(c, a.requests) for c in levels) + 1
+    prompts = [[rng.randrange(100, int(vocab) - 100) for _ in range(a.prompt)] for _ in range(n)]
+    logs = ROOT / ".cache" / "bench-serve-llamacpp"
+    logs.mkdir(parents=True, exist_ok=True)
+    print(f"CPU: {cpu_name()}, {os.cpu_count()} logical cores; file {Path(gguf).name}; prompt {a.prompt}, "
+          f"new {a.new}", file=sys.stderr)
+    results = {"layerline": layerline_levels(gguf, None, levels, a.requests, prompts, a.new)}
+    slots, ctx = max(levels), a.prompt + a.new + 64
+    results["llama-server"] = llama_levels("llama-server -np 16", gguf, logs / "llama-server.log", slots, a.threads,
+                                           ctx, None, levels, a.requests, prompts, a.new)
+    with llamacpp.RpcServers(3, threads=a.threads) as rpc:
+        results["llama-server --rpc x3"] = llama_levels("llama-server over 3 rpc", gguf, logs / "llama-rpc.log", slots,
+                                                        a.threads, ctx, rpc.endpoints(), levels, a.requests,
+                                                        prompts, a.new)
+    ll, ls, lr = results["layerline"], results["llama-server"], results["llama-server --rpc x3"]
+    print(f"\nCPU: {cpu_name()}; {Path(gguf).name}; layerline / llama.cpp, same run")
+    print(f"{'clients':>7} {'agg vs llama-server':>20} {'agg vs llama rpc x3':>20} {'p99 ITL vs llama-server':>24}")
+    for c in levels:
+        print(f"{c:7d} {ll[c]['tokens_per_s'] / ls[c]['tokens_per_s']:20.2f} {ll[c]['tokens_per_s'] / lr[c]['tokens_per_s']:20.2f} "
+              f"{ll[c]['itl_p99'] / ls[c]['itl_p99']:24.2f}")
+    for n in NOTES:
+        print("note: " + n)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
