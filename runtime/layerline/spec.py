@@ -36,9 +36,13 @@ class WorkerSpec:
     # what the launch keeps of the step the worker times at warm-up (the layerline_probe module's
     # record_step, less measured_s): the next plan's factor for this device, precision and compile
     step: dict = field(default_factory=dict)
+    # what the worker reads once at start besides argv: its keys dir (its allow-list). The layerline_worker
+    # module restarts a worker whose watched files changed (layerline.supervise --watch): a change of keys,
+    # a host gone from the inventory, reaches exactly the workers whose keys dir changed
+    watch: tuple[str, ...] = ()
 
     def to_dict(self) -> dict:
-        return asdict(self) | {"argv": list(self.argv)}
+        return asdict(self) | {"argv": list(self.argv), "watch": list(self.watch)}
 
 
 def planned_worker(plan: Plan, host: str, hvars: SettingsLike, python: str | None = None) -> dict:
@@ -107,6 +111,7 @@ def worker_spec(plan: Plan, host: str, hvars: SettingsLike, python: str | None =
     if s.compile != "off":
         argv += ["--compile", s.compile, "--compile-cache", hs.worker_compile_cache]
     return WorkerSpec(host=host, argv=tuple(argv), python=python, state_dir=state, ready_file=ready, keys_dir=keys,
+                      watch=(keys,),
                       ready_timeout=hs.ready_timeout(s.compile != "off"), endpoint=str(s.endpoint),
                       step={"device": s.device.split("+")[0], "precision": s.precision, "compile": s.compile,
                             "predicted_s": s.predicted_s, "factor": s.step_factor})
