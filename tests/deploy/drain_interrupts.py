@@ -8,6 +8,15 @@ tokens) are what "it ends in the intended state with nothing lost" means. No dep
                  at=AFTER_SWITCH, sig=signal.SIGKILL)
     r = playbook("drain.yml", *extra, "-e", "layerline_drain=w2")      # the run again, checked as before
 
+Where: in test_drain_and_rejoin_under_load_lose_nothing, (1) right before the "drain w2 under load" run,
+`stop_partway(home, ["drain.yml", *extra, "-e", "layerline_drain=w2"], ["w2"], BEFORE_SWITCH, signal.SIGKILL)`
+(12 s on the 2-core machine; the run again then finds its new-slot workers started) and after that run
+`run_again_resumed(r.stdout)`; every assertion after it holds as it is. (2) right before the "drain w3 under
+load" run (the standby promoted in place), `stop_partway(..., "layerline_drain=w3"], ["w3"], AFTER_SWITCH,
+signal.SIGINT)` (29 s) and `run_again_resumed(r.stdout)`; that run's switch is then `route unchanged`, so its
+assertion reads `("through w1, w2, w4" in out or "route unchanged" in out)`. Both passed in one run of the
+file (7 passed, 743 s, beside four other helpers' work).
+
 Points (each the start of a task, as ansible-playbook prints it): BEFORE_SWITCH (the new slot's workers
 start), AT_SWITCH (the server's POST /admin/route), AFTER_SWITCH (the server routes through the new stages,
 nothing kept yet). Signals: SIGKILL (the controller's process group: nothing runs a handler) or SIGINT (to
