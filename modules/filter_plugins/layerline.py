@@ -42,7 +42,7 @@ try:
     from layerline.inventory import check_vars, host_errors, known_addresses, peers_of, plan_for_hosts, plan_for_route
     from layerline.operations import HOST_ERROR, RESTORE_ERROR, SWITCH_ERROR, drain_outcome, drain_stops
     from layerline.planner import Plan, plan_table
-    from layerline.routes import host_order, load_route, next_route, promote_in_place
+    from layerline.routes import begin, commit, decide, load_pending, load_route, plan_to_keep
     from layerline.settings import ANSIBLE_KEYS, PREFIX, HostSettings, server_host
     from layerline.spec import (demo_checkpoint_argv, drive_argv, health_gate, host_report, index_argv, keys_place_argv,
                                 keys_spec, planned_worker, runtime_install_argv, runtime_spec, server_spec,
@@ -260,23 +260,31 @@ def layerline_saved_plan(home, required=True):
 
 
 def layerline_route(home, hosts, drain=None, rejoin=None, plan=None):
-    """The route after a drain or rejoin of the one kept in layerline_home `home` (layerline.routes):
-    {slot, drained, promoted, changed, moves, plan, order, before}. changed: the server must
-    switch; moves: workers start in the other slot (else `plan` is the running plan with standbys
-    promoted in place); order: the hosts in the order to plan them."""
+    """The route after a drain or rejoin of the one kept in layerline_home `home`, or the pending change a
+    stopped run left there, resumed (layerline.routes.decide): {slot, drained, promoted, changed, moves, plan,
+    order, before, plan_before, resumed}. plan: the running plan, read by the caller."""
     _need_runtime()
+    return _adapt("layerline_route", lambda: decide(load_route(str(home)), load_pending(str(home)),
+                                                    [str(h) for h in hosts], _plain(drain), _plain(rejoin),
+                                                    _plain(plan) or None))
 
-    def route():
-        before = load_route(str(home))
-        names = [str(h) for h in hosts]
-        after, changed = next_route(before, names, _plain(drain), _plain(rejoin))
-        inplace = promote_in_place(_plain(plan), before, after) if changed and plan else None
-        if inplace:
-            after = inplace[1]
-        return after.to_dict() | {"changed": changed, "moves": changed and not inplace,
-                                  "plan": inplace[0] if inplace else None, "order": host_order(names, after),
-                                  "before": before.to_dict()}
-    return _adapt("layerline_route", route)
+
+def layerline_route_begin(route, plan, plan_before=None):
+    """route.json before the switch: the change as `pending` (layerline.routes.begin)."""
+    _need_runtime()
+    return _adapt("layerline_route_begin", begin, _plain(route), _plain(plan), _plain(plan_before) or None)
+
+
+def layerline_route_commit(route):
+    """route.json once the server routes through the new stages (layerline.routes.commit)."""
+    _need_runtime()
+    return _adapt("layerline_route_commit", commit, _plain(route))
+
+
+def layerline_plan_to_keep(route, plan, plan_before=None):
+    """plan.json before the switch: the running plan while a change is under way (layerline.routes.plan_to_keep)."""
+    _need_runtime()
+    return _adapt("layerline_plan_to_keep", plan_to_keep, _plain(route), _plain(plan), _plain(plan_before) or None)
 
 
 def layerline_host_errors(hostvars, hosts, fact):
@@ -332,5 +340,5 @@ class FilterModule:
             layerline_wheel_dir, layerline_version, layerline_health_gate, layerline_runtime_spec,
             layerline_runtime_install_argv,
             layerline_stage_argv, layerline_stage_copy_error, layerline_state_dir, layerline_saved_plan,
-            layerline_route, layerline_host_errors, layerline_drain_outcome, layerline_drain_stops,
+            layerline_route, layerline_route_begin, layerline_route_commit, layerline_plan_to_keep, layerline_host_errors, layerline_drain_outcome, layerline_drain_stops,
             layerline_known_addresses, layerline_peers, layerline_plan_table, layerline_drive_report)}

@@ -77,6 +77,14 @@ options:
       - Not part of the idempotence check; use O(state=restarted) after changing only this.
     type: dict
     default: {}
+  watch:
+    description:
+      - Files or dirs the worker reads once at its start besides O(argv), such as its keys dir (its
+        allow-list of peers). With O(state=started), a worker that started with other contents of
+        them is restarted, as for a changed O(argv).
+    type: list
+    elements: path
+    default: []
   max_restarts:
     description:
       - Restarts in a row, each after under 30 s of uptime, before the supervisor gives up.
@@ -225,6 +233,7 @@ def main():
             python=dict(type="str"),
             env=dict(type="dict", default={}),
             max_restarts=dict(type="int", default=5),
+            watch=dict(type="list", elements="path", default=[]),
         ),
         required_if=[("state", "started", ["argv"]), ("state", "restarted", ["argv"])],
         supports_check_mode=True,
@@ -251,13 +260,15 @@ def main():
         result["argv"] = p["argv"]
 
     if module.check_mode:
-        _, status = supervise(module, python, "status", state_dir)
+        _, status = supervise(module, python, "status", state_dir,
+                              *[a for w in p["watch"] for a in ("--watch", w)])
         running = bool(status.get("running"))
         result["supervisor_pid"] = status.get("supervisor_pid")
         if state == "stopped":
             result.update(changed=running, msg=("would stop %s" if running else "%s is not running") % name)
-        elif state == "restarted" or not running or status.get("argv") != p["argv"]:
-            what = "start" if not running else "restart" if state == "restarted" else "restart (argv changed)"
+        elif state == "restarted" or not running or status.get("argv") != p["argv"] or status.get("watch_changed"):
+            what = "start" if not running else "restart" if state == "restarted" else \
+                "restart (argv changed)" if status.get("argv") != p["argv"] else "restart (watched files changed)"
             result.update(changed=True, msg="would %s %s" % (what, name))
         else:
             ready = status.get("ready")
@@ -274,6 +285,8 @@ def main():
             extra += ["--ready-file", p["ready_file"]]
         if state == "restarted":
             extra.append("--restart")
+        for w in p["watch"]:
+            extra += ["--watch", w]
         rc, answer = supervise(module, python, "start", state_dir, *(extra + ["--"] + p["argv"]))
         result["ready_file"] = answer.get("ready_file")
         if answer.get("ready") is not None:

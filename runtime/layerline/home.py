@@ -128,10 +128,10 @@ class ControllerHome:
 
     def save(self, what: str, value, mode: int = 0o600) -> bool:
         """Write one of the home's files atomically; True when its bytes changed. route.json keeps only
-        the route state's own keys (layerline.routes.DrainState)."""
+        the route state's own keys and a pending change (layerline.routes.route_record)."""
         if what == "route":
-            from .routes import DrainState
-            value = DrainState.from_dict(value).to_dict()
+            from .routes import route_record
+            value = route_record(value)
         elif what == "plan" and not (isinstance(value, dict) and "stages" in value):
             raise LayerlineError("plan.json: refusing to keep a plan without stages (run the Plan play first)")
         os.makedirs(self.root, exist_ok=True)

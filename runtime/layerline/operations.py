@@ -65,10 +65,11 @@ def drain_stops(route: dict, host: str, failed: bool) -> list[int]:
     - workers moved to the other slot: the slot that no longer serves (the old one, or after a
       failure the new one);
     - a standby promoted in place: the worker of the host it replaced, in the serving slot;
-    - nothing changed: none."""
-    if not route.get("changed"):
-        return []
+    - nothing to switch (drained already, or a run stopped after its commit run again): what a finished
+      drain leaves stopped, the slot that does not serve and a drained host's worker in either."""
     before, after = DrainState.from_dict(route.get("before")), DrainState.from_dict(route)
+    if not route.get("changed"):
+        return [1 - after.slot] + ([after.slot] if host in after.drained else [])
     if route.get("moves"):
         return [after.slot if failed else before.slot]
     return [after.slot] if not failed and host in newly_drained(route) else []

@@ -9,6 +9,16 @@ server switches to them at a step boundary, and only then are the old slot's wor
 layerline_home/route.json remembers the drained hosts, so a later deploy.yml keeps them out
 until they rejoin, and the slot, so it starts workers where the server looks for them.
 
+A drain or rejoin is a transaction. Before anything starts, route.json keeps the state the change
+leads to as `pending` (with the plan it switches to and the plan that ran before it) beside the
+state in force, which it leaves alone, and plan.json keeps the running plan (begin, plan_to_keep).
+Only once the server routes through the new stages are the new plan and state kept, `pending`
+cleared (commit); a failed switch that went back clears it too. A run stopped anywhere in between
+(SIGINT, SIGKILL, a lost controller) and run again with the same drain or rejoin resumes the pending
+change with its own plan (decide: the new slot's workers keep their argv, a switch already done is a
+no-op), so it never answers "drained already" while the server routes through the old slot. Another
+change while one is pending is refused in one line naming both.
+
 A drained host whose standby (in the plan that runs) answers is not re-planned: the standby is
 promoted in place (promote_in_place), so no worker starts or moves; the server switches to it
 and its predecessor is pointed at it. route.json then also remembers the promotion, so a later
@@ -94,7 +104,8 @@ def next_route(state: DrainState, hosts: list[str], drain=None, rejoin=None) -> 
     not_drained = [h for h in rejoin if h not in state.drained]
     if not_drained:
         raise LayerlineError(f"layerline_rejoin: {', '.join(not_drained)} is not drained (drained: "
-                             f"{', '.join(state.drained) or 'none'}); nothing to rejoin")
+                             f"{', '.join(state.drained) or 'none'}): it serves already, nothing to rejoin (a rejoin "
+                             "stopped after its switch was kept is done: deploy.yml without -e finishes its cleanup)")
     drained = [h for h in state.drained if h not in rejoin and h in hosts]
     drained += [h for h in drain if h not in drained]
     if hosts and set(drained) >= set(hosts):
@@ -153,3 +164,98 @@ def host_order(hosts: list[str], state: DrainState) -> list[str]:
     for h in rest:
         out += [sb for sb, was in promoted.items() if was == h] + [h]
     return out
+
+
+# -- drain and rejoin as transactions (route.json's `pending`) ---------------------------------------
+
+
+@dataclass(frozen=True)
+class Pending:
+    """A drain or rejoin under way: the state it leads to, the plan the server switches to, the plan that
+    ran before it. Kept in route.json before anything starts; cleared by commit (or a restore)."""
+    state: DrainState
+    plan: dict | None = None
+    plan_before: dict | None = None
+
+    @classmethod
+    def from_dict(cls, d) -> "Pending | None":
+        if d in (None, {}):
+            return None
+        if not isinstance(d, dict) or not isinstance(d.get("state"), dict):
+            raise LayerlineError(f"{ROUTE_FILE}: pending {str(d)[:80]!r} must be {{state, plan, plan_before}}; "
+                                 "re-run the drain or rejoin that wrote it, or remove the key to drop that change")
+        for k in ("plan", "plan_before"):
+            if d.get(k) is not None and not isinstance(d.get(k), dict):
+                raise LayerlineError(f"{ROUTE_FILE}: pending.{k} must be a plan (a JSON object); remove "
+                                     "`pending` to drop the change it records")
+        return cls(DrainState.from_dict(d["state"]), d.get("plan") or None, d.get("plan_before") or None)
+
+    def to_dict(self) -> dict:
+        return {"state": self.state.to_dict(), "plan": self.plan, "plan_before": self.plan_before}
+
+
+def route_record(value: dict | None) -> dict:
+    """What route.json keeps of a value (the one check of it, ControllerHome.save's): the state in force
+    and, while a drain or rejoin is under way, its `pending` change."""
+    out = DrainState.from_dict(value).to_dict()
+    pending = Pending.from_dict((value or {}).get("pending"))
+    return out | ({"pending": pending.to_dict()} if pending else {})
+
+
+def load_pending(home: str | os.PathLike | ControllerHome) -> Pending | None:
+    saved = ControllerHome.of(home).read_json("route", "remove it to start from slot 0 with no drained hosts")
+    return Pending.from_dict(saved.get("pending")) if isinstance(saved, dict) else None
+
+
+def _said(drained: tuple[str, ...]) -> str:
+    return ", ".join(drained) or "no host"
+
+
+def decide(before: DrainState, pending: Pending | None, hosts: list[str], drain=None, rejoin=None,
+           running_plan: dict | None = None) -> dict:
+    """The route a run works towards (the layerline_route filter's answer): {slot, drained, promoted,
+    changed (the server must switch), moves (workers start in the other slot), plan (the plan to run
+    when it is decided already: a promotion in place, or the pending change's), order, before,
+    plan_before (the plan that runs until the switch), resumed}.
+
+    With a change pending (a run stopped before its commit), the same drain or rejoin resumes it; any
+    other request is refused, since the server may route through either slot."""
+    names = [str(h) for h in hosts]
+    after, changed = next_route(before, names, drain, rejoin)
+    if pending is not None:
+        if set(after.drained) != set(pending.state.drained):
+            raise LayerlineError(
+                f"{ROUTE_FILE}: a change that leaves {_said(pending.state.drained)} drained is under way (a drain or "
+                f"rejoin stopped before its switch was kept); this run asks for {_said(after.drained)} drained. Run "
+                "that drain or rejoin again to finish it, then this one")
+        return pending.state.to_dict() | {
+            "changed": True, "moves": pending.state.slot != before.slot, "plan": pending.plan,
+            "order": host_order(names, pending.state), "before": before.to_dict(),
+            "plan_before": pending.plan_before or running_plan or {}, "resumed": True}
+    inplace = promote_in_place(running_plan, before, after) if changed and running_plan else None
+    if inplace:
+        after = inplace[1]
+    return after.to_dict() | {"changed": changed, "moves": changed and not inplace,
+                              "plan": inplace[0] if inplace else None, "order": host_order(names, after),
+                              "before": before.to_dict(), "plan_before": running_plan or {}, "resumed": False}
+
+
+def begin(route: dict, plan: dict | None, plan_before: dict | None) -> dict:
+    """route.json as a run keeps it before anything starts: unchanged when nothing is to switch (the state
+    in force), else the state before with the change as `pending` (the new plan, the running plan)."""
+    state = DrainState.from_dict(route)
+    if not route.get("changed"):
+        return state.to_dict()
+    return DrainState.from_dict(route.get("before")).to_dict() | {
+        "pending": Pending(state, plan or None, plan_before or None).to_dict()}
+
+
+def plan_to_keep(route: dict, plan: dict, plan_before: dict | None) -> dict:
+    """plan.json before the switch: the new plan when nothing is to switch (a deploy), else the one that
+    runs (a server started meanwhile starts on the stages that answer; the switch moves it)."""
+    return plan_before if route.get("changed") and plan_before and plan_before.get("stages") else plan
+
+
+def commit(route: dict) -> dict:
+    """route.json once the server routes through the new stages: the new state, nothing pending."""
+    return DrainState.from_dict(route).to_dict()

@@ -193,6 +193,11 @@ class HostSettings:
     serve_restart_wait: float = _var(30.0, _number(what="number of seconds"), group=True)
     serve_on_stage_lost: str = _var("", _str, group=True)
     serve_health_deadline: float = _var(2.0, _number(positive=True, what="number of seconds"), group=True)
+    # HTTPS: a certificate (PEM, chain after it) and its key (0600) on the serving host; the CA the playbooks
+    # check it with (default: the certificate itself, for a self-signed one)
+    serve_tls_cert: str | None = _var(None, _str, group=True)
+    serve_tls_key: str | None = _var(None, _str, group=True)
+    serve_tls_ca: str | None = _var(None, _str, group=True)
     server_python: str | None = _var(None, _str, group=True)
     server_ready_timeout: float = _var(300.0, _number(positive=True, what="number of seconds"), group=True)
     # -- operations --
@@ -248,6 +253,9 @@ class HostSettings:
                 raise SettingsError(f"{e}; fix it in the inventory (or the -e that sets it)") from None
         s = cls(**kw)
         s.layer_pin        # checked here, so a bad pin fails before anything is measured
+        if bool(s.serve_tls_cert) != bool(s.serve_tls_key):
+            raise SettingsError("layerline_serve_tls_cert and layerline_serve_tls_key go together: set both (a PEM "
+                                "certificate and its key on the serving host) or neither; fix it in the inventory")
         return s
 
     @classmethod

@@ -36,9 +36,13 @@ class WorkerSpec:
     # what the launch keeps of the step the worker times at warm-up (the layerline_probe module's
     # record_step, less measured_s): the next plan's factor for this device, precision and compile
     step: dict = field(default_factory=dict)
+    # what the worker reads once at start besides argv: its keys dir (its allow-list). The layerline_worker
+    # module restarts a worker whose watched files changed (layerline.supervise --watch): a change of keys,
+    # a host gone from the inventory, reaches exactly the workers whose keys dir changed
+    watch: tuple[str, ...] = ()
 
     def to_dict(self) -> dict:
-        return asdict(self) | {"argv": list(self.argv)}
+        return asdict(self) | {"argv": list(self.argv), "watch": list(self.watch)}
 
 
 def planned_worker(plan: Plan, host: str, hvars: SettingsLike, python: str | None = None) -> dict:
@@ -107,6 +111,7 @@ def worker_spec(plan: Plan, host: str, hvars: SettingsLike, python: str | None =
     if s.compile != "off":
         argv += ["--compile", s.compile, "--compile-cache", hs.worker_compile_cache]
     return WorkerSpec(host=host, argv=tuple(argv), python=python, state_dir=state, ready_file=ready, keys_dir=keys,
+                      watch=(keys,),
                       ready_timeout=hs.ready_timeout(s.compile != "off"), endpoint=str(s.endpoint),
                       step={"device": s.device.split("+")[0], "precision": s.precision, "compile": s.compile,
                             "predicted_s": s.predicted_s, "factor": s.step_factor})
@@ -279,6 +284,7 @@ class ServerSpec:
     port: int
     url: str                  # where the playbooks reach it (loopback when it listens on every address)
     keyed: bool               # API keys required (off loopback, or layerline_serve_api_keys)
+    ca_path: str | None       # with HTTPS: the CA file the playbooks check the server's certificate with
     api_keys_file: str
     admin_key_file: str
     key_dirs: tuple[str, ...]  # dirs to make (0700) before the key files
@@ -308,7 +314,8 @@ def server_spec(hvars: SettingsLike, python: str = "python3", host: str = "contr
     bind, port = hs.serve_bind, hs.serve_port_resolved
     keyed = hs.serve_api_keys or not is_loopback(bind)
     reach = LOOPBACK if is_wildcard(bind) else (f"[{bind}]" if ":" in bind else bind)
-    url = f"http://{reach}:{port}"
+    tls = bool(hs.serve_tls_cert)
+    url = f"{'https' if tls else 'http'}://{reach}:{port}"
     state = home.server_state
     python = hs.server_python or python
     argv = [python, "-m", "layerline.cli", "serve", "--plan", home.plan, "--checkpoint", checkpoint,
@@ -316,6 +323,7 @@ def server_spec(hvars: SettingsLike, python: str = "python3", host: str = "contr
             "--ready-file", os.path.join(state, "ready.json"), "--log-file", os.path.join(state, "requests.log"),
             "--admin-keys", home.admin_key]
     argv += ["--api-keys", home.api_keys] if keyed else []
+    argv += ["--tls-cert", hs.serve_tls_cert, "--tls-key", hs.serve_tls_key] if tls else []
     argv += ["--restart-wait", _num(hs.serve_restart_wait), "--health-deadline", _num(hs.serve_health_deadline)]
     argv += ["--on-stage-lost", hs.serve_on_stage_lost] if hs.serve_on_stage_lost else []
     model = os.path.basename(checkpoint.rstrip("/"))
@@ -325,12 +333,14 @@ def server_spec(hvars: SettingsLike, python: str = "python3", host: str = "contr
                if checkpoint.endswith(".gguf") else {"model": model, "prompt": [1, 2, 3], "max_tokens": 8})
     return ServerSpec(argv=tuple(argv), python=python, state_dir=state, ready_timeout=hs.server_ready_timeout,
                       bind=bind, port=port, url=url, keyed=keyed, api_keys_file=home.api_keys,
+                      ca_path=(hs.serve_tls_ca or hs.serve_tls_cert) if tls else None,
                       admin_key_file=home.admin_key,
                       key_dirs=tuple(dict.fromkeys(os.path.dirname(p) for p in
                                                    ([home.api_keys] if keyed else []) + [home.admin_key])),
                       request=request, request_path=home.request,
                       curl=curl_line(f"{url}/v1/{'chat/completions' if chat else 'completions'}", request,
-                                     home.api_keys if keyed else None))
+                                     home.api_keys if keyed else None,
+                                     (hs.serve_tls_ca or hs.serve_tls_cert) if tls else None))
 
 
 def health_gate(url: str, status: int | None, body: dict | None, may_be_down: list[str] = ()) -> dict:
@@ -361,9 +371,12 @@ def _has_chat_template(checkpoint: str) -> bool:
         return False
 
 
-def curl_line(url: str, body: dict, api_keys_file: str | None = None) -> str:
-    """One shell line that POSTs body as JSON to url (the API key read from its file by the shell)."""
+def curl_line(url: str, body: dict, api_keys_file: str | None = None, ca_file: str | None = None) -> str:
+    """One shell line that POSTs body as JSON to url (the API key read from its file by the shell; over
+    HTTPS, the server's certificate checked against ca_file)."""
     parts = ["curl", "-s", shlex.quote(url), "-X", "POST", "-H", shlex.quote("Content-Type: application/json")]
+    if ca_file:
+        parts[2:2] = ["--cacert", shlex.quote(ca_file)]
     if api_keys_file:
         # double quotes: the shell runs $(head ...) and passes the header as one word
         parts += ["-H", f'"Authorization: Bearer $(head -1 {shlex.quote(api_keys_file)})"']

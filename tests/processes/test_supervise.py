@@ -219,20 +219,21 @@ def test_real_worker_under_supervise(rig, small_ckpt):
     """A real worker: started, kept on the same argv, told to shut down by the controller (it exits
     0 untold by its supervisor, so it is restarted), then stopped for good."""
     from layerline.cli import _free_ports
-    from layerline.keys import local_keys
+    from layerline.keys import local_keys, place, read_key_file
     from layerline.pipeline import control
 
     (port,) = _free_ports(1)
-    kd = local_keys(str(rig.root / "keys"), ["w"])
+    kd = local_keys(str(rig.root / "keys"), ["w", "x"])
     argv = [PY, "-m", "layerline.worker", "--checkpoint", str(small_ckpt), "--layers", "0:4",
             "--precision", "fp32", "--kv-context", "64", "--bind", f"tcp://127.0.0.1:{port}",
             "--name", "w", "--ready-file", str(rig.ready), "--first", "--last", "--threads", "1",
-            "--keys", kd["w"]]
-    rc, out = rig.sv("start", "--name", "w", "--ready-timeout", "120", argv=argv, timeout=180)
+            "--keys", kd["w"], "--curve", "on"]
+    watch = ("--name", "w", "--ready-timeout", "120", "--watch", kd["w"])   # its keys dir: a change restarts it
+    rc, out = rig.sv("start", *watch, argv=argv, timeout=180)
     assert rc == 0, out
     assert out["ready"]["pid"] == out["worker_pid"] and out["ready"]["layers"] == [0, 4]
     assert out["ready_file"] == str(rig.ready)  # found in the worker's own argv
-    rc, again = rig.sv("start", "--name", "w", argv=argv)
+    rc, again = rig.sv("start", *watch, argv=argv)
     assert rc == 0 and again["changed"] is False
     old = out["worker_pid"]
     ctl = f"tcp://127.0.0.1:{port + 1}"
@@ -242,6 +243,43 @@ def test_real_worker_under_supervise(rig, small_ckpt):
                    what="the restarted worker")
     assert f"child pid {old} exited with status 0" in rig.log.read_text()
     assert control(ctl, "health", keys_dir=kd["controller"], peer="w", timeout_s=30)["pid"] == new
+
+    # keys rotate: x, in the keys, gets answers; the keys role's place() drops x (gone from the inventory),
+    # and the next start with the keys dir watched restarts the worker (its argv unchanged), which refuses x
+    rc, same = rig.sv("start", *watch, argv=argv)
+    assert rc == 0 and same["changed"] is False and same["worker_pid"] == new, same
+    assert x_is_answered(kd, port)
+    public = {n: read_key_file(str(rig.root / "keys" / "store" / f"{n}.key"))[0] for n in ("w", "controller")}
+    assert place(kd["w"], "w", public)
+    assert rig.sv("status", "--watch", kd["w"])[1]["watch_changed"] is True
+    rc, rotated = rig.sv("start", *watch, argv=argv, timeout=180)
+    assert rc == 0 and rotated["changed"] is True and rotated["msg"] == "restarted (watched files changed) w", rotated
+    assert rotated["worker_pid"] != new
+    x_pub = read_key_file(str(rig.root / "keys" / "store" / "x.key"))[0].decode()
+    assert not x_is_answered(kd, port, timeout_ms=1000)   # the proof is the worker's line below
+    wait_for(lambda: f"refused a CURVE client whose key {x_pub}" in rig.log.read_text(), timeout=30,
+             what="the worker's line refusing x")
+    assert control(ctl, "health", keys_dir=kd["controller"], peer="w", timeout_s=30)["pid"] == rotated["worker_pid"]
+    new = rotated["worker_pid"]
     rc, stopped = rig.sv("stop")
     assert rc == 0 and stopped["changed"] is True and not alive(new)
     assert f"child pid {new} exited with status 0" in rig.log.read_text()
+
+
+def x_is_answered(kd: dict, port: int, timeout_ms: int = 30000) -> bool:
+    """Whether the worker answers host x on its data socket (CURVE with x's keys; a junk message gets an error
+    reply from a worker that let x in, nothing from one whose allow-list lacks x)."""
+    import zmq
+    from layerline.keys import connect_curve, load_host_keys
+    xk = load_host_keys(kd["x"])
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    try:
+        connect_curve(s, xk, xk.peers["w"])
+        s.connect(f"tcp://127.0.0.1:{port}")
+        s.send_multipart([b"{not json"])
+        return bool(s.poll(timeout_ms))
+    finally:
+        s.close()
+        ctx.term()

@@ -51,9 +51,11 @@ def test_a_promotion_in_place_stops_only_the_newly_drained_host():
     assert drain_stops(route, "w3", True) == [], "gone back: the drained host still serves"
 
 
-def test_nothing_to_drain_stops_nothing():
+def test_nothing_to_switch_stops_what_a_finished_drain_leaves_stopped():
+    """Drained already (or a run stopped after its commit, run again): the slot that does not serve, and a
+    drained host's worker in either slot, stop (stopping a worker that is not running changes nothing)."""
     route = _route({"slot": 1, "drained": ["w2"]}, {"slot": 1, "drained": ["w2"]}, changed=False, moves=False)
-    assert drain_stops(route, "w2", False) == [] and drain_stops(route, "w1", True) == []
+    assert drain_stops(route, "w2", False) == [0, 1] and drain_stops(route, "w1", False) == [0]
 
 
 def test_drive_verdicts():

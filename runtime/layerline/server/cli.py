@@ -32,6 +32,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--admin-keys", default=None,
                    help="file of admin keys, mode 0600: Bearer auth for POST /admin/route (drain, rejoin); "
                         "without it the admin routes answer 403")
+    p.add_argument("--tls-cert", default=None,
+                   help="certificate (PEM, the chain after it) to serve HTTPS with; needs --tls-key")
+    p.add_argument("--tls-key", default=None, help="the certificate's private key (PEM, mode 0600)")
     p.add_argument("--keys", default=None,
                    help="the controller's CURVE keys dir (required: workers' control sockets run CURVE always)")
     p.add_argument("--first-key", default=None, help="with --first: stage 0's host name in KEYS/peers/")
@@ -121,6 +124,16 @@ def _check(a) -> None:
             raise LayerlineError(f"--on-stage-lost {a.on_stage_lost!r}: not a command line ({e or 'empty'})") from None
         if not shutil.which(prog):
             raise LayerlineError(f"--on-stage-lost: {prog} is not an executable on PATH; give its full path")
+    if bool(a.tls_cert) != bool(a.tls_key):
+        raise LayerlineError("--tls-cert and --tls-key go together (layerline_serve_tls_cert, layerline_serve_tls_key): "
+                             "give both, or neither for plain HTTP")
+    for flag, path in (("--tls-cert", a.tls_cert), ("--tls-key", a.tls_key)):
+        if path and not os.access(path, os.R_OK):
+            raise LayerlineError(f"{flag} {path}: cannot read it; give a PEM file this user may read")
+    if a.tls_key:
+        import stat
+        if os.stat(a.tls_key).st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+            raise LayerlineError(f"--tls-key {a.tls_key}: group or others may read it; run chmod 600 {a.tls_key}")
     if not a.api_keys and not is_loopback(a.host):
         raise LayerlineError(f"--host {a.host}: refusing to listen off loopback without --api-keys FILE "
                              "(keys, one per line, mode 0600)")
@@ -158,9 +171,10 @@ def run(a: argparse.Namespace) -> int:
     try:
         _check(a)
         _check_port(a.host, a.port)
-        from .auth import load_keys
-        keys = load_keys(a.api_keys) if a.api_keys else None
-        admin_keys = load_keys(a.admin_keys, "--admin-keys") if a.admin_keys else None
+        from .auth import KeyFile
+        # read again whenever the files change (and on SIGHUP): keys rotate without a restart
+        keys = KeyFile(a.api_keys) if a.api_keys else None
+        admin_keys = KeyFile(a.admin_keys, "--admin-keys") if a.admin_keys else None
         if not a.keys:  # health, set_next: workers' control sockets let in only the controller's key
             raise LayerlineError("--keys is not set: the workers' control sockets run CURVE always and let in only "
                                  "the controller's key; pass the controller's keys dir (layerline_home's keys/controller, "
@@ -182,7 +196,18 @@ def run(a: argparse.Namespace) -> int:
         return 130
 
 
-def _serve(a, plan: dict | None, keys: list[bytes] | None, admin_keys: list[bytes] | None = None) -> int:
+def _on_sighup(*key_files) -> None:
+    """SIGHUP reads the key files again (they are also read again on change, per request)."""
+    import signal
+
+    def reread(_signum, _frame) -> None:
+        for f in key_files:
+            if f is not None:
+                f.reload()
+    signal.signal(signal.SIGHUP, reread)
+
+
+def _serve(a, plan: dict | None, keys=None, admin_keys=None) -> int:
     import torch
     import uvicorn
 
@@ -209,6 +234,7 @@ def _serve(a, plan: dict | None, keys: list[bytes] | None, admin_keys: list[byte
                   first_key=a.first_key)
 
     _logger(a.log_file)
+    _on_sighup(keys, admin_keys)
     # the engine's thread and the event loop share the GIL: hand it over sooner than the
     # default 5 ms, or every token waits for the other thread's time slice
     sys.setswitchinterval(0.0005)
@@ -227,10 +253,12 @@ def _serve(a, plan: dict | None, keys: list[bytes] | None, admin_keys: list[byte
     try:
         cfg = ServerConfig(name, context, kv, keys, a.max_body_bytes, a.default_max_tokens, admin_keys=admin_keys)
         app = build_app(engine, text, cfg, StageOps(failover, client, pipes, metrics, switch_timeout_s=a.timeout))
+        scheme = "https" if a.tls_cert else "http"
         print(f"{PROG}: {name} over {len(stages)} stage(s), context {context}, KV {kv} tokens; "
-              f"listening on http://{a.host}:{a.port}{' (API keys)' if keys else ''}", file=sys.stderr, flush=True)
+              f"listening on {scheme}://{a.host}:{a.port}{' (API keys)' if keys else ''}", file=sys.stderr, flush=True)
         config = uvicorn.Config(app, host=a.host, port=a.port, log_level="warning", access_log=False,
-                                lifespan="off", timeout_graceful_shutdown=5)
+                                lifespan="off", timeout_graceful_shutdown=5, ssl_certfile=a.tls_cert,
+                                ssl_keyfile=a.tls_key)
 
         class Server(uvicorn.Server):
             async def startup(self, sockets=None):
@@ -242,7 +270,7 @@ def _serve(a, plan: dict | None, keys: list[bytes] | None, admin_keys: list[byte
                         for sock in srv.sockets or []:
                             port = sock.getsockname()[1]
                     atomic_write_json(a.ready_file, {
-                        "pid": os.getpid(), "url": f"http://{a.host}:{port}", "host": a.host, "port": port,
+                        "pid": os.getpid(), "url": f"{scheme}://{a.host}:{port}", "host": a.host, "port": port,
                         "model": name, "stages": [s.endpoint for s in stages], "context": context,
                         "kv_tokens": kv, "api_keys": bool(keys), "time": time.time()}, mode=0o644)
         server = Server(config)

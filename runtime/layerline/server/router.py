@@ -67,6 +67,11 @@ async def admin_route(request: Request):
         if not cfg.admin_keys or ops is None:
             raise BadRequest("admin routes are off: start the server with --admin-keys FILE", None,
                              "admin_disabled", 403)
+        server = request.scope.get("server") or (None, None)
+        why = auth.admin_reachable(request.client.host if request.client else None, server[0],
+                                   request.url.scheme == "https")
+        if why:
+            raise BadRequest(why, None, "admin_not_here", 403)
         if not auth.check(cfg.admin_keys, request.headers.get("authorization")):
             raise BadRequest("missing or wrong admin key: send Authorization: Bearer ADMIN_KEY", None,
                              "invalid_admin_key", 401, headers={"WWW-Authenticate": "Bearer"})

@@ -1,0 +1,90 @@
+"""A drain (or a rejoin) whose controller is stopped partway, for tests/deploy/test_deployment.py's shared
+deployment to call right before the drain.yml run it makes anyway: that run is then the run again, and its
+own checks (the route, route.json, the old slot stopped, every request under load equal to the undisturbed
+tokens) are what "it ends in the intended state with nothing lost" means. No deployment of its own.
+
+    from drain_interrupts import stop_partway
+    stop_partway(home, ["drain.yml", *extra, "-e", "layerline_drain=w2"], drained=["w2"],
+                 at=AFTER_SWITCH, sig=signal.SIGKILL)
+    r = playbook("drain.yml", *extra, "-e", "layerline_drain=w2")      # the run again, checked as before
+
+Where: in test_drain_and_rejoin_under_load_lose_nothing, (1) right before the "drain w2 under load" run,
+`stop_partway(home, ["drain.yml", *extra, "-e", "layerline_drain=w2"], ["w2"], BEFORE_SWITCH, signal.SIGKILL)`
+(12 s on the 2-core machine; the run again then finds its new-slot workers started) and after that run
+`run_again_resumed(r.stdout)`; every assertion after it holds as it is. (2) right before the "drain w3 under
+load" run (the standby promoted in place), `stop_partway(..., "layerline_drain=w3"], ["w3"], AFTER_SWITCH,
+signal.SIGINT)` (29 s) and `run_again_resumed(r.stdout)`; that run's switch is then `route unchanged`, so its
+assertion reads `("through w1, w2, w4" in out or "route unchanged" in out)`. Both passed in one run of the
+file (7 passed, 743 s, beside four other helpers' work).
+
+Points (each the start of a task, as ansible-playbook prints it): BEFORE_SWITCH (the new slot's workers
+start), AT_SWITCH (the server's POST /admin/route), AFTER_SWITCH (the server routes through the new stages,
+nothing kept yet). Signals: SIGKILL (the controller's process group: nothing runs a handler) or SIGINT (to
+ansible-playbook alone, as a Ctrl-C: it ends the run its own way).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from helpers import BIN, ROOT, ansible_env
+
+BEFORE_SWITCH = "Start this host's worker in the new slot"
+AT_SWITCH = "Switch the server to the plan's stages"
+AFTER_SWITCH = "Keep the new route state, nothing pending"
+# deploy.yml -e layerline_rejoin=HOST: the server's switch and the commit after it (playbooks/serve.yml)
+REJOIN_AFTER_SWITCH = "Keep the route state, nothing pending"
+
+
+def _task_started(line: str, at: str) -> bool:
+    """A task header naming `at` (with or without its role's prefix: `TASK [role : name]`)."""
+    return line.startswith("TASK [") and (f"[{at}]" in line or f": {at}]" in line)
+
+
+def stop_partway(home: Path, args: list[str], drained: list[str], at: str, sig: int = signal.SIGKILL,
+                 timeout: float = 600) -> str:
+    """Run `ansible-playbook ARGS` until the task `at` starts, stop it with sig, and check what it left:
+    route.json still holds the state from before, with the change `pending` (drained: the hosts drained
+    once it is done), so a run again resumes it and never says "drained already". Returns the run's
+    output until then."""
+    before = json.loads((home / "route.json").read_text())
+    p = subprocess.Popen([str(BIN / "ansible-playbook"), *args], cwd=ROOT, env=ansible_env(),
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    seen, reached, deadline = [], False, time.monotonic() + timeout
+    try:
+        for line in p.stdout:
+            seen.append(line)
+            if _task_started(line, at):
+                reached = True
+                break
+            if time.monotonic() > deadline:
+                break
+    finally:
+        if reached and sig == signal.SIGINT:
+            p.send_signal(signal.SIGINT)          # a Ctrl-C: ansible-playbook ends the run itself
+            try:
+                p.wait(120)
+            except subprocess.TimeoutExpired:
+                pass
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait(30)
+    out = "".join(seen)
+    assert reached, f"the run never reached {at!r}:\n{out[-3000:]}"
+    route = json.loads((home / "route.json").read_text())
+    pending = route.pop("pending", None)
+    assert route == {k: v for k, v in before.items() if k != "pending"}, \
+        f"route.json changed before the switch was kept: {route} (was {before})"
+    assert pending and sorted(pending["state"]["drained"]) == sorted(drained), pending
+    return out
+
+
+def run_again_resumed(output: str) -> None:
+    """The run again's output: it resumed the change (it switched and kept it), it did not say there was
+    nothing to do."""
+    flat = " ".join(output.split())
+    assert "is drained already" not in flat and ("route epoch" in flat or "route unchanged" in flat), flat[-3000:]
