@@ -4,9 +4,11 @@ logprobs, n > 1, /v1/models/{id} and the id without the file suffix, usage in th
 vLLM's metric names, JSON logs.
 
 One server (`python -m layerline.server --log-format json`) over SmolLM2-135M-Instruct's GGUF
-at its own bits in two local workers, started once for the module."""
+at its own bits in one local worker (what these checks need of the pipeline is its last stage's
+logits; tests/processes/test_server.py covers the split), started once for the module."""
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import shutil
 from pathlib import Path
@@ -29,7 +31,7 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength
           "required": ["name", "age"], "additionalProperties": False}
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city now",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
                    "required": ["city"], "additionalProperties": False}}}
 TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {},
                                                                                "additionalProperties": False}}}
@@ -38,11 +40,14 @@ TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"typ
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("api")
-    procs, first, stage_tmp, _ = local_stages(str(SMOL), 2, "gguf", kv_context=1024, threads=1)
+    procs, first, stage_tmp, _ = local_stages(str(SMOL), 1, "gguf", kv_context=1024, threads=1)
     srv = None
     try:
         srv = Server(["--first", first, "--first-key", "stage0", "--keys", controller_keys(stage_tmp),
-                      "--checkpoint", str(SMOL), "--log-format", "json"], tmp).wait()
+                      "--checkpoint", str(SMOL), "--log-format", "json",
+                      # one stage holds all 30 layers: on a loaded machine a prefill chunk may outlast the
+                      # default 2 s health deadline, and a failover here would test nothing of this file's
+                      "--health-deadline", "60"], tmp).wait()
         yield srv
     finally:
         if srv is not None:
@@ -57,34 +62,50 @@ def client(server):
 
 
 # --- JSON output --------------------------------------------------------------------------------------
+# Each test sends its requests at once (threads): the engine batches them, so the test takes about as
+# long as its longest answer.
 
-def test_json_schema_output_parses_and_validates(client):
-    import jsonschema
-    r = client.chat.completions.create(
-        model=MODEL, messages=CHAT, max_tokens=60, temperature=0,
-        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}})
-    obj = json.loads(r.choices[0].message.content)
-    jsonschema.validate(obj, PERSON)
-    assert r.choices[0].finish_reason == "stop"
+def _together(*calls):
+    with concurrent.futures.ThreadPoolExecutor(len(calls)) as ex:
+        return [f.result() for f in [ex.submit(c) for c in calls]]
 
 
-def test_json_object_output_parses_sampled_and_streamed(client):
-    """Sampled at temperature 1, three choices, streamed: each one is a JSON object."""
-    stream = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=80, temperature=1.0, seed=7,
-                                            n=3, stream=True, response_format={"type": "json_object"},
-                                            stream_options={"include_usage": True})
-    text, finish, usage = {0: "", 1: "", 2: ""}, {}, None
-    for ch in stream:
+def _streamed(chunks) -> tuple[dict, dict, dict, object]:
+    """(text, finish reason, tool calls) by choice index, and the usage, of a streamed chat answer."""
+    text, finish, calls, usage = {}, {}, {}, None
+    for ch in chunks:
         if ch.usage is not None and not ch.choices:
             usage = ch.usage
         for c in ch.choices:
-            text[c.index] += c.delta.content or ""
-            if c.finish_reason:
-                finish[c.index] = c.finish_reason
+            text[c.index] = text.get(c.index, "") + (c.delta.content or "")
+            finish[c.index] = c.finish_reason or finish.get(c.index)
+            for tc in c.delta.tool_calls or []:
+                got = calls.setdefault(c.index, {}).setdefault(tc.index, {"name": "", "arguments": ""})
+                got["name"] += tc.function.name or ""
+                got["arguments"] += tc.function.arguments or ""
+    return text, finish, calls, usage
+
+
+def test_json_output_parses_and_validates(client):
+    """json_schema greedy; json_object greedy; json_schema sampled at temperature 1, three choices,
+    streamed: every answer parses, and validates against its schema."""
+    import jsonschema
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    schema, obj, (text, finish, _, usage) = _together(
+        lambda: client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=40, temperature=0,
+                                               response_format=fmt),
+        lambda: client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=40, temperature=0,
+                                               response_format={"type": "json_object"}),
+        lambda: _streamed(client.chat.completions.create(
+            model=MODEL, messages=CHAT, max_tokens=40, temperature=1.0, seed=7, n=3, stream=True, response_format=fmt,
+            stream_options={"include_usage": True})))
+    jsonschema.validate(json.loads(schema.choices[0].message.content), PERSON)
+    assert schema.choices[0].finish_reason == "stop"
+    assert obj.choices[0].finish_reason == "stop" and isinstance(json.loads(obj.choices[0].message.content), dict)
     assert finish == {0: "stop", 1: "stop", 2: "stop"}, (finish, text)
     for t in text.values():
-        assert isinstance(json.loads(t), dict), t
-    assert usage is not None and usage.completion_tokens >= 3 * 2 and usage.prompt_tokens > 0
+        jsonschema.validate(json.loads(t), PERSON)
+    assert usage is not None and usage.completion_tokens >= 3 * 5 and usage.prompt_tokens > 0
 
 
 def test_a_schema_that_does_not_compile_is_400_naming_response_format(client):
@@ -96,47 +117,29 @@ def test_a_schema_that_does_not_compile_is_400_naming_response_format(client):
 
 # --- tool calls ---------------------------------------------------------------------------------------
 
-def test_named_tool_call_parsed_whole_and_streamed(client):
-    msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
-    choice = {"type": "function", "function": {"name": "get_weather"}}
-    r = client.chat.completions.create(model=MODEL, messages=msgs, tools=[WEATHER, TIME], tool_choice=choice,
-                                       max_tokens=60, temperature=0)
-    c = r.choices[0]
+def test_tool_calls_whole_and_streamed(client):
+    """A named call, whole and streamed (the same call), and a required one. ("auto", text that is no
+    call, and a call's result sent back: tests/unit/test_api_units.py, without a model.)"""
+    weather = [{"role": "user", "content": "What is the weather in Paris?"}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    whole, (_, sfinish, scalls, _), required = _together(
+        lambda: client.chat.completions.create(model=MODEL, messages=weather, tools=[WEATHER, TIME],
+                                               tool_choice=named, max_tokens=40, temperature=0),
+        lambda: _streamed(client.chat.completions.create(model=MODEL, messages=weather, tools=[WEATHER, TIME],
+                                                         tool_choice=named, max_tokens=40, temperature=0,
+                                                         stream=True)),
+        lambda: client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "What time is it?"}],
+                                               tools=[WEATHER, TIME], tool_choice="required", max_tokens=40,
+                                               temperature=0))
+    c = whole.choices[0]
     assert c.finish_reason == "tool_calls" and c.message.content is None, c
     (call,) = c.message.tool_calls
     assert call.type == "function" and call.function.name == "get_weather" and call.id
     assert isinstance(json.loads(call.function.arguments)["city"], str)
-
-    calls: dict[int, dict] = {}
-    finish = None
-    for ch in client.chat.completions.create(model=MODEL, messages=msgs, tools=[WEATHER, TIME], tool_choice=choice,
-                                             max_tokens=60, temperature=0, stream=True):
-        for d in ch.choices:
-            finish = d.finish_reason or finish
-            for tc in d.delta.tool_calls or []:
-                got = calls.setdefault(tc.index, {"name": "", "arguments": ""})
-                got["name"] += tc.function.name or ""
-                got["arguments"] += tc.function.arguments or ""
-    assert finish == "tool_calls"
-    assert calls == {0: {"name": "get_weather", "arguments": call.function.arguments}}
-
-    # the call and its result go back in: the template renders them and the answer goes on
-    follow = msgs + [c.message.model_dump(exclude_none=True),
-                     {"role": "tool", "tool_call_id": call.id, "content": '{"celsius": 21}'}]
-    r2 = client.chat.completions.create(model=MODEL, messages=follow, tools=[WEATHER], max_tokens=8, temperature=0)
-    assert r2.choices[0].message.content is not None or r2.choices[0].message.tool_calls
-
-
-def test_required_tool_call_and_auto_text(client):
-    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "What time is it?"}],
-                                       tools=[WEATHER, TIME], tool_choice="required", max_tokens=60, temperature=0)
-    (call,) = r.choices[0].message.tool_calls
-    assert call.function.name in ("get_weather", "get_time") and isinstance(json.loads(call.function.arguments), dict)
-    # "auto": whatever the model writes; text that is no call is the content, never a 500
-    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hi."}],
-                                       tools=[WEATHER], max_tokens=8, temperature=0)
-    m = r.choices[0].message
-    assert (m.content or m.tool_calls) and r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    assert sfinish == {0: "tool_calls"} and scalls == {0: {0: {"name": "get_weather",
+                                                               "arguments": call.function.arguments}}}
+    (rcall,) = required.choices[0].message.tool_calls
+    assert rcall.function.name in ("get_weather", "get_time") and isinstance(json.loads(rcall.function.arguments), dict)
 
 
 def test_tool_choice_naming_no_tool_is_400(client):

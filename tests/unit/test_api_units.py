@@ -168,3 +168,49 @@ def test_json_log_lines():
     assert out["path"] == "/v1/models" and out["status"] == 200 and out["level"] == "info" and "time" in out
     plain = json.loads(JsonFormatter().format(logging.LogRecord("l", logging.WARNING, "x", 1, "a %s", ("b",), None)))
     assert plain["message"] == "a b"
+
+
+# --- tools into the chat template ---------------------------------------------------------------------------
+
+def _serving(template: str):
+    from layerline.server.chat import TextSide
+    from layerline.server.serving import OpenAIServing, ServerConfig
+    return OpenAIServing(None, TextSide(template=template, eos_token="<|im_end|>"), ServerConfig("m", 4096))
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+TURNS = [{"role": "user", "content": "Weather in Paris?"},
+         {"role": "assistant", "content": None, "tool_calls": [
+             {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+         {"role": "tool", "tool_call_id": "call_1", "content": '{"celsius": 21}'}]
+
+
+def test_a_template_without_tools_gets_them_as_text():
+    """SmolLM2's template knows no tools: they become a system message, the earlier call its text, the
+    result a user turn; the template renders it all."""
+    from layerline.checkpoint import open_checkpoint
+    from layerline.cli import packaged_smollm2
+    from layerline.server.protocol import ChatRequest
+    srv = _serving(open_checkpoint(packaged_smollm2()).chat_template)
+    req = ChatRequest.model_validate({"model": "m", "messages": TURNS, "tools": [WEATHER]})
+    messages, defs = srv.chat_messages(req)
+    assert defs is None and messages[0]["role"] == "system" and "get_weather" in messages[0]["content"]
+    text = srv.text.render(messages)
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in text
+    assert '<|im_start|>user\n<tool_response>\n{"celsius": 21}\n</tool_response>' in text
+    assert text.endswith("<|im_start|>assistant\n")
+
+
+def test_a_template_with_tools_gets_them_as_hugging_face_hands_them():
+    from layerline.server.protocol import ChatRequest
+    tpl = ("{% for t in tools %}[{{ t.function.name }}]{% endfor %}{% for m in messages %}{{ m.role }}:"
+           "{% for c in m.tool_calls or [] %}<tool_call>{{ c.function.arguments.city }}</tool_call>{% endfor %}"
+           "{{ m.content or '' }};{% endfor %}")
+    srv = _serving(tpl)
+    req = ChatRequest.model_validate({"model": "m", "messages": TURNS, "tools": [WEATHER]})
+    messages, defs = srv.chat_messages(req)
+    assert srv.text.render(messages, defs) == ('[get_weather]user:Weather in Paris?;assistant:<tool_call>Paris'
+                                               '</tool_call>;tool:{"celsius": 21};')
+    # tool_choice "none": the template is not given the tools
+    req = ChatRequest.model_validate({"model": "m", "messages": TURNS[:1], "tools": [WEATHER], "tool_choice": "none"})
+    assert srv.chat_messages(req)[1] is None

@@ -95,10 +95,9 @@ class Constraint:
     def allowed(self, vocab: int) -> torch.Tensor:
         """A bool mask [vocab] of the tokens the grammar allows next (ids past the tokenizer's: never)."""
         bits = np.unpackbits(np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
-        out = torch.zeros(vocab, dtype=torch.bool)
-        n = min(vocab, bits.size)
-        out[:n] = torch.from_numpy(bits[:n].astype(np.bool_))
-        return out
+        if bits.size < vocab:   # the model's rows past the tokenizer's last id (padding): never chosen
+            bits = np.concatenate([bits, np.zeros(vocab - bits.size, dtype=np.uint8)])
+        return torch.from_numpy(bits[:vocab].view(np.bool_))
 
     def accept(self, token: int) -> bool:
         """Advance past the chosen token; False when the grammar refuses it (the matcher is then in error)."""

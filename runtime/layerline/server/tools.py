@@ -41,10 +41,8 @@ def template_takes_tools(template: str | None) -> bool:
 def tools_system_prompt(tools: list[dict]) -> str:
     """What a template without tool support is told (as the start of its system message)."""
     lines = "\n".join(json.dumps(t.get("function", t), ensure_ascii=False) for t in tools)
-    return ("You may call one or more functions to assist with the user query. The functions:\n"
-            f"<tools>\n{lines}\n</tools>\n"
-            "To call a function, answer with a JSON object of its name and arguments in <tool_call></tool_call> "
-            "tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call>")
+    return (f"You can call these functions:\n<tools>\n{lines}\n</tools>\n"
+            "To call one, answer <tool_call>\n{\"name\": NAME, \"arguments\": {ARGS}}\n</tool_call>")
 
 
 @dataclass
