@@ -42,7 +42,7 @@ import torch
 import zmq
 
 from .errors import LayerlineError
-from .model.sampling import adjust_logits, logprobs, sample
+from .model.sampling import adjust_logits, logprobs, mask_logits, sample
 from .pipeline import Answer, DriveError, Pipeline, StepResult
 from .wire import MAX_BATCH, MAX_SEQS
 
@@ -395,20 +395,19 @@ class Engine:
                                        "weights or arithmetic failed on it; other requests go on", "non_finite"))
             sampled = [(i, s) for (i, s), ok in zip(sampled, finite) if ok]
         raw = logits
-        masks = {}
-        for i, s in sampled:   # a grammar's mask, applied where the token is chosen
-            if s.constraint is not None:
-                masks[i] = s.constraint.allowed(logits.shape[-1])
-                if not bool(masks[i].any()):
-                    self._fail([s], DriveError(f"the output grammar allows no next token ({s.constraint.error or 'a dead end'})",
-                                               "grammar"))
-        adjust = [(i, s) for i, s in sampled if s.bias or (s.penalties and s.generated)]
-        if masks or adjust:
+        # logit_bias and penalties, then a grammar's mask: where the token is chosen, each row its own
+        adjust = [(i, s) for i, s in sampled if s.bias or (s.penalties and s.generated) or s.constraint is not None]
+        if adjust:
             logits = logits.clone()
             for i, s in adjust:
-                logits[i] = adjust_logits(logits[i], s.bias, s.generated, *(s.penalties or (0.0, 0.0)))
-            for i, m in masks.items():
-                logits[i].masked_fill_(~m, float("-inf"))
+                if s.bias or (s.penalties and s.generated):
+                    logits[i] = adjust_logits(logits[i], s.bias, s.generated, *(s.penalties or (0.0, 0.0)))
+                if s.constraint is not None:
+                    try:
+                        logits[i] = mask_logits(logits[i:i + 1], s.constraint.allowed(logits.shape[-1])[None])[0]
+                    except ValueError as e:
+                        why = s.constraint.error or e
+                        self._fail([s], DriveError(f"the output grammar allows no next token ({why})", "grammar"))
         greedy = [i for i, s in sampled if s.sampling.temperature == 0 and s.state != DONE]
         picks = dict(zip(greedy, logits[greedy].argmax(-1).tolist())) if greedy else {}
         for i, s in sampled:

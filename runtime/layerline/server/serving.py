@@ -166,7 +166,7 @@ class OpenAIServing:
         if req.presence_penalty or req.frequency_penalty:
             out.penalties = (float(req.presence_penalty or 0.0), float(req.frequency_penalty or 0.0))
         if chat:
-            if req.top_logprobs is not None and not req.logprobs:
+            if req.top_logprobs and not req.logprobs:
                 raise BadRequest("top_logprobs: needs logprobs: true", "top_logprobs", "invalid_parameter")
             out.logprobs = (req.top_logprobs or 0) if req.logprobs else None
         else:
