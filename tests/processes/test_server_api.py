@@ -205,7 +205,8 @@ def test_vllm_metric_names_and_json_log(server, client):
                  "vllm:time_to_first_token_seconds_count", "vllm:inter_token_latency_seconds_count",
                  "vllm:time_per_output_token_seconds_count", "vllm:num_requests_running",
                  "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc", "vllm:prompt_tokens_total",
-                 "vllm:generation_tokens_total"):
+                 "vllm:generation_tokens_total", "vllm:request_prompt_tokens_count",
+                 "vllm:request_generation_tokens_count"):
         assert f"{name}{{{label}}}" in text, name
     assert f'vllm:request_success_total{{finished_reason="length",{label}}}' in text
     lines = [json.loads(x) for x in server.log.read_text().splitlines() if x.strip()]

@@ -13,6 +13,7 @@ layerline's own (`layerline_*`) and, beside them, the names and meanings vLLM's 
                                       of what every stage holds
   vllm:request_success_total          counter by finished_reason: stop, length, abort (client gone), error
   vllm:prompt_tokens_total / vllm:generation_tokens_total  counters
+  vllm:request_prompt_tokens / vllm:request_generation_tokens  histograms: tokens per finished request
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ __all__ = ["CONTENT_TYPE_LATEST", "Metrics"]
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
+_TOKENS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 _REQUEST = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
 
 
@@ -53,6 +55,10 @@ class Metrics:
         self.v_prompt = Counter("vllm:prompt_tokens", "prompt tokens of admitted requests", m,
                                 registry=r).labels(model_name)
         self.v_generation = Counter("vllm:generation_tokens", "tokens generated", m, registry=r).labels(model_name)
+        self.v_req_prompt = Histogram("vllm:request_prompt_tokens", "prompt tokens of each finished request", m,
+                                      buckets=_TOKENS, registry=r).labels(model_name)
+        self.v_req_generation = Histogram("vllm:request_generation_tokens", "tokens generated for each finished "
+                                          "request", m, buckets=_TOKENS, registry=r).labels(model_name)
         self.requests = Counter("layerline_requests", "HTTP requests by route and status", ["route", "status"],
                                 registry=r)
         self.prompt_tokens = Counter("layerline_prompt_tokens", "prompt tokens of admitted requests", registry=r)

@@ -419,6 +419,8 @@ class OpenAIServing:
             reason = {"tool_calls": "stop", "cancelled": "abort"}.get(reason, reason)
             m.v_success.labels(m.model_name, reason).inc()
             m.v_e2e.observe((c.st.last_token or now) - c.st.arrived)
+            m.v_req_generation.observe(c.st.completion_tokens)
+        m.v_req_prompt.observe(st.prompt_tokens)
         ttft = (st.first_token - st.arrived) if st.first_token else None
         fields = {"model": req.model, "prompt": st.prompt_tokens,
                   "completion": sum(c.st.completion_tokens for c in choices), "finish": finish,
