@@ -215,3 +215,14 @@ def test_a_template_with_tools_gets_them_as_hugging_face_hands_them():
     # tool_choice "none": the template is not given the tools
     req = ChatRequest.model_validate({"model": "m", "messages": TURNS[:1], "tools": [WEATHER], "tool_choice": "none"})
     assert srv.chat_messages(req)[1] is None
+
+
+def test_the_readme_names_every_refused_field():
+    """The README's request-field table lists what protocol.UNIMPLEMENTED refuses, no more, no less."""
+    import re
+    from pathlib import Path
+
+    from layerline.server.protocol import UNIMPLEMENTED
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    row = next(line for line in readme.splitlines() if "400 `unsupported_parameter`" in line)
+    assert set(re.findall(r"`([a-z_]+)`", row.split("|")[1])) == set(UNIMPLEMENTED)

@@ -52,6 +52,7 @@ UNIMPLEMENTED: dict[str, tuple] = {
     "functions": (None, []), "function_call": (None, "none", "auto"),
     "best_of": (None, 1), "suffix": (None, ""), "prediction": (None,), "audio": (None,),
     "modalities": (None, ["text"]), "reasoning_effort": (None,), "web_search_options": (None,),
+    "verbosity": (None,),
 }
 SUPPORTED = ("model, prompt/messages, max_tokens, max_completion_tokens, temperature, top_p, seed, stop, stream, "
              "stream_options, n, logprobs, top_logprobs, logit_bias, presence_penalty, frequency_penalty, "
