@@ -197,7 +197,7 @@ class OpenAIServing:
 
     @staticmethod
     def response_grammar(rf: dict | None) -> str | None:
-        if rf is None or rf.get("type") == "text" and len(rf) == 1:
+        if rf is None or rf.get("type") == "text":
             return None
         kind = rf.get("type")
         try:
@@ -555,6 +555,8 @@ class OpenAIServing:
                         rest, got = parser.end()
                         delta += rest
                         calls += call_deltas(got)
+                    if ncalls and not delta.strip():   # the whitespace between calls, as the whole parse drops it
+                        delta = ""
                 if calls:
                     yield chunk(c, None, [], calls=calls)
                 if fin is not None:
