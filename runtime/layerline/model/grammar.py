@@ -20,8 +20,16 @@ class GrammarError(ValueError):
     """A schema or grammar llguidance cannot compile; the message says why."""
 
 
+class GrammarUnavailable(RuntimeError):
+    """The grammar library is not installed in this interpreter (a server host set up by hand)."""
+
+
 def _llg():
-    import llguidance
+    try:
+        import llguidance
+    except ImportError:
+        raise GrammarUnavailable("constrained output needs the llguidance package in the server's interpreter "
+                                 "(pip install llguidance; `make setup` installs it)") from None
     return llguidance
 
 

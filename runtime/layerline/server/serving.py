@@ -23,7 +23,8 @@ from sse_starlette import EventSourceResponse
 from ..errors import LayerlineError
 from . import auth
 from .async_engine import AsyncEngine, QueueFull, Stream
-from ..model.grammar import Constraint, GrammarError, check_grammar, json_schema_grammar, lark_grammar
+from ..model.grammar import (Constraint, GrammarError, GrammarUnavailable, check_grammar, json_schema_grammar,
+                             lark_grammar)
 from . import tools
 from .chat import Detokenizer, TemplateError, TextSide
 from .protocol import (AssistantMessage, BadRequest, BaseRequest, ChatChoice, ChatRequest, ChatStreamChoice,
@@ -151,6 +152,13 @@ class OpenAIServing:
 
     async def output(self, req: BaseRequest, chat: bool) -> Output:
         """The request's grammar, logprobs, logit_bias and tool-call format, checked (400s name the field)."""
+        try:
+            return await self._output(req, chat)
+        except GrammarUnavailable as e:
+            raise BadRequest(str(e), "response_format" if req.response_format else "tool_choice",
+                             "grammar_unavailable", 501, "server_error") from None
+
+    async def _output(self, req: BaseRequest, chat: bool) -> Output:
         out = Output()
         if req.logit_bias:
             out.bias = {}
