@@ -169,7 +169,8 @@ def test_completion_logprobs_n_and_seeds(client):
     for c in r.choices:
         lp = c.logprobs
         assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 4
-        assert all(len(t) == 2 for t in lp.top_logprobs) and "".join(lp.tokens) == c.text
+        assert all(len(t) == 2 for t in lp.top_logprobs)
+        assert "".join(lp.tokens) == c.text or "\ufffd" in "".join(lp.tokens)   # a character split over tokens
     assert r.usage.completion_tokens == 8
     # choice i is seeded seed + i: choice 1 alone with seed 12 gives the same tokens
     alone = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=4, temperature=0.8,
