@@ -46,7 +46,7 @@ import torch
 import zmq
 
 from .errors import LayerlineError
-from .model.sampling import sample
+from .model.sampling import adjust_logits, logprobs, mask_logits, sample
 from .pipeline import Answer, DriveError, Pipeline, StepResult
 from .wire import MAX_BATCH, MAX_SEQS
 
@@ -75,7 +75,15 @@ class Sequence:
 
     sink(kind, value) is called from the engine's thread: ("admitted", None), ("token", id),
     ("done", "stop"|"length"|"cancelled"), ("error", message), ("unavailable", message) (a stage
-    is down and nothing took its place in time). It must not block.
+    is down and nothing took its place in time); with `logprobs` set, ("logprobs", (logprob,
+    [(id, logprob), ...])) just before each ("token", id). It must not block.
+
+    constraint: a grammar (layerline.model.grammar.Constraint: allowed(vocab), accept(token),
+    finished) that masks every token this sequence samples; the sequence stops when it is complete.
+    logprobs: report each chosen token's log-probability and this many most likely alternatives.
+    bias: added to the logits of these token ids before the token is chosen (OpenAI's logit_bias).
+    penalties: (presence, frequency) as OpenAI defines them: each token already generated c times
+    loses presence + c * frequency from its logit.
     """
     sid: str
     prompt: list[int]
@@ -92,6 +100,10 @@ class Sequence:
     bounds: list[int] = field(default_factory=list)   # where the prompt's prefill chunks ended, in order
     finish: str | None = None
     error: str | None = None
+    constraint: object | None = None
+    logprobs: int | None = None
+    bias: dict[int, float] | None = None   # logit_bias: token id -> added to its logit before choosing
+    penalties: tuple[float, float] | None = None   # (presence, frequency), over the generated tokens
 
     def __post_init__(self):
         if not self.tokens:
@@ -406,7 +418,21 @@ class Engine:
             self._fail(bad, DriveError("the model's logits for this sequence are not finite (NaN or Inf): a stage's "
                                        "weights or arithmetic failed on it; other requests go on", "non_finite"))
             sampled = [(i, s) for (i, s), ok in zip(sampled, finite) if ok]
-        greedy = [i for i, s in sampled if s.sampling.temperature == 0]
+        raw = logits
+        # logit_bias and penalties, then a grammar's mask: where the token is chosen, each row its own
+        adjust = [(i, s) for i, s in sampled if s.bias or (s.penalties and s.generated) or s.constraint is not None]
+        if adjust:
+            logits = logits.clone()
+            for i, s in adjust:
+                if s.bias or (s.penalties and s.generated):
+                    logits[i] = adjust_logits(logits[i], s.bias, s.generated, *(s.penalties or (0.0, 0.0)))
+                if s.constraint is not None:
+                    try:
+                        logits[i] = mask_logits(logits[i:i + 1], s.constraint.allowed(logits.shape[-1])[None])[0]
+                    except ValueError as e:
+                        why = s.constraint.error or e
+                        self._fail([s], DriveError(f"the output grammar allows no next token ({why})", "grammar"))
+        greedy = [i for i, s in sampled if s.sampling.temperature == 0 and s.state != DONE]
         picks = dict(zip(greedy, logits[greedy].argmax(-1).tolist())) if greedy else {}
         for i, s in sampled:
             if s.state == DONE:
@@ -417,9 +443,14 @@ class Engine:
             except (ValueError, RuntimeError) as e:  # this row's settings or numbers: its own failure
                 self._fail([s], DriveError(f"sampling failed: {e}", "sampling"))
                 continue
+            if s.constraint is not None and not s.constraint.accept(tok):
+                self._fail([s], DriveError(f"the output grammar refused token {tok}: {s.constraint.error}", "grammar"))
+                continue
             s.tokens.append(tok)
+            if s.logprobs is not None:
+                s.emit("logprobs", logprobs(raw[i], tok, s.logprobs))
             s.emit("token", tok)
-            if tok in s.eos:
+            if tok in s.eos or (s.constraint is not None and s.constraint.finished):
                 self._finish(s, "stop")
             elif len(s.tokens) - len(s.prompt) >= s.max_new:
                 self._finish(s, "length")

@@ -6,6 +6,7 @@ ops (StageOps: the stages' health and route switches; None when nothing watches 
 """
 from __future__ import annotations
 
+import json
 import logging
 import time
 
@@ -22,6 +23,22 @@ from .serving import OpenAIServing, ServerConfig
 from .stages import StageOps
 
 log = logging.getLogger("layerline.server")
+
+
+class JsonFormatter(logging.Formatter):
+    """--log-format json: one JSON object per line (time, level, message; a request's fields as keys)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out = {"time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S") + f".{int(record.msecs):03d}",
+               "level": record.levelname.lower(), "logger": record.name}
+        req = getattr(record, "request", None)
+        if isinstance(req, dict):
+            out.update(req)
+        else:
+            out["message"] = record.getMessage()
+        if record.exc_info:
+            out["exception"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str)
 
 
 class RequestLog:
@@ -49,8 +66,15 @@ class RequestLog:
             self.metrics.requests.labels(route, str(status["code"])).inc()
             extra = scope["state"].get("log", "")
             client = scope.get("client") or ("-", 0)
+            fields = {"client": client[0], "method": scope.get("method", "-"), "path": path,
+                      "status": status["code"], "seconds": round(time.perf_counter() - t0, 3)}
+            if isinstance(extra, dict):
+                fields.update(extra)
+                extra = " ".join(f"{k}={v!r}" if k == "user" else f"{k}={v}" for k, v in extra.items())
+            elif extra:
+                fields["note"] = extra
             log.info("%s %s %s %d %.3fs%s", client[0], scope.get("method", "-"), path, status["code"],
-                     time.perf_counter() - t0, f" {extra}" if extra else "")
+                     time.perf_counter() - t0, f" {extra}" if extra else "", extra={"request": fields})
 
 
 def build_app(engine: AsyncEngine, text: TextSide, cfg: ServerConfig, ops: StageOps | None = None) -> RequestLog:

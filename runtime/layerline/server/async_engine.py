@@ -183,9 +183,13 @@ class AsyncEngine:
         m = self.metrics
         m.running.set(len(eng.running))
         m.kv_tokens.set(eng.kv_used)
+        m.v_running.set(len(eng.running))
+        if eng.kv_tokens:
+            m.v_kv.set(min(1.0, eng.kv_used / eng.kv_tokens))
         m.microbatches.set(eng.depth)
         with self._lock:
             m.queue_depth.set(self._waiting)
+            m.v_waiting.set(self._waiting)
 
     def _on_step(self, res, kind: str, n: int) -> None:
         for t in res.timings:
@@ -199,7 +203,10 @@ class AsyncEngine:
     # -- requests (asyncio side)
 
     def submit(self, prompt: list[int], max_new: int, sampling: Sampling, eos: frozenset,
-               loop: asyncio.AbstractEventLoop) -> Stream:
+               loop: asyncio.AbstractEventLoop, constraint=None, logprobs: int | None = None,
+               bias: dict[int, float] | None = None, penalties: tuple[float, float] | None = None) -> Stream:
+        """One sequence; its events go to the returned Stream. constraint: a grammar masking its tokens
+        (layerline.model.grammar.Constraint); logprobs: report each token's and this many alternatives'."""
         if not self.alive:
             raise LayerlineError("the generation engine is not running")
         with self._lock:
@@ -207,6 +214,7 @@ class AsyncEngine:
                 raise QueueFull(self._waiting)
             self._waiting += 1
             self.metrics.queue_depth.set(self._waiting)
+            self.metrics.v_waiting.set(self._waiting)
         sid = f"s{os.getpid()}-{next(self._ids)}"
         st = Stream(sid, loop, len(prompt))
         m = self.metrics
@@ -217,16 +225,25 @@ class AsyncEngine:
                 st.admitted = True
                 self._unwait()
                 m.prompt_tokens.inc(len(prompt))
+                m.v_prompt.inc(len(prompt))
+                m.v_queue.observe(now - st.arrived)
+                return
+            if kind == "logprobs":
+                self._out.append((st, (kind, value)))
                 return
             if kind == "token":
                 if st.first_token is None:
                     st.first_token = now
                     m.ttft.observe(now - st.arrived)
+                    m.v_ttft.observe(now - st.arrived)
                 else:
                     m.itl.observe(now - st.last_token)
+                    m.v_itl.observe(now - st.last_token)
+                    m.v_tpot.observe(now - st.last_token)
                 st.last_token = now
                 st.completion_tokens += 1
                 m.generated_tokens.inc()
+                m.v_generation.inc()
             else:
                 if not st.admitted:
                     self._unwait()
@@ -235,7 +252,9 @@ class AsyncEngine:
             self._out.append((st, (kind, value)))
 
         seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
-        seq = Sequence(sid, list(prompt), max_new, Sampling(sampling.temperature, sampling.top_p, seed), eos, sink)
+        seq = Sequence(sid, list(prompt), max_new, Sampling(sampling.temperature, sampling.top_p, seed), eos, sink,
+                       constraint=constraint, logprobs=logprobs, bias=bias,
+                       penalties=penalties)
         self.inbox.put(("add", seq))
         self._wake()
         return st
@@ -244,6 +263,7 @@ class AsyncEngine:
         with self._lock:
             self._waiting = max(0, self._waiting - 1)
             self.metrics.queue_depth.set(self._waiting)
+            self.metrics.v_waiting.set(self._waiting)
 
     def cancel(self, sid: str) -> None:
         """The client went away: the engine frees the sequence's slot at its next turn."""

@@ -27,6 +27,7 @@ class TextSide:
     context: int | None = None               # max_position_embeddings
     vocab_size: int | None = None
     _compiled: object | None = field(default=None, repr=False)
+    _grammar_tok: object | None = field(default=None, repr=False)
 
     @classmethod
     def load(cls, checkpoint: str | None) -> "TextSide":
@@ -60,8 +61,9 @@ class TextSide:
             raise TemplateError("this checkpoint has no tokenizer.json: send the prompt as a list of token ids")
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def render(self, messages: list[dict]) -> str:
-        """The chat template applied to messages, with the generation prompt."""
+    def render(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        """The chat template applied to messages, with the generation prompt (and `tools`, as Hugging
+        Face's apply_chat_template hands them to the template)."""
         if self.template is None:
             raise TemplateError("this checkpoint has no chat template (tokenizer_config.json has no "
                                 "chat_template); use /v1/completions with a prompt instead")
@@ -79,13 +81,30 @@ class TextSide:
                 raise TemplateError(f"chat template does not compile: {e}") from None
         from jinja2 import TemplateError as JinjaError
         try:
+            extra = {"tools": tools} if tools else {}
             return self._compiled.render(messages=messages, bos_token=self.bos_token or "",
-                                         eos_token=self.eos_token or "", add_generation_prompt=True)
+                                         eos_token=self.eos_token or "", add_generation_prompt=True, **extra)
         except JinjaError as e:
             raise TemplateError(f"chat template: {e}") from None
 
-    def chat_ids(self, messages: list[dict]) -> list[int]:
-        return self.encode(self.render(messages))
+    def chat_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        return self.encode(self.render(messages, tools))
+
+    def grammar_tokenizer(self):
+        """The tokenizer as the grammar library reads it (layerline.model.grammar), built once."""
+        if self.tokenizer is None:
+            raise TemplateError("this checkpoint has no tokenizer: constrained output (response_format, "
+                                "tool_choice) needs one")
+        if self._grammar_tok is None:
+            from ..model.grammar import GrammarTokenizer
+            self._grammar_tok = GrammarTokenizer(self.tokenizer, tuple(sorted(self.eos_ids)))
+        return self._grammar_tok
+
+    def token_text(self, tok: int) -> str:
+        """One token's own text (special tokens included), as logprobs name it."""
+        if self.tokenizer is None:
+            return f" {tok}"
+        return self.tokenizer.decode([tok], skip_special_tokens=False)
 
     # -- output
 

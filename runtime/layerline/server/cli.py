@@ -41,7 +41,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--curve", default="auto", choices=["auto", "on"],
                    help="auto: CURVE on each socket whose address is not loopback; on: on every socket")
     p.add_argument("--reply-host", default=None, help="an address of this machine the last stage can reach")
-    p.add_argument("--model-name", default=None, help="the model id clients send (default: the checkpoint's dir name)")
+    p.add_argument("--model-name", default=None,
+                   help="the model id clients send (default: the checkpoint's dir or file name without .gguf; the "
+                        "file name and the GGUF's general.name are accepted too)")
     p.add_argument("--max-queue", type=int, default=64, help="requests that may wait for a KV slot before 429")
     p.add_argument("--max-running", type=int, default=48, help="sequences generated at once (at most 64)")
     p.add_argument("--kv-tokens", type=int, default=None,
@@ -69,6 +71,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "e.g. 'ansible-playbook drain.yml -e layerline_drain={host}': it re-plans over the "
                         "survivors and switches this server to them (its output goes beside --log-file)")
     p.add_argument("--log-file", default=None, help="append one line per request here (default: stderr)")
+    p.add_argument("--log-format", default="text", choices=["text", "json"],
+                   help="json: one JSON object per log line (a request's fields as keys), for log shippers")
     p.add_argument("--ready-file", default=None,
                    help="written (JSON: pid, url, model, stages) once the server listens; removed when it stops")
     return p
@@ -158,13 +162,34 @@ def _check_port(host: str, port: int) -> None:
                                  "server on that port? pick another --port (layerline_serve_port)") from None
 
 
-def _logger(path: str | None) -> None:
+def _logger(path: str | None, fmt: str = "text") -> None:
+    from .app import JsonFormatter
     log = logging.getLogger("layerline.server")
     log.setLevel(logging.INFO)
     log.propagate = False
     h = logging.FileHandler(path) if path else logging.StreamHandler(sys.stderr)
-    h.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+    h.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter("%(asctime)s %(message)s"))
     log.handlers[:] = [h]
+
+
+def model_names(checkpoint: str | None, given: str | None) -> tuple[str, tuple[str, ...]]:
+    """The model id the server answers to, and the other names a request may use: a GGUF file's
+    name without .gguf (its name with the suffix, and its general.name, are aliases); a dir's name."""
+    if not checkpoint:
+        return given or "layerline", ()
+    base = os.path.basename(os.path.normpath(checkpoint))
+    names = [base]
+    if base.lower().endswith(".gguf"):
+        names.insert(0, base[:-len(".gguf")])
+        try:
+            from ..checkpoint import open_checkpoint
+            gname = (open_checkpoint(checkpoint).config.get("gguf") or {}).get("name")
+        except Exception:  # noqa: BLE001 - a name is a convenience; the checkpoint's errors come elsewhere
+            gname = None
+        if isinstance(gname, str) and gname.strip():
+            names.append(gname.strip())
+    name = given or names[0]
+    return name, tuple(dict.fromkeys(n for n in names if n != name))
 
 
 def run(a: argparse.Namespace) -> int:
@@ -233,13 +258,13 @@ def _serve(a, plan: dict | None, keys=None, admin_keys=None) -> int:
     pipes = Pipes(a.keys, a.curve, a.timeout, a.reply_host, plan=plan, first=None if plan else a.first,
                   first_key=a.first_key)
 
-    _logger(a.log_file)
+    _logger(a.log_file, a.log_format)
     _on_sighup(keys, admin_keys)
     # the engine's thread and the event loop share the GIL: hand it over sooner than the
     # default 5 ms, or every token waits for the other thread's time slice
     sys.setswitchinterval(0.0005)
-    name = a.model_name or (os.path.basename(os.path.normpath(a.checkpoint)) if a.checkpoint else "layerline")
-    metrics = Metrics()
+    name, aliases = model_names(a.checkpoint, a.model_name)
+    metrics = Metrics(name)
     # with a plan, the pipe's depth (pipeline_for_plan); with --first, one micro-batch per stage
     engine = AsyncEngine(pipes.open, stages=a.microbatches or (None if plan else len(stages)), kv_tokens=kv,
                          max_running=a.max_running, max_queue=a.max_queue, chunk=a.chunk, busy_chunk=a.busy_chunk,
@@ -251,7 +276,8 @@ def _serve(a, plan: dict | None, keys=None, admin_keys=None) -> int:
                         on_lost=_on_lost(a.on_stage_lost, a.log_file))
     failover.start()
     try:
-        cfg = ServerConfig(name, context, kv, keys, a.max_body_bytes, a.default_max_tokens, admin_keys=admin_keys)
+        cfg = ServerConfig(name, context, kv, keys, a.max_body_bytes, a.default_max_tokens, admin_keys=admin_keys,
+                           aliases=aliases)
         app = build_app(engine, text, cfg, StageOps(failover, client, pipes, metrics, switch_timeout_s=a.timeout))
         scheme = "https" if a.tls_cert else "http"
         print(f"{PROG}: {name} over {len(stages)} stage(s), context {context}, KV {kv} tokens; "

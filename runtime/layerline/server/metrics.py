@@ -1,4 +1,20 @@
-"""The server's Prometheus metrics (prometheus-client), in a registry of its own."""
+"""The server's Prometheus metrics (prometheus-client), in a registry of its own.
+
+layerline's own (`layerline_*`) and, beside them, the names and meanings vLLM's dashboards read
+(`vllm:*`, every one labelled `model_name`), so a Grafana board made for vLLM works unchanged:
+
+  vllm:e2e_request_latency_seconds    histogram: arrival to the request's last token
+  vllm:request_queue_time_seconds     histogram: arrival to admission (a KV slot)
+  vllm:time_to_first_token_seconds    histogram: arrival to the first token
+  vllm:inter_token_latency_seconds    histogram: between two tokens of a sequence
+  vllm:time_per_output_token_seconds  the same (the name older vLLM dashboards read)
+  vllm:num_requests_running / _waiting  gauges
+  vllm:kv_cache_usage_perc            gauge: KV tokens the running sequences reserve, as a fraction (0..1)
+                                      of what every stage holds
+  vllm:request_success_total          counter by finished_reason: stop, length, abort (client gone), error
+  vllm:prompt_tokens_total / vllm:generation_tokens_total  counters
+  vllm:request_prompt_tokens / vllm:request_generation_tokens  histograms: tokens per finished request
+"""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -9,9 +25,40 @@ __all__ = ["CONTENT_TYPE_LATEST", "Metrics"]
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
+_TOKENS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+_REQUEST = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
+
+
 class Metrics:
-    def __init__(self):
+    def __init__(self, model_name: str = "layerline"):
         r = self.registry = CollectorRegistry()
+        self.model_name = model_name
+        m = ["model_name"]
+        self.v_e2e = Histogram("vllm:e2e_request_latency_seconds", "arrival to the request's last token", m,
+                               buckets=_REQUEST, registry=r).labels(model_name)
+        self.v_queue = Histogram("vllm:request_queue_time_seconds", "arrival to admission (a KV slot)", m,
+                                 buckets=_REQUEST, registry=r).labels(model_name)
+        self.v_ttft = Histogram("vllm:time_to_first_token_seconds", "arrival to the first token", m,
+                                buckets=_LATENCY, registry=r).labels(model_name)
+        self.v_itl = Histogram("vllm:inter_token_latency_seconds", "time between two tokens of a sequence", m,
+                               buckets=_LATENCY, registry=r).labels(model_name)
+        self.v_tpot = Histogram("vllm:time_per_output_token_seconds", "time between two tokens of a sequence "
+                                "(older vLLM dashboards' name)", m, buckets=_LATENCY, registry=r).labels(model_name)
+        self.v_running = Gauge("vllm:num_requests_running", "requests being generated", m,
+                               registry=r).labels(model_name)
+        self.v_waiting = Gauge("vllm:num_requests_waiting", "requests waiting for a KV slot", m,
+                               registry=r).labels(model_name)
+        self.v_kv = Gauge("vllm:kv_cache_usage_perc", "KV tokens reserved by running sequences, as a fraction of "
+                          "the stages' KV budget (1 = full)", m, registry=r).labels(model_name)
+        self.v_success = Counter("vllm:request_success", "finished requests by finished_reason",
+                                 ["model_name", "finished_reason"], registry=r)
+        self.v_prompt = Counter("vllm:prompt_tokens", "prompt tokens of admitted requests", m,
+                                registry=r).labels(model_name)
+        self.v_generation = Counter("vllm:generation_tokens", "tokens generated", m, registry=r).labels(model_name)
+        self.v_req_prompt = Histogram("vllm:request_prompt_tokens", "prompt tokens of each finished request", m,
+                                      buckets=_TOKENS, registry=r).labels(model_name)
+        self.v_req_generation = Histogram("vllm:request_generation_tokens", "tokens generated for each finished "
+                                          "request", m, buckets=_TOKENS, registry=r).labels(model_name)
         self.requests = Counter("layerline_requests", "HTTP requests by route and status", ["route", "status"],
                                 registry=r)
         self.prompt_tokens = Counter("layerline_prompt_tokens", "prompt tokens of admitted requests", registry=r)

@@ -49,13 +49,18 @@ def validation_message(err: ValidationError) -> tuple[str, str | None]:
 # silently different answer). Fields that change nothing (store, metadata, service_tier, user, ...)
 # and names that are not OpenAI's are accepted and ignored.
 UNIMPLEMENTED: dict[str, tuple] = {
-    "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
-    "function_call": (None, "none", "auto"), "parallel_tool_calls": (None, True, False),
-    "response_format": (None, {"type": "text"}), "logit_bias": (None, {}),
-    "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "top_logprobs": (None, 0),
+    "functions": (None, []), "function_call": (None, "none", "auto"),
     "best_of": (None, 1), "suffix": (None, ""), "prediction": (None,), "audio": (None,),
     "modalities": (None, ["text"]), "reasoning_effort": (None,), "web_search_options": (None,),
+    "verbosity": (None,),
 }
+SUPPORTED = ("model, prompt/messages, max_tokens, max_completion_tokens, temperature, top_p, seed, stop, stream, "
+             "stream_options, n, logprobs, top_logprobs, logit_bias, presence_penalty, frequency_penalty, "
+             "response_format, tools, tool_choice, parallel_tool_calls, echo, ignore_eos")
+
+
+MAX_N = 16              # choices per request (n)
+MAX_TOP_LOGPROBS = 20   # alternatives per token (top_logprobs; completions' logprobs)
 
 
 class BaseRequest(BaseModel):
@@ -67,8 +72,7 @@ class BaseRequest(BaseModel):
         for name, value in (self.model_extra or {}).items():
             if name in UNIMPLEMENTED and not any(type(value) is type(ok) and value == ok
                                                  for ok in UNIMPLEMENTED[name]):
-                raise BadRequest(f"{name}: not supported by this server; leave it out (supported: model, "
-                                 "prompt/messages, max_tokens, temperature, top_p, seed, stop, stream, n=1)",
+                raise BadRequest(f"{name}: not supported by this server; leave it out (supported: {SUPPORTED})",
                                  name, "unsupported_parameter")
 
     model: str
@@ -80,8 +84,13 @@ class BaseRequest(BaseModel):
     stream: bool | None = False
     stream_options: dict[str, Any] | None = None
     user: str | None = Field(None, max_length=256)
-    n: int | None = Field(None, ge=1, le=1)
+    n: int | None = Field(None, ge=1, le=MAX_N)
     ignore_eos: bool | None = False   # as vLLM: generate max_tokens whatever the model says
+    # {"type": "text"} | {"type": "json_object"} | {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}
+    response_format: dict[str, Any] | None = None
+    logit_bias: dict[str, float] | None = None   # token id (as a string) -> bias in [-100, 100]
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
 
     def stops(self) -> list[str]:
         s = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
@@ -93,7 +102,7 @@ class BaseRequest(BaseModel):
 class CompletionRequest(BaseRequest):
     prompt: Union[str, list[int], list[str], list[list[int]]]
     echo: bool | None = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
 
 class TextPart(BaseModel):
@@ -109,10 +118,29 @@ class ChatMessage(BaseModel):
     name: str | None = None
 
 
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: Literal["function"]
+    function: FunctionDef
+
+
 class ChatRequest(BaseRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[Tool] | None = Field(None, max_length=128)
+    # "none" | "auto" | "required" | {"type": "function", "function": {"name": ...}}
+    tool_choice: Union[Literal["none", "auto", "required"], dict[str, Any], None] = None
+    parallel_tool_calls: bool | None = None
 
 
 # --- responses -----------------------------------------------------------------------------------
@@ -129,20 +157,21 @@ class UsageInfo(BaseModel):
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
     finish_reason: str | None
     token_ids: list[int]
 
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
     finish_reason: str | None
     token_ids: list[int]
 
@@ -160,12 +189,13 @@ class CompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatStreamChoice(BaseModel):
     index: int = 0
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
     finish_reason: str | None
     token_ids: list[int]
 

@@ -1,6 +1,6 @@
 """The HTTP routes (a FastAPI APIRouter): thin handlers over what `app.state` holds.
 
-POST /v1/completions, POST /v1/chat/completions (layerline.server.serving), GET /v1/models,
+POST /v1/completions, POST /v1/chat/completions (layerline.server.serving), GET /v1/models[/{id}],
 GET /health, GET /metrics, POST /admin/route (a drain or rejoin switches the route).
 """
 from __future__ import annotations
@@ -43,6 +43,11 @@ async def chat_completions(request: Request):
 @router.get("/v1/models")
 async def models(request: Request):
     return _serving(request).models(request)
+
+
+@router.get("/v1/models/{model_id:path}")
+async def model(request: Request, model_id: str):
+    return _serving(request).model(request, model_id)
 
 
 @router.get("/health")
