@@ -1,7 +1,8 @@
 """CURVE keys: making them, laying them out, loading them, and securing sockets with them.
 
-Every worker and driver socket that leaves loopback runs CURVE (authentication and
-encryption); servers let in only clients whose public key is in their allow-list (ZAP).
+Every worker, driver and server socket runs CURVE (authentication and encryption), loopback
+included: a local process without the deployment's keys gets no activations, results or answers
+and changes no sequence. Servers let in only clients whose public key is in their allow-list (ZAP).
 
 Files are pyzmq certificates (zmq.auth.create_certificates format): `NAME.key` holds a public
 key (mode 0644), `NAME.key_secret` the public and secret key (mode 0600). A host's keys dir
@@ -64,18 +65,22 @@ class KeysError(LayerlineError):
 # --- when CURVE is on -----------------------------------------------------------------------------
 
 def needs_curve(endpoint: str) -> bool:
-    """True for every endpoint that is not loopback (a wildcard bind such as tcp://0.0.0.0 or * included)."""
+    """True for every endpoint that is not loopback (a wildcard bind such as tcp://0.0.0.0 or * included):
+    where the traffic can be read off the wire. Since loopback runs CURVE too (any local user can
+    connect to a loopback port), this no longer decides whether a socket runs CURVE: curve_on does."""
     return not is_loopback(endpoint_host(endpoint))
 
 
 def curve_on(mode: str, endpoint: str) -> bool:
-    """auto: on unless the endpoint is loopback; on: always."""
-    if mode == "on":
-        return True
-    if mode == "auto":
-        return needs_curve(endpoint)
-    raise KeysError(f"curve: {mode!r} is not one of {', '.join(CURVE_MODES)} "
-                    "(CURVE cannot be turned off for a socket that leaves loopback)")
+    """Whether a socket at `endpoint` runs CURVE: always, whatever the mode. `auto` (the default) and
+    `on` both mean CURVE on every socket, loopback included: on loopback any local user could
+    otherwise use the model without an API key, release or rewind another client's sequence, or
+    send results into the server's result socket. `auto` stays a valid value so existing
+    inventories and command lines keep working; there is no value that turns CURVE off."""
+    if mode not in CURVE_MODES:
+        raise KeysError(f"curve: {mode!r} is not one of {', '.join(CURVE_MODES)} "
+                        "(CURVE runs on every socket, loopback included; it cannot be turned off)")
+    return True
 
 
 # --- key files ------------------------------------------------------------------------------------
@@ -248,6 +253,10 @@ class HostKeys:
 HINT = "run playbooks/keys.yml (keys go to layerline_keys_dir) and pass --keys DIR"
 LOCAL_HINT = ("run playbooks/keys.yml (keys go to layerline_keys_dir) and pass --keys DIR; for a worker of your own, "
               "`python -m layerline.keys local --dest DIR NAME` makes DIR/NAME (its --keys) and DIR/controller")
+
+
+PIPELINE_HINT = ("run playbooks/keys.yml and pass the controller's keys dir as --keys (LAYERLINE_HOME/keys/controller; "
+                 "the hosts' own keys go to layerline_keys_dir); for local_stages(), local.controller_keys(tmp)")
 
 
 def load_host_keys(directory: str | None, field: str = "--keys", why: str = "CURVE is on",

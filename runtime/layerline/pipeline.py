@@ -7,14 +7,14 @@ generation engine's wire epoch, which every failover and route switch raises) ev
 carries it, and a stage drops one of an older epoch than a newer forward of the same sequence
 it has seen (layerline.model.kv.KVPool).
 
-Off loopback (or with curve="on") both of its sockets run CURVE with the controller's keys
-dir (keys_dir; `layerline drive --keys DIR`): the DEALER to stage 0 trusts only the first
-stage's public key (first_key: its host name in DIR/peers/), and the result socket lets in
-only the public keys in DIR/allowed/ (the workers').
+Both of its sockets run CURVE with the controller's keys dir (keys_dir; `layerline drive --keys
+DIR`), loopback included: the DEALER to stage 0 trusts only the first stage's public key
+(first_key: its host name in DIR/peers/), and the result socket lets in only the public keys in
+DIR/allowed/ (the workers'), so no other local process can send it results. Request ids are
+random (wire.new_id), as the engine's sequence ids are.
 """
 from __future__ import annotations
 
-import itertools
 import os
 import time
 from dataclasses import dataclass
@@ -65,9 +65,9 @@ class Pipeline:
     reply_host: str = LOOPBACK     # an address of this machine the last stage can reach
     timeout_s: float = 120.0
     ctx: zmq.Context | None = None   # None: the pipeline makes (and terminates) its own
-    keys_dir: str | None = None    # the controller's keys dir (needed when CURVE is on)
+    keys_dir: str | None = None    # the controller's keys dir (required: every socket runs CURVE)
     first_key: str | None = None   # stage 0's host name in keys_dir/peers/ (or a .key file, or z85)
-    curve: str = "auto"            # auto: CURVE on each socket whose address is not loopback; on: always
+    curve: str = "auto"            # auto or on: both CURVE on every socket, loopback included (keys.curve_on)
     epoch: int | None = None       # stamped on every forward (None: none, never dropped as stale)
     depth: int | None = None       # micro-batches worth keeping in flight (the plan's; None: one per stage)
 
@@ -76,17 +76,14 @@ class Pipeline:
         self._own_ctx = self.ctx is None
         if self._own_ctx:
             self.ctx = zmq.Context()
-        self._ids = itertools.count()
         self.auth = None
         self.to_first = self.results = None
         to_curve = keymod.curve_on(self.curve, self.first)
         res_curve = keymod.curve_on(self.curve, f"tcp://{self.reply_host}:0")
         self.keys = None
         if to_curve or res_curve:
-            why = ("curve on" if self.curve == "on" else
-                   f"{'the first stage ' + self.first if to_curve else 'the reply host ' + self.reply_host} "
-                   "is not loopback, so CURVE is on")
-            self.keys = keymod.load_host_keys(self.keys_dir, "--keys", why)
+            why = "every pipeline socket runs CURVE, loopback included"
+            self.keys = keymod.load_host_keys(self.keys_dir, "--keys", why, hint=keymod.PIPELINE_HINT)
         try:
             self.to_first = self.ctx.socket(zmq.DEALER)
             self.to_first.setsockopt(zmq.LINGER, 0)
@@ -139,7 +136,7 @@ class Pipeline:
         self.close()
 
     def _send(self, head: dict, input_ids: torch.Tensor) -> str:
-        rid = f"r{os.getpid()}-{next(self._ids)}"
+        rid = wire.new_id("r")   # unguessable, as sequence ids are
         head.update(op="forward", id=rid, reply_to=self.reply_to, deadline=time.time() + self.timeout_s, timings=[])
         if self.epoch is not None:
             head["epoch"] = self.epoch
@@ -260,7 +257,7 @@ def pipeline_for_plan(plan, *, keys_dir: str | None = None, reply_host: str | No
                       timeout_s: float = 120.0, ctx: zmq.Context | None = None) -> Pipeline:
     """The Pipeline into a planned, running set of workers: stage 0's endpoint, its key name, a reply address.
 
-    keys_dir: the controller's keys dir (needed when CURVE is on: off loopback, or curve="on").
+    keys_dir: the controller's keys dir (required: every socket runs CURVE).
     reply_host: an address of this machine the last stage can reach (default: the route to it).
     """
     stages = active_stages(plan)

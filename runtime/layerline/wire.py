@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import re
+import secrets
 import warnings
 from dataclasses import dataclass
 
@@ -245,6 +246,15 @@ def decode(frames: list, limits: Limits = Limits()) -> tuple[dict, dict[str, tor
             flat = torch.cat([torch.frombuffer(b, dtype=torch.uint8) for b in bufs])
             out[name] = flat.view(DTYPES[dtype]).view(shape)
     return h, out
+
+
+def new_id(prefix: str) -> str:
+    """A fresh request or sequence id: `prefix` and 128 random bits in hex. Ids name what a message
+    may release, rewind or answer, so no other client may be able to guess one (a counter after a
+    pid could be); the prefix says what kind of id it is in logs."""
+    if not ID_RE.match(prefix + "0" * 32):
+        raise WireError(f"id prefix: {prefix[:40]!r} must be at most 32 characters of [A-Za-z0-9_.:-]")
+    return prefix + secrets.token_hex(16)
 
 
 def require(header: dict, key: str, kind: type, lo: int | None = None, hi: int | None = None):

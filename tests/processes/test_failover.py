@@ -374,7 +374,7 @@ def test_no_standby_and_no_restart_in_time_is_503_then_recovers(plain, ckpt, tmp
         server.stop()
 
 
-def test_engine_fail_over_keeps_what_the_stages_confirmed():
+def test_engine_fail_over_keeps_what_the_stages_confirmed(tmp_path):
     """No processes: a fail_over starts a new epoch (stamped on what is sent next), forgets the
     requests in flight (late answers dropped) and dispatches nothing while paused; on resume each
     running sequence is resent from what every stage confirmed (held), not from 0. A stage that lost
@@ -384,7 +384,9 @@ def test_engine_fail_over_keeps_what_the_stages_confirmed():
     from layerline.engine import INFLIGHT, READY, Engine, Sequence
     from layerline.pipeline import Answer
 
-    with Pipeline("tcp://127.0.0.1:1", timeout_s=30) as pipe:
+    from layerline import keys
+    kd = keys.local_keys(str(tmp_path / "keys"), ["stage0"])   # every pipeline socket runs CURVE
+    with Pipeline("tcp://127.0.0.1:1", timeout_s=30, keys_dir=kd["controller"], first_key="stage0") as pipe:
         eng = Engine(pipe, stages=3, rows=True, max_replays=0)
         a, b = Sequence("a", [1, 2, 3], 8), Sequence("b", [4, 5], 8)
         for s in (a, b):

@@ -54,7 +54,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--next-key", default=None,
                    help="the next stage's public key: its host name in KEYS/peers/, a .key file or z85 text")
     p.add_argument("--curve", default="auto", choices=["auto", "on"],
-                   help="auto: CURVE on every socket whose address is not loopback; on: on every socket")
+                   help="kept for existing command lines: both values run CURVE on every socket, loopback included")
     p.add_argument("--name", default=None, help="name reported in timings and errors")
     p.add_argument("--ready-file", default=None)
     p.add_argument("--control", default=None)
