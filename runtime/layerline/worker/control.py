@@ -3,7 +3,8 @@
 health (name, pid, layers, next hop and its host, uptime, CURVE), stats (counters, sequences held,
 compile and kernel state, the timed step, paged experts), set_next (a new next hop: a host name
 whose key is in the keys dir's peers/), shutdown. Only the controller's key gets in
-(layerline.worker.sockets). A bad op gets an error reply and counts as rejected.
+(layerline.worker.sockets). A bad op gets an error reply and counts as rejected. Answered on the
+worker's control thread (layerline.worker.serve), never behind a forward.
 """
 from __future__ import annotations
 
