@@ -271,6 +271,7 @@ def pipeline_for_plan(plan, *, keys_dir: str | None = None, reply_host: str | No
 
 _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                      | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+REFUSED = "refused"   # DriveError.code of a control request to a port nothing listens on: the process is gone
 
 
 def control(endpoint: str, op: str, timeout_s: float = 5.0, ctx: zmq.Context | None = None, *,
@@ -282,7 +283,9 @@ def control(endpoint: str, op: str, timeout_s: float = 5.0, ctx: zmq.Context | N
     worker whose host name `peer` is (keys_dir/peers/PEER.key; or a .key file, or the z85 key).
     `curve` is accepted for symmetry with Pipeline; control is CURVE whatever it says.
     A refused handshake (a key the worker does not let in, or the wrong peer) is a DriveError
-    that says so, not a timeout.
+    that says so, not a timeout; so is a refused connection (nothing listens there: the worker's
+    process is gone), with code REFUSED, at once: a busy worker's port still accepts, so only a
+    dead one is told apart this fast (the health monitor fails it over without waiting for misses).
     """
     wire.endpoint(endpoint, "control endpoint")
     if curve not in keymod.CURVE_MODES:
@@ -299,7 +302,7 @@ def control(endpoint: str, op: str, timeout_s: float = 5.0, ctx: zmq.Context | N
     s = ctx.socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
     keymod.connect_curve(s, hk, server)
-    mon = s.get_monitor_socket(_HANDSHAKE_FAILED)
+    mon = s.get_monitor_socket(_HANDSHAKE_FAILED | zmq.EVENT_CONNECT_RETRIED)
     s.connect(endpoint)
     try:
         s.send_multipart(wire.encode({"op": op, **fields}))
@@ -319,6 +322,9 @@ def control(endpoint: str, op: str, timeout_s: float = 5.0, ctx: zmq.Context | N
                     raise DriveError(f"control {endpoint}: the worker refused the CURVE handshake (its "
                                      f"allowed/controller.key is not {hk.dir}/self.key, or {peer!r} is not that "
                                      "worker's key); use the controller's keys dir from playbooks/keys.yml")
+                if ev == zmq.EVENT_CONNECT_RETRIED:   # a connect failed (refused): nothing listens there
+                    raise DriveError(f"control {endpoint}: nothing listens there (connection refused): the "
+                                     f"worker's process is gone", REFUSED)
                 continue
             if left <= 0:
                 raise DriveError(f"control {endpoint}: no answer to {op} within {timeout_s:.0f} s")

@@ -221,12 +221,13 @@ def ckpt(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def plain(ckpt, tmp_path_factory):
-    """Three stages without a standby, and a server over them."""
+    """Three stages without a standby, and a server over them (down after two missed 1-s health
+    checks: a stopped stage is seen within the tests' stops)."""
     tmp = tmp_path_factory.mktemp("plain")
     cluster = Cluster(ckpt, tmp)
     server = None
     try:
-        server = Server(cluster, ckpt, tmp)
+        server = Server(cluster, ckpt, tmp, "--health-deadline", "1")
         reference = run_clients(server.url)
         for r in reference:
             assert r["status"] == 200 and len(r["tokens"]) == N_TOKENS, r
@@ -337,10 +338,10 @@ def test_standby_takes_over(ckpt, tmp_path, dead):
 
 def test_no_standby_and_no_restart_in_time_is_503_then_recovers(plain, ckpt, tmp_path):
     """--restart-wait 1 and a stage stopped for 8 s: the streams end in a 503 error object before it is
-    back (2 s to notice, 1 s to wait: 8 s leaves room for a busy machine), new requests get 503 at
+    back (2 s to notice: two missed 1-s checks, 1 s to wait: 8 s leaves room for a busy machine), new requests get 503 at
     once, and once the stage answers again the server serves."""
     cluster, _, reference = plain
-    server = Server(cluster, ckpt, tmp_path, "--restart-wait", "1")
+    server = Server(cluster, ckpt, tmp_path, "--restart-wait", "1", "--health-deadline", "1")
     try:
         pid = cluster.status("stage2")["worker_pid"]
         cont = threading.Event()
