@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 import zmq
 from zmq.utils import z85
 
+from . import version
 from .endpoints import CURVE_MODES, endpoint_host, is_loopback  # noqa: F401 - decided in endpoints, used via keys too
 from .errors import LayerlineError
 from .files import atomic_write
@@ -359,7 +360,9 @@ def local_keys(root: str, names: list[str]) -> dict[str, str]:
 # --- sockets --------------------------------------------------------------------------------------
 
 def serve_curve(sock: zmq.Socket, keys: HostKeys) -> None:
-    """Make a socket a CURVE server (before bind); who may connect is the Allowlist's call."""
+    """Make a socket a CURVE server (before bind); who may connect is the Allowlist's call. Its
+    handshake carries this side's version (layerline.version.stamp)."""
+    version.stamp(sock)
     sock.setsockopt(zmq.CURVE_SECRETKEY, keys.secret)
     sock.setsockopt(zmq.CURVE_PUBLICKEY, keys.public)
     sock.setsockopt(zmq.CURVE_SERVER, 1)
@@ -373,7 +376,9 @@ def serve_control(sock: zmq.Socket, keys: HostKeys) -> None:
 
 
 def connect_curve(sock: zmq.Socket, keys: HostKeys, server_public: bytes) -> None:
-    """Make a socket a CURVE client of the server holding `server_public` (before connect)."""
+    """Make a socket a CURVE client of the server holding `server_public` (before connect). Its
+    handshake carries this side's version (layerline.version.stamp)."""
+    version.stamp(sock)
     sock.setsockopt(zmq.CURVE_SECRETKEY, keys.secret)
     sock.setsockopt(zmq.CURVE_PUBLICKEY, keys.public)
     sock.setsockopt(zmq.CURVE_SERVERKEY, server_public)

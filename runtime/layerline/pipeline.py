@@ -23,7 +23,7 @@ import torch
 import zmq
 
 from . import keys as keymod
-from . import wire
+from . import version, wire
 from .endpoints import LOOPBACK, endpoint_host, is_loopback
 from .errors import LayerlineError
 from .planner import pipeline_depth
@@ -185,7 +185,11 @@ class Pipeline:
             rid = h.get("id")
             if rid not in self._pending:
                 continue  # a late or repeated answer (a stage's error comes on both sockets)
-            if h["op"] == "error":
+            bad = version.mismatch(frames[0], f"stage {h.get('stage', '?')}", "this driver")
+            if bad:
+                self._pending.pop(rid)
+                out.append(Answer(rid, None, DriveError(bad, VERSION)))
+            elif h["op"] == "error":
                 self._pending.pop(rid)
                 code = h.get("code") if isinstance(h.get("code"), str) else None
                 seqs = h.get("seqs") if isinstance(h.get("seqs"), list) else None
@@ -272,6 +276,7 @@ def pipeline_for_plan(plan, *, keys_dir: str | None = None, reply_host: str | No
 _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                      | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 REFUSED = "refused"   # DriveError.code of a control request to a port nothing listens on: the process is gone
+VERSION = "version"   # DriveError.code of an answer from a peer on other code (layerline.version)
 
 
 def control(endpoint: str, op: str, timeout_s: float = 5.0, ctx: zmq.Context | None = None, *,
@@ -328,7 +333,11 @@ def control(endpoint: str, op: str, timeout_s: float = 5.0, ctx: zmq.Context | N
                 continue
             if left <= 0:
                 raise DriveError(f"control {endpoint}: no answer to {op} within {timeout_s:.0f} s")
-        h, _ = wire.decode(s.recv_multipart())
+        frames = s.recv_multipart(copy=False)
+        h, _ = wire.decode(frames)
+        bad = version.mismatch(frames[0], f"the worker at {endpoint} ({peer})", "the controller")
+        if bad:
+            raise DriveError(f"control {endpoint}: {bad}", VERSION)
         if h["op"] == "error":
             raise DriveError(f"control {endpoint}: {h.get('error')}")
         return h

@@ -19,11 +19,11 @@ import orjson
 import torch
 
 from .errors import LayerlineError
+from .version import PROTOCOL  # noqa: F401 - decided with the package version (layerline.version)
 
 # zmq frames are read-only; tensors built over them are never written in place
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
-PROTOCOL = 1
 CHUNK_BYTES = 16 * 2**20
 MAX_HEADER_BYTES = 64 * 1024
 MAX_FRAME_BYTES = max(CHUNK_BYTES, MAX_HEADER_BYTES)  # no sender needs a larger frame (receivers' MAXMSGSIZE)

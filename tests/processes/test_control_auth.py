@@ -21,7 +21,7 @@ import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from layerline import keys, wire
+from layerline import keys, version, wire
 from layerline.driver import DriveError
 from layerline.model.loader import load_stage
 from layerline.pipeline import control as raw_control
@@ -189,6 +189,11 @@ def test_a_worker_without_keys_stops_in_one_line_naming_keys(small_ckpt, tmp_pat
     os.unlink(os.path.join(d, "allowed", "controller.key"))
     line = fails("--keys", d)
     assert "has no allowed/controller.key" in line
+    # a worker on other code than the controller's plan names refuses to start, naming both
+    line = fails("--keys", d, "--layerline-version", "0.0.9+0123456789ab")
+    assert line == (f"layerline worker: --layerline-version: the controller runs layerline 0.0.9+0123456789ab, this "
+                    f"host's {sys.executable} has {version.full()}; re-run deploy.yml so the runtime role installs the "
+                    "controller's version here")
     # the CLI that makes them
     r = subprocess.run([sys.executable, "-m", "layerline.keys", "local", "--dest", str(tmp_path / "cli"), "w1", "w2"],
                        capture_output=True, text=True, timeout=60)

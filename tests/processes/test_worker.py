@@ -22,7 +22,7 @@ import torch
 import zmq
 
 from helpers import wait_ready
-from layerline import wire
+from layerline import keys, version, wire
 from stage_procs import (control, control_socket, curve_dealer, curve_results, free_port_pairs, register, start_workers,
                          stop_workers, worker_keys)
 from layerline.driver import DriveError, greedy_generate
@@ -380,6 +380,37 @@ def test_a_request_past_its_deadline_is_reported_by_stage_name(stages, dealer):
 
 
 # --- control ------------------------------------------------------------------------------------
+
+def test_a_peer_on_other_code_is_refused_naming_both_versions(stages, dealer):
+    """Every connection carries its side's layerline version (ZMTP metadata): a sender on other code
+    gets one line naming both, and its message changes nothing."""
+    for i in range(2):   # the ready file and health name the version each worker runs
+        assert stages.info[i]["version"] == version.full() and stages.info[i]["protocol"] == wire.PROTOCOL
+        assert control(stages.control[i], "health")["version"] == version.full()
+    ck = keys.load_host_keys(stages.workers.keys)
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.METADATA, f"{version.PROP_VERSION}:0.0.9+0123456789ab".encode())
+    s.setsockopt(zmq.METADATA, f"{version.PROP_PROTOCOL}:1".encode())
+    s.setsockopt(zmq.CURVE_SECRETKEY, ck.secret)
+    s.setsockopt(zmq.CURVE_PUBLICKEY, ck.public)
+    s.setsockopt(zmq.CURVE_SERVERKEY, ck.peers["stage0"])
+    s.connect(stages.data[0])
+    before = stats(stages.control[0])["requests"]
+    try:
+        s.send_multipart(wire.encode(H(id="old-1"), GOOD_IDS))
+        assert s.poll(10_000), "no answer"
+        h, _ = wire.decode(s.recv_multipart())
+    finally:
+        s.close(0)
+        ctx.term()
+    assert h["op"] == "error" and h["id"] == "old-1" and h["error"] == (
+        f"version mismatch: the sender runs layerline 0.0.9+0123456789ab (wire protocol 1), stage stage0 runs "
+        f"layerline {version.full()} (wire protocol 1); re-run deploy.yml so every host gets the controller's "
+        "layerline (the runtime role reinstalls and restarts the hosts that differ)")
+    assert stats(stages.control[0])["requests"] == before
+
 
 def test_health_and_stats(stages, pipe):
     for i, c in enumerate(stages.control):

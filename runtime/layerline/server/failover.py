@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..errors import LayerlineError
-from ..pipeline import REFUSED
+from ..pipeline import REFUSED, VERSION
 from .route import Route, StageState
 
 log = logging.getLogger("layerline.server")
@@ -58,8 +58,9 @@ MISSES = 2   # consecutive missed health deadlines that make a stage down (--hea
 
 def is_down(misses: int, limit: int, error: LayerlineError) -> bool:
     """Whether a stage that has now missed `misses` health checks in a row (the last with
-    `error`) is down: `limit` misses, or one whose connection was refused (its process is gone)."""
-    return misses >= limit or getattr(error, "code", None) == REFUSED
+    `error`) is down: `limit` misses, one whose connection was refused (its process is gone), or
+    one that runs other code than the server (layerline.version: it cannot be routed through)."""
+    return misses >= limit or getattr(error, "code", None) in (REFUSED, VERSION)
 
 
 @dataclass
@@ -179,8 +180,9 @@ class Failover:
                         s.up = False
                         self._gauge(s, 0)
                 if down and was_up is not False:
-                    why = ("its process is gone (connection refused)" if getattr(e, "code", None) == REFUSED else
-                           f"no answer to {misses} health checks in a row, {self.deadline:g} s each")
+                    code = getattr(e, "code", None)
+                    why = ("its process is gone (connection refused)" if code == REFUSED else str(e) if code == VERSION
+                           else f"no answer to {misses} health checks in a row, {self.deadline:g} s each")
                     log.warning("stage %s (%s) at %s is down: %s", s.host, s.role, s.control, why)
                     self.events.put((DOWN, s))
                 elif not down:

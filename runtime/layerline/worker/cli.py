@@ -80,6 +80,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="KV bytes this stage may hold across sequences (the plan's kv_bytes)")
     p.add_argument("--expert-cache-bytes", type=int, default=None,
                    help="page routed experts from disk through an LRU cache of this many bytes")
+    p.add_argument("--layerline-version", default=None, metavar="V",
+                   help="the controller's layerline version (layerline.version.full()): a worker on other code "
+                        "refuses to start; in the argv, so a worker restarts when the controller's code changes")
     a = p.parse_args(argv)
     if a.probe:
         return a
@@ -154,6 +157,11 @@ def main(argv: list[str] | None = None) -> int:
             from ..probe import probe
             print(json.dumps(probe(args.checkpoint, device=args.device)))
             return 0
+        from .. import version
+        if args.layerline_version and args.layerline_version != version.full():
+            raise LayerlineError(f"--layerline-version: the controller runs layerline {args.layerline_version}, this "
+                                 f"host's {sys.executable} has {version.full()}; re-run deploy.yml so the runtime role "
+                                 "installs the controller's version here")
         from ..model import cpu_kernels
         from .serve import Worker
         w = Worker(args)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import zmq
 
 from .. import keys as keymod
-from .. import wire
+from .. import version, wire
 from ..model import cpu_kernels
 
 if TYPE_CHECKING:
@@ -32,7 +32,8 @@ def answer(w: "Worker", h: dict) -> dict:
     if op == "health":
         return {"op": "ok", "name": w.name, "pid": os.getpid(), "layers": [w.args.start, w.args.end],
                 "next": net.next_addr, "uptime_s": time.time() - c.stats.started,
-                "curve": net.curve_bind, "next_key": net.next_key}
+                "curve": net.curve_bind, "next_key": net.next_key, "version": version.full(),
+                "protocol": wire.PROTOCOL}
     if op == "stats":
         s = c.stats
         reply = {"op": "ok", "name": w.name, "requests": s.requests, "errors": s.errors,
@@ -66,6 +67,9 @@ def handle(w: "Worker", frames: list) -> None:
     h = None
     try:
         h, _ = wire.decode(body)
+        bad = version.mismatch(body[0], "the controller", f"stage {w.name}")
+        if bad:
+            raise wire.WireError(bad)
         reply = answer(w, h)
     except Exception as e:  # noqa: BLE001
         w.compute.stats.rejected += 1

@@ -19,7 +19,7 @@ import time
 
 import zmq
 
-from .. import awake, wire
+from .. import awake, version, wire
 from ..errors import LayerlineError
 from ..files import atomic_write_json
 from ..model import cpu_kernels
@@ -52,7 +52,7 @@ class Worker:
                 "device": self.args.device, "curve": self.net.curve_bind, "compile": self.args.compile,
                 "compiled": c.stage.compiled, "compile_s": c.compile_s,
                 "compile_error": c.stage.compile_error, "kernels": cpu_kernels.status(),
-                "step_s": c.step_s, "time": time.time()}
+                "step_s": c.step_s, "version": version.full(), "protocol": wire.PROTOCOL, "time": time.time()}
         os.makedirs(os.path.dirname(os.path.abspath(self.args.ready_file)), exist_ok=True)
         atomic_write_json(self.args.ready_file, info, mode=0o644)
 
@@ -62,6 +62,9 @@ class Worker:
         h = None
         try:
             h, tensors = wire.decode(body)
+            bad = version.mismatch(body[0], "the sender", f"stage {self.name}")
+            if bad:   # a peer on other code: refused, naming both versions (to the sender and reply_to)
+                raise wire.WireError(bad)
             if h["op"] == "release":
                 seq = wire.require(h, "seq", str)
                 self.compute.kv.release(seq)
