@@ -135,6 +135,7 @@ def decode_in_turns(ckpt: str, precision: str, setups: dict, runs: list[tuple[st
     from layerline.cli import local_stages, stop_local
     from layerline.driver import Pipeline
     from layerline.generate import generate
+    from layerline.local import controller_keys
     procs: list = []
     tmps: list = []
     pipes: dict = {}
@@ -144,7 +145,7 @@ def decode_in_turns(ckpt: str, precision: str, setups: dict, runs: list[tuple[st
             procs += ls.procs
             tmps.append(ls.tmp)
             # each pipeline keeps as many micro-batches in flight as its plan says (its depth)
-            pipes[name] = Pipeline(ls.first, depth=ls.depth)
+            pipes[name] = Pipeline(ls.first, depth=ls.depth, keys_dir=controller_keys(ls.tmp), first_key="stage0")
         for name, seqs in runs:  # warm: connections, allocations
             generate(pipes[name], [prompt[:8]] * seqs, 4)
         best = dict.fromkeys(runs, 0.0)

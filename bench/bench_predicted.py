@@ -96,7 +96,7 @@ def run_mode(ckpt: str, caps: dict, prec: str, compile: str, new: int, ports: li
         pin = {s["host"]: tuple(s["layers"]) for s in first}
         with_own = [s.to_dict() for s in plan_with(own, pin).actives]
         with_mode = [s.to_dict() for s in plan_with(dict.fromkeys(own, mode), pin).actives]
-        with Pipeline(first[0]["endpoint"]) as pipe:
+        with Pipeline(first[0]["endpoint"], keys_dir=kd["controller"], first_key=first[0]["host"]) as pipe:
             prompt = list(range(1, 65))
             greedy_generate(pipe, prompt[:8], 4, seq="warm")
             _, steps = greedy_generate(pipe, prompt, new, seq="bench")

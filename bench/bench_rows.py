@@ -34,7 +34,7 @@ def splits(n_layers: int, n: int) -> list[tuple[int, int]]:
 
 def main(argv=None) -> dict:
     from layerline.checkpoint import read_index, write_demo_checkpoint
-    from stage_procs import Client, start_workers
+    from stage_procs import start_workers
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--checkpoint", default=str(ROOT / ".cache" / "demo-llama"),
@@ -60,7 +60,7 @@ def main(argv=None) -> dict:
     extra = ["--kv-bytes", str(2**34)]
     w = start_workers(a.checkpoint, splits(index.num_layers, a.stages), a.precision,
                       kv_context=max(reserve, 64), threads=a.threads, extra=extra)
-    c = Client(w.first)
+    c = w.client()
     try:
         state = {}  # seq -> [position, last token]
 

@@ -154,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
                 raise SystemExit("server did not start: " + open(os.path.join(tmp, "server.err")).read()[-2000:])
             time.sleep(0.2)
         asyncio.run(level(url, 1, 2, prompts, 8))  # warm the path
-        with Pipeline(first, timeout_s=300, depth=depth) as pipe:
+        with Pipeline(first, timeout_s=300, depth=depth, keys_dir=os.path.join(tmp, "keys", "controller"),
+                      first_key="stage0") as pipe:
             generate(pipe, [prompts[0]], 8)
             # (b) one client via the server vs generate() straight, taking turns
             direct, served = [], []

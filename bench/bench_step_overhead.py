@@ -54,7 +54,7 @@ def one_run(path: Path, vocab: int, a) -> dict[str, float]:
         w, c = psutil.Process(procs[0].pid).cpu_times(), me.cpu_times()
         return w.user + w.system, c.user + c.system
     try:
-        with Pipeline(first, depth=depth) as pipe:
+        with Pipeline(first, depth=depth, keys_dir=os.path.join(tmp, "keys", "controller"), first_key="stage0") as pipe:
             c0 = cpu()
             generate(pipe, [ids], 1, Sampling())
             c1 = cpu()

@@ -164,9 +164,10 @@ def local_pipeline(checkpoint, stages: int, precision: str, timeout_s: float = 6
     their files removed afterwards; kw goes to local_stages (policy, threads, curve, ...)."""
     from layerline.cli import local_stages, stop_local
     from layerline.driver import Pipeline
+    from layerline.local import controller_keys
     procs, first, tmp, _ = local_stages(str(checkpoint), stages, precision, **kw)
     try:
-        with Pipeline(first, timeout_s=timeout_s) as pipe:
+        with Pipeline(first, timeout_s=timeout_s, keys_dir=controller_keys(tmp), first_key="stage0") as pipe:
             yield pipe
     finally:
         stop_local(procs)

@@ -31,20 +31,40 @@ def register(control_endpoint: str, controller_keys: str, name: str) -> None:
     _CONTROL[control_endpoint] = (controller_keys, name)
 
 
-def control_socket(endpoint: str, ctx=None, keys_dir: str | None = None, name: str | None = None):
-    """A raw DEALER connected to a worker's control socket as the controller (CURVE), for
-    messages control() would not send."""
+def curve_dealer(endpoint: str, keys_dir: str, name: str, ctx=None):
+    """A raw DEALER connected to a worker's socket (data or control) as the holder of keys_dir's
+    keypair, trusting the worker whose key name is `name` (every worker socket runs CURVE)."""
     import zmq
 
     from layerline import keys
-    if keys_dir is None:
-        keys_dir, name = _CONTROL[endpoint]
     hk = keys.load_host_keys(keys_dir)
     s = (ctx or zmq.Context.instance()).socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
     keys.connect_curve(s, hk, hk.server_key(name))
     s.connect(endpoint)
     return s
+
+
+def curve_results(keys_dir: str, ctx=None):
+    """A raw ROUTER result socket (a reply_to) on loopback, a CURVE server with keys_dir's keypair
+    (the controller's: workers send results only to that key): (socket, its tcp:// endpoint)."""
+    import zmq
+
+    from layerline import keys
+    hk = keys.load_host_keys(keys_dir)
+    s = (ctx or zmq.Context.instance()).socket(zmq.ROUTER)
+    s.setsockopt(zmq.LINGER, 0)
+    keys.serve_curve(s, hk)
+    port = s.bind_to_random_port("tcp://127.0.0.1")
+    return s, f"tcp://127.0.0.1:{port}"
+
+
+def control_socket(endpoint: str, ctx=None, keys_dir: str | None = None, name: str | None = None):
+    """A raw DEALER connected to a worker's control socket as the controller (CURVE), for
+    messages control() would not send."""
+    if keys_dir is None:
+        keys_dir, name = _CONTROL[endpoint]
+    return curve_dealer(endpoint, keys_dir, name, ctx)
 
 
 def control(endpoint: str, op: str, timeout_s: float = 5.0, **fields) -> dict:
@@ -63,20 +83,25 @@ def free_port_pairs(n: int) -> list[int]:
 
 def start_workers(ckpt: str, splits: list[tuple[int, int]], precision: str = "fp32", kv_context: int = 128,
                   threads: int | None = 1, extra: list[str] | None = None, names: list[str] | None = None,
-                  timeout: float = 180.0, first: bool = True) -> SimpleNamespace:
+                  timeout: float = 180.0, first: bool = True, more_keys: list[str] = (),
+                  keys_root: str | None = None) -> SimpleNamespace:
     """One `python -m layerline.worker` per [A, B) split, chained; waits for every ready file.
-    The first split takes token ids (--first) unless first=False.
+    The first split takes token ids (--first) unless first=False. more_keys: names of workers a
+    test starts later (their keys are made now, so these workers know them as peers); keys_root:
+    another start's tmp, whose keys these workers join (made there with its more_keys).
 
     Every worker gets its own keys dir (tmp/keys/NAME; the controller's is tmp/keys/controller,
     `keys`): control sockets always run CURVE; control() here speaks to them as the controller.
 
     Returns procs, data (bind endpoints), control (their control endpoints), info (ready files),
-    tmp, first (stage 0's endpoint), names, keys and stop() (SIGTERM, then the exit statuses)."""
+    tmp, first (stage 0's endpoint), names, keys, stop() (SIGTERM, then the exit statuses),
+    pipeline(**kw) (a Pipeline into stage 0 as the controller), client() (a Client, likewise) and
+    dealer(i) (a raw CURVE DEALER to stage i's data socket as the controller)."""
     tmp = tempfile.mkdtemp(prefix="layerline-stages-")
     ports = free_port_pairs(len(splits))
     data = [f"tcp://127.0.0.1:{p}" for p in ports]
     names = names or [f"stage{i}" for i in range(len(splits))]
-    kd = worker_keys(tmp, names)
+    kd = worker_keys(keys_root or tmp, [*names, *more_keys])
     procs, ready = [], []
     try:
         for i, (a, b) in enumerate(splits):
@@ -114,8 +139,14 @@ def start_workers(ckpt: str, splits: list[tuple[int, int]], precision: str = "fp
     info = [json.load(open(r)) for r in ready]
     for d, name in zip(data, names):
         register(control_of(d), kd["controller"], name)
+
+    def pipeline(**kw):
+        from layerline.pipeline import Pipeline
+        return Pipeline(data[0], keys_dir=kd["controller"], first_key=names[0], **kw)
     return SimpleNamespace(procs=procs, data=data, control=[control_of(d) for d in data], info=info, tmp=tmp,
-                           first=data[0], names=names, keys=kd["controller"], stop=stop)
+                           first=data[0], names=names, keys=kd["controller"], stop=stop, pipeline=pipeline,
+                           client=lambda: Client(data[0], kd["controller"], names[0]),
+                           dealer=lambda i=0, ctx=None: curve_dealer(data[i], kd["controller"], names[i], ctx))
 
 
 def stop_workers(procs) -> None:
@@ -132,17 +163,21 @@ def stop_workers(procs) -> None:
 
 class Client:
     """Raw wire messages into stage 0 (a DEALER) and answers at a result socket (reply_to), the
-    way a server talks to a pipeline; `send` returns the request id, `recv` (id, header, tensors)."""
+    way a server talks to a pipeline; `send` returns the request id, `recv` (id, header, tensors).
+    Both sockets run CURVE as the controller (keys_dir), as a server's do."""
 
-    def __init__(self, first: str):
+    def __init__(self, first: str, keys_dir: str, first_name: str):
         import zmq
+
+        from layerline import keys
         self.zmq = zmq
         self.ctx = zmq.Context()
-        self.out = self.ctx.socket(zmq.DEALER)
-        self.out.setsockopt(zmq.LINGER, 0)
-        self.out.connect(first)
+        hk = keys.load_host_keys(keys_dir)
+        self.auth = keys.Allowlist(self.ctx, hk.allowed)
+        self.out = curve_dealer(first, keys_dir, first_name, self.ctx)
         self.res = self.ctx.socket(zmq.ROUTER)
         self.res.setsockopt(zmq.LINGER, 0)
+        keys.serve_curve(self.res, hk)
         port = self.res.bind_to_random_port("tcp://127.0.0.1")
         self.reply_to = f"tcp://127.0.0.1:{port}"
 
@@ -175,4 +210,5 @@ class Client:
     def close(self) -> None:
         self.out.close(0)
         self.res.close(0)
+        self.auth.stop()
         self.ctx.term()

@@ -37,7 +37,7 @@ from ansible.errors import AnsibleFilterError
 
 try:
     from layerline import LayerlineError
-    from layerline import __version__
+    from layerline import version
     from layerline.home import ControllerHome, wheel_dir
     from layerline.inventory import check_vars, host_errors, known_addresses, peers_of, plan_for_hosts, plan_for_route
     from layerline.operations import HOST_ERROR, RESTORE_ERROR, SWITCH_ERROR, drain_outcome, drain_stops
@@ -214,10 +214,18 @@ def layerline_runtime_install_argv(hvars, host, wheel):
 
 
 def layerline_version(python=None):
-    """The layerline version the controller runs: these filters run in ansible_playbook_python, the `python`
-    given, so its layerline is this one."""
+    """The layerline version the controller runs (layerline.version.full(): package version + content hash):
+    these filters run in ansible_playbook_python, the `python` given, so its layerline is this one."""
     _need_runtime()
-    return __version__
+    return version.full()
+
+
+def layerline_runtime_needs_install(found, controller_version):
+    """Whether a host's interpreter needs the controller's layerline: `found` is the registered result of
+    asking it (rc, stdout); layerline.version.needs_install decides."""
+    _need_runtime()
+    found = found if isinstance(found, dict) else {}
+    return version.needs_install(found.get("rc", 1), found.get("stdout", ""), str(controller_version))
 
 
 def layerline_server_spec(hvars, python="python3"):
@@ -338,7 +346,7 @@ class FilterModule:
             layerline_worker_spec, layerline_ships_stage, layerline_argv, layerline_host_report, layerline_server_spec, layerline_drive_argv,
             layerline_demo_checkpoint_argv, layerline_index_argv, layerline_keys_spec, layerline_keys_place_argv,
             layerline_wheel_dir, layerline_version, layerline_health_gate, layerline_runtime_spec,
-            layerline_runtime_install_argv,
+            layerline_runtime_install_argv, layerline_runtime_needs_install,
             layerline_stage_argv, layerline_stage_copy_error, layerline_state_dir, layerline_saved_plan,
             layerline_route, layerline_route_begin, layerline_route_commit, layerline_plan_to_keep, layerline_host_errors, layerline_drain_outcome, layerline_drain_stops,
             layerline_known_addresses, layerline_peers, layerline_plan_table, layerline_drive_report)}

@@ -16,7 +16,7 @@ from .endpoints import LOOPBACK
 from .errors import LayerlineError
 from .precision import PRECISIONS, precision as precision_row
 from .local import free_ports as _free_ports  # noqa: F401  (tests and benchmarks start local pipelines)
-from .local import local_keys, local_stages, stop_local  # noqa: F401
+from .local import controller_keys, local_keys, local_stages, stop_local  # noqa: F401
 
 
 def _progress(done: int, total: int) -> None:
@@ -272,8 +272,7 @@ def cmd_generate(a) -> int:
                                      compile=a.compile, policy=a.policy)
     ok = False
     try:
-        keys_dir = os.path.join(tmp, "keys", "controller") if a.curve == "on" else None
-        with Pipeline(first, keys_dir=keys_dir, first_key="stage0", curve=a.curve, depth=depth) as pipe:
+        with Pipeline(first, keys_dir=controller_keys(tmp), first_key="stage0", curve=a.curve, depth=depth) as pipe:
             g = generate(pipe, prompts, a.max_new_tokens, sampling, eos=_eos(a.checkpoint, a.ignore_eos))
         ok = True
     finally:
@@ -396,11 +395,12 @@ def build_parser() -> argparse.ArgumentParser:
     dr.add_argument("--reply-host", default=LOOPBACK,
                     help="an address of this machine the last stage can reach (its result socket binds there)")
     dr.add_argument("--keys", default=None,
-                    help="the controller's CURVE keys dir (made by playbooks/keys.yml; needed off loopback)")
+                    help="the controller's CURVE keys dir (made by playbooks/keys.yml; required: every socket runs "
+                         "CURVE, loopback included)")
     dr.add_argument("--first-key", default=None,
                     help="stage 0's host name in KEYS/peers/ (or a .key file, or its z85 public key)")
     dr.add_argument("--curve", default="auto", choices=["auto", "on"],
-                    help="auto: CURVE on each socket whose address is not loopback; on: on every socket")
+                    help="kept for existing command lines: both values run CURVE on every socket, loopback included")
     dr.add_argument("--timeout", type=float, default=120.0)
     dr.add_argument("--json", action="store_true")
     dr.set_defaults(fn=cmd_drive)
@@ -432,7 +432,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--compile", default="off", choices=COMPILE_MODES,
                    help="torch.compile each worker's decode step (warm-up first; see the README)")
     g.add_argument("--curve", default="auto", choices=["auto", "on"],
-                   help="on: run every local socket with CURVE, with fresh throwaway keys")
+                   help="kept for existing command lines: every local socket runs CURVE either way, with fresh "
+                        "throwaway keys (0600, removed after the run)")
     g.add_argument("--json", action="store_true")
     g.set_defaults(fn=cmd_generate)
 

@@ -11,7 +11,7 @@ LOOPBACK = "127.0.0.1"       # the address a machine reaches itself at (local co
 DEFAULT_PORT = 9100          # a worker's data port when the inventory gives none
 CONTROL_OFFSET = 1           # a worker's control socket listens on its data port + this
 
-CURVE_MODES = ("auto", "on")  # auto: CURVE on every socket whose address is not loopback; on: on every socket
+CURVE_MODES = ("auto", "on")  # both: CURVE on every socket, loopback included (auto kept for existing inventories)
 
 # A drain or rejoin starts the new route's workers beside the old ones, in the other slot: their
 # ports are SLOT_PORT_STEP above the host's layerline_port and their state dir is STATE.1.

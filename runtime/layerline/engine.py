@@ -33,7 +33,6 @@ layerline.server.async_engine), the ZeroMQ sockets owned by that thread.
 """
 from __future__ import annotations
 
-import itertools
 import math
 import os
 import queue
@@ -45,6 +44,7 @@ from typing import Callable
 import torch
 import zmq
 
+from . import wire
 from .errors import LayerlineError
 from .model.sampling import adjust_logits, logprobs, mask_logits, sample
 from .pipeline import Answer, DriveError, Pipeline, StepResult
@@ -151,7 +151,7 @@ def rows_supported(pipe: Pipeline, timeout_s: float = 30.0) -> bool:
     known = getattr(pipe, "_layerline_rows", None)
     if known is not None:
         return known
-    probe = f"rowsprobe-{os.getpid()}-{next(_counter)}"
+    probe = wire.new_id("rowsprobe-")
     poller = zmq.Poller()
     poller.register(pipe.to_first, zmq.POLLIN)
     poller.register(pipe.results, zmq.POLLIN)
@@ -618,6 +618,3 @@ class Engine:
         finally:
             self.poller.unregister(wake_fd)
             self.close()
-
-
-_counter = itertools.count()

@@ -1,13 +1,12 @@
 """Generation across the pipeline: every prompt through the engine (layerline.engine) until done."""
 from __future__ import annotations
 
-import itertools
-import os
 import time
 from dataclasses import dataclass, field
 
 import torch
 
+from . import wire
 from .engine import Engine, Sampling, Sequence
 from .errors import LayerlineError
 from .pipeline import Pipeline, StepResult
@@ -56,7 +55,7 @@ def generate(pipe: Pipeline, prompts: list[list[int]], max_new_tokens: int, samp
         raise LayerlineError("input ids: give at least one non-empty prompt")
     if max_new_tokens < 1:
         raise LayerlineError(f"--max-new-tokens {max_new_tokens}: must be at least 1")
-    tag = f"g{os.getpid()}-{next(_counter)}"
+    tag = wire.new_id("g")
     eng = Engine(pipe, max_replays=max_replays, record=True, raise_errors=True, rows=None if batch else False)
     seqs = [Sequence(f"{tag}-{i}", list(p), max_new_tokens, sampling, frozenset() if eos is None else frozenset([eos] if isinstance(eos, int) else eos),
                      gen=torch.Generator().manual_seed(sampling.seed * 1_000_003 + i))
@@ -77,6 +76,3 @@ def generate(pipe: Pipeline, prompts: list[list[int]], max_new_tokens: int, samp
     out = [s.generated for s in seqs]
     return Generation(out, eng.steps, time.perf_counter() - t0, sum(len(t) for t in out), eng.replays,
                       eng.decode_steps, eng.decode_window())
-
-
-_counter = itertools.count()

@@ -1,7 +1,8 @@
 """CURVE keys: making them, laying them out, loading them, and securing sockets with them.
 
-Every worker and driver socket that leaves loopback runs CURVE (authentication and
-encryption); servers let in only clients whose public key is in their allow-list (ZAP).
+Every worker, driver and server socket runs CURVE (authentication and encryption), loopback
+included: a local process without the deployment's keys gets no activations, results or answers
+and changes no sequence. Servers let in only clients whose public key is in their allow-list (ZAP).
 
 Files are pyzmq certificates (zmq.auth.create_certificates format): `NAME.key` holds a public
 key (mode 0644), `NAME.key_secret` the public and secret key (mode 0600). A host's keys dir
@@ -45,6 +46,7 @@ from dataclasses import dataclass, field
 import zmq
 from zmq.utils import z85
 
+from . import version
 from .endpoints import CURVE_MODES, endpoint_host, is_loopback  # noqa: F401 - decided in endpoints, used via keys too
 from .errors import LayerlineError
 from .files import atomic_write
@@ -64,18 +66,22 @@ class KeysError(LayerlineError):
 # --- when CURVE is on -----------------------------------------------------------------------------
 
 def needs_curve(endpoint: str) -> bool:
-    """True for every endpoint that is not loopback (a wildcard bind such as tcp://0.0.0.0 or * included)."""
+    """True for every endpoint that is not loopback (a wildcard bind such as tcp://0.0.0.0 or * included):
+    where the traffic can be read off the wire. Since loopback runs CURVE too (any local user can
+    connect to a loopback port), this no longer decides whether a socket runs CURVE: curve_on does."""
     return not is_loopback(endpoint_host(endpoint))
 
 
 def curve_on(mode: str, endpoint: str) -> bool:
-    """auto: on unless the endpoint is loopback; on: always."""
-    if mode == "on":
-        return True
-    if mode == "auto":
-        return needs_curve(endpoint)
-    raise KeysError(f"curve: {mode!r} is not one of {', '.join(CURVE_MODES)} "
-                    "(CURVE cannot be turned off for a socket that leaves loopback)")
+    """Whether a socket at `endpoint` runs CURVE: always, whatever the mode. `auto` (the default) and
+    `on` both mean CURVE on every socket, loopback included: on loopback any local user could
+    otherwise use the model without an API key, release or rewind another client's sequence, or
+    send results into the server's result socket. `auto` stays a valid value so existing
+    inventories and command lines keep working; there is no value that turns CURVE off."""
+    if mode not in CURVE_MODES:
+        raise KeysError(f"curve: {mode!r} is not one of {', '.join(CURVE_MODES)} "
+                        "(CURVE runs on every socket, loopback included; it cannot be turned off)")
+    return True
 
 
 # --- key files ------------------------------------------------------------------------------------
@@ -250,6 +256,10 @@ LOCAL_HINT = ("run playbooks/keys.yml (keys go to layerline_keys_dir) and pass -
               "`python -m layerline.keys local --dest DIR NAME` makes DIR/NAME (its --keys) and DIR/controller")
 
 
+PIPELINE_HINT = ("run playbooks/keys.yml and pass the controller's keys dir as --keys (LAYERLINE_HOME/keys/controller; "
+                 "the hosts' own keys go to layerline_keys_dir); for local_stages(), local.controller_keys(tmp)")
+
+
 def load_host_keys(directory: str | None, field: str = "--keys", why: str = "CURVE is on",
                    hint: str = HINT) -> HostKeys:
     """This host's keys dir, refusing anything another user could read or change."""
@@ -350,7 +360,9 @@ def local_keys(root: str, names: list[str]) -> dict[str, str]:
 # --- sockets --------------------------------------------------------------------------------------
 
 def serve_curve(sock: zmq.Socket, keys: HostKeys) -> None:
-    """Make a socket a CURVE server (before bind); who may connect is the Allowlist's call."""
+    """Make a socket a CURVE server (before bind); who may connect is the Allowlist's call. Its
+    handshake carries this side's version (layerline.version.stamp)."""
+    version.stamp(sock)
     sock.setsockopt(zmq.CURVE_SECRETKEY, keys.secret)
     sock.setsockopt(zmq.CURVE_PUBLICKEY, keys.public)
     sock.setsockopt(zmq.CURVE_SERVER, 1)
@@ -364,7 +376,9 @@ def serve_control(sock: zmq.Socket, keys: HostKeys) -> None:
 
 
 def connect_curve(sock: zmq.Socket, keys: HostKeys, server_public: bytes) -> None:
-    """Make a socket a CURVE client of the server holding `server_public` (before connect)."""
+    """Make a socket a CURVE client of the server holding `server_public` (before connect). Its
+    handshake carries this side's version (layerline.version.stamp)."""
+    version.stamp(sock)
     sock.setsockopt(zmq.CURVE_SECRETKEY, keys.secret)
     sock.setsockopt(zmq.CURVE_PUBLICKEY, keys.public)
     sock.setsockopt(zmq.CURVE_SERVERKEY, server_public)

@@ -108,8 +108,8 @@ def local_stages(checkpoint: str, n: int, precision: str, kv_context: int = 4096
     them is the spec's compile wait unless ready_timeout says otherwise.
 
     Every run makes fresh keys under tmpdir/keys (the driver's keys dir is tmpdir/keys/controller,
-    controller_keys(tmpdir); stage i's name "stageI"): control sockets always run CURVE, and with
-    curve="on" every other socket does too.
+    controller_keys(tmpdir); stage i's name "stageI"): every socket runs CURVE, loopback included
+    (curve "auto" and "on" alike).
     """
     # free_ports cannot reserve what it finds: another process may bind one of them before our
     # worker does (the worker imports torch first). Such a start is tried again on other ports.

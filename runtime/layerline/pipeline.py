@@ -7,14 +7,14 @@ generation engine's wire epoch, which every failover and route switch raises) ev
 carries it, and a stage drops one of an older epoch than a newer forward of the same sequence
 it has seen (layerline.model.kv.KVPool).
 
-Off loopback (or with curve="on") both of its sockets run CURVE with the controller's keys
-dir (keys_dir; `layerline drive --keys DIR`): the DEALER to stage 0 trusts only the first
-stage's public key (first_key: its host name in DIR/peers/), and the result socket lets in
-only the public keys in DIR/allowed/ (the workers').
+Both of its sockets run CURVE with the controller's keys dir (keys_dir; `layerline drive --keys
+DIR`), loopback included: the DEALER to stage 0 trusts only the first stage's public key
+(first_key: its host name in DIR/peers/), and the result socket lets in only the public keys in
+DIR/allowed/ (the workers'), so no other local process can send it results. Request ids are
+random (wire.new_id), as the engine's sequence ids are.
 """
 from __future__ import annotations
 
-import itertools
 import os
 import time
 from dataclasses import dataclass
@@ -23,7 +23,7 @@ import torch
 import zmq
 
 from . import keys as keymod
-from . import wire
+from . import version, wire
 from .endpoints import LOOPBACK, endpoint_host, is_loopback
 from .errors import LayerlineError
 from .planner import pipeline_depth
@@ -65,9 +65,9 @@ class Pipeline:
     reply_host: str = LOOPBACK     # an address of this machine the last stage can reach
     timeout_s: float = 120.0
     ctx: zmq.Context | None = None   # None: the pipeline makes (and terminates) its own
-    keys_dir: str | None = None    # the controller's keys dir (needed when CURVE is on)
+    keys_dir: str | None = None    # the controller's keys dir (required: every socket runs CURVE)
     first_key: str | None = None   # stage 0's host name in keys_dir/peers/ (or a .key file, or z85)
-    curve: str = "auto"            # auto: CURVE on each socket whose address is not loopback; on: always
+    curve: str = "auto"            # auto or on: both CURVE on every socket, loopback included (keys.curve_on)
     epoch: int | None = None       # stamped on every forward (None: none, never refused as stale)
     depth: int | None = None       # micro-batches worth keeping in flight (the plan's; None: one per stage)
 
@@ -76,17 +76,14 @@ class Pipeline:
         self._own_ctx = self.ctx is None
         if self._own_ctx:
             self.ctx = zmq.Context()
-        self._ids = itertools.count()
         self.auth = None
         self.to_first = self.results = None
         to_curve = keymod.curve_on(self.curve, self.first)
         res_curve = keymod.curve_on(self.curve, f"tcp://{self.reply_host}:0")
         self.keys = None
         if to_curve or res_curve:
-            why = ("curve on" if self.curve == "on" else
-                   f"{'the first stage ' + self.first if to_curve else 'the reply host ' + self.reply_host} "
-                   "is not loopback, so CURVE is on")
-            self.keys = keymod.load_host_keys(self.keys_dir, "--keys", why)
+            why = "every pipeline socket runs CURVE, loopback included"
+            self.keys = keymod.load_host_keys(self.keys_dir, "--keys", why, hint=keymod.PIPELINE_HINT)
         try:
             self.to_first = self.ctx.socket(zmq.DEALER)
             self.to_first.setsockopt(zmq.LINGER, 0)
@@ -139,7 +136,7 @@ class Pipeline:
         self.close()
 
     def _send(self, head: dict, input_ids: torch.Tensor) -> str:
-        rid = f"r{os.getpid()}-{next(self._ids)}"
+        rid = wire.new_id("r")   # unguessable, as sequence ids are
         head.update(op="forward", id=rid, reply_to=self.reply_to, deadline=time.time() + self.timeout_s, timings=[])
         if self.epoch is not None:
             head["epoch"] = self.epoch
@@ -188,7 +185,11 @@ class Pipeline:
             rid = h.get("id")
             if rid not in self._pending:
                 continue  # a late or repeated answer (a stage's error comes on both sockets)
-            if h["op"] == "error":
+            bad = version.mismatch(frames[0], f"stage {h.get('stage', '?')}", "this driver")
+            if bad:
+                self._pending.pop(rid)
+                out.append(Answer(rid, None, DriveError(bad, VERSION)))
+            elif h["op"] == "error":
                 self._pending.pop(rid)
                 code = h.get("code") if isinstance(h.get("code"), str) else None
                 seqs = h.get("seqs") if isinstance(h.get("seqs"), list) else None
@@ -260,7 +261,7 @@ def pipeline_for_plan(plan, *, keys_dir: str | None = None, reply_host: str | No
                       timeout_s: float = 120.0, ctx: zmq.Context | None = None) -> Pipeline:
     """The Pipeline into a planned, running set of workers: stage 0's endpoint, its key name, a reply address.
 
-    keys_dir: the controller's keys dir (needed when CURVE is on: off loopback, or curve="on").
+    keys_dir: the controller's keys dir (required: every socket runs CURVE).
     reply_host: an address of this machine the last stage can reach (default: the route to it).
     """
     stages = active_stages(plan)
@@ -274,6 +275,8 @@ def pipeline_for_plan(plan, *, keys_dir: str | None = None, reply_host: str | No
 
 _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                      | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+REFUSED = "refused"   # DriveError.code of a control request to a port nothing listens on: the process is gone
+VERSION = "version"   # DriveError.code of an answer from a peer on other code (layerline.version)
 
 
 def control(endpoint: str, op: str, timeout_s: float = 5.0, ctx: zmq.Context | None = None, *,
@@ -285,7 +288,9 @@ def control(endpoint: str, op: str, timeout_s: float = 5.0, ctx: zmq.Context | N
     worker whose host name `peer` is (keys_dir/peers/PEER.key; or a .key file, or the z85 key).
     `curve` is accepted for symmetry with Pipeline; control is CURVE whatever it says.
     A refused handshake (a key the worker does not let in, or the wrong peer) is a DriveError
-    that says so, not a timeout.
+    that says so, not a timeout; so is a refused connection (nothing listens there: the worker's
+    process is gone), with code REFUSED, at once: a busy worker's port still accepts, so only a
+    dead one is told apart this fast (the health monitor fails it over without waiting for misses).
     """
     wire.endpoint(endpoint, "control endpoint")
     if curve not in keymod.CURVE_MODES:
@@ -302,7 +307,7 @@ def control(endpoint: str, op: str, timeout_s: float = 5.0, ctx: zmq.Context | N
     s = ctx.socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
     keymod.connect_curve(s, hk, server)
-    mon = s.get_monitor_socket(_HANDSHAKE_FAILED)
+    mon = s.get_monitor_socket(_HANDSHAKE_FAILED | zmq.EVENT_CONNECT_RETRIED)
     s.connect(endpoint)
     try:
         s.send_multipart(wire.encode({"op": op, **fields}))
@@ -322,10 +327,17 @@ def control(endpoint: str, op: str, timeout_s: float = 5.0, ctx: zmq.Context | N
                     raise DriveError(f"control {endpoint}: the worker refused the CURVE handshake (its "
                                      f"allowed/controller.key is not {hk.dir}/self.key, or {peer!r} is not that "
                                      "worker's key); use the controller's keys dir from playbooks/keys.yml")
+                if ev == zmq.EVENT_CONNECT_RETRIED:   # a connect failed (refused): nothing listens there
+                    raise DriveError(f"control {endpoint}: nothing listens there (connection refused): the "
+                                     f"worker's process is gone", REFUSED)
                 continue
             if left <= 0:
                 raise DriveError(f"control {endpoint}: no answer to {op} within {timeout_s:.0f} s")
-        h, _ = wire.decode(s.recv_multipart())
+        frames = s.recv_multipart(copy=False)
+        h, _ = wire.decode(frames)
+        bad = version.mismatch(frames[0], f"the worker at {endpoint} ({peer})", "the controller")
+        if bad:
+            raise DriveError(f"control {endpoint}: {bad}", VERSION)
         if h["op"] == "error":
             raise DriveError(f"control {endpoint}: {h.get('error')}")
         return h

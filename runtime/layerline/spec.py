@@ -14,6 +14,7 @@ import os
 import shlex
 from dataclasses import asdict, dataclass, field
 
+from . import version
 from .endpoints import LOOPBACK, endpoint_host, is_loopback, is_wildcard
 from .errors import LayerlineError
 from .keys import secret_file
@@ -85,7 +86,10 @@ def worker_spec(plan: Plan, host: str, hvars: SettingsLike, python: str | None =
             "--bind", f"tcp://{hs.bind_host}:{port}",
             "--name", host,
             "--ready-file", ready,
-            "--keys", keys]
+            "--keys", keys,
+            # the controller's code (package version + content hash): a worker restarts when it changes
+            # (its argv does) and refuses to run on a host that kept other code (layerline.version)
+            "--layerline-version", version.full()]
     if s.kv_bytes:  # what the plan reserved for this stage's KV caches
         argv += ["--kv-bytes", str(int(s.kv_bytes))]
     if s.experts_paged:
@@ -194,7 +198,7 @@ def keys_place_argv(host: str, hvars: SettingsLike, public: dict) -> list[str]:
 
 
 # what the runtime role asks a host's interpreter, which may not have layerline yet (plain Python only)
-VERSION_CODE = "import layerline; print(layerline.__version__)"
+VERSION_CODE = "from layerline import version; print(version.full())"   # fails on a layerline too old to say
 MISSING_CODE = ("import importlib.util, json, sys; need = json.loads(sys.argv[1]); "
                 "print(json.dumps([d for d, m in need.items() if importlib.util.find_spec(m) is None]))")
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import re
+import secrets
 import warnings
 from dataclasses import dataclass
 
@@ -18,11 +19,11 @@ import orjson
 import torch
 
 from .errors import LayerlineError
+from .version import PROTOCOL  # noqa: F401 - decided with the package version (layerline.version)
 
 # zmq frames are read-only; tensors built over them are never written in place
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
-PROTOCOL = 1
 CHUNK_BYTES = 16 * 2**20
 MAX_HEADER_BYTES = 64 * 1024
 MAX_FRAME_BYTES = max(CHUNK_BYTES, MAX_HEADER_BYTES)  # no sender needs a larger frame (receivers' MAXMSGSIZE)
@@ -245,6 +246,15 @@ def decode(frames: list, limits: Limits = Limits()) -> tuple[dict, dict[str, tor
             flat = torch.cat([torch.frombuffer(b, dtype=torch.uint8) for b in bufs])
             out[name] = flat.view(DTYPES[dtype]).view(shape)
     return h, out
+
+
+def new_id(prefix: str) -> str:
+    """A fresh request or sequence id: `prefix` and 128 random bits in hex. Ids name what a message
+    may release, rewind or answer, so no other client may be able to guess one (a counter after a
+    pid could be); the prefix says what kind of id it is in logs."""
+    if not ID_RE.match(prefix + "0" * 32):
+        raise WireError(f"id prefix: {prefix[:40]!r} must be at most 32 characters of [A-Za-z0-9_.:-]")
+    return prefix + secrets.token_hex(16)
 
 
 def require(header: dict, key: str, kind: type, lo: int | None = None, hi: int | None = None):

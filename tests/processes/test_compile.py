@@ -7,12 +7,11 @@ import torch
 
 from helpers import chained_greedy
 from layerline.checkpoint import read_index, write_demo_checkpoint
-from layerline.driver import Pipeline
 from layerline.errors import LayerlineError
 from layerline.generate import generate
 from layerline.model.loader import load_stage
 from layerline.worker import control_endpoint
-from stage_procs import Client, control, start_workers
+from stage_procs import control, start_workers
 
 
 def _prefilled(stage, prompts: torch.Tensor, reserve: int):
@@ -118,10 +117,10 @@ def test_compiled_worker_serves_without_recompiling(tmp_path):
         # an fp32 stage has no use for the decode kernels (bf16 / int8 only) and says so
         assert ready["kernels"] == before["kernels"] and ready["kernels"].startswith("off: not loaded")
         prompts = [[1, 2, 3, 4], [9, 8, 7, 6], [5, 5, 5], [42], [3, 1, 4, 1, 5, 9, 2, 6], [7, 7, 1, 2]]
-        with Pipeline(first, timeout_s=120) as pipe:
+        with w.pipeline(timeout_s=120) as pipe:
             g = generate(pipe, prompts, 6)
         # rows of different sequences, several and one: the same graphs
-        c = Client(first)
+        c = w.client()
         try:
             rows = []
             for seq, p in (("r0", prompts[0]), ("r1", prompts[2])):

@@ -1,10 +1,13 @@
-"""Control ops are authenticated on every socket, loopback included: a worker's control socket
-runs CURVE whatever --curve says and lets in only the controller's key.
+"""Control ops and the data plane are authenticated on every socket, loopback included: a
+worker's control socket runs CURVE and lets in only the controller's key; its data socket and a
+pipeline's result socket run CURVE and let in only the deployment's keys (allowed/).
 
-Real worker processes on loopback with --curve auto (so their data sockets are plain TCP): a
-stranger without CURVE, one with a fresh keypair, and a worker's own key (in every allowed/,
-but not the controller's) each send shutdown and set_next; none gets an answer or an effect,
-and the pipeline's output still comes from the right stages. The controller's key works.
+Real worker processes on loopback with the default --curve auto: a stranger without CURVE, one
+with a fresh keypair, and a worker's own key (in every allowed/, but not the controller's) each
+send shutdown and set_next; the first two also send a forward and a release of a live sequence
+to stage 0's data socket and a forged result to the pipeline's result socket. None gets an
+answer or an effect, and the pipeline's output still comes from the right stages. The
+controller's key works.
 """
 from __future__ import annotations
 
@@ -18,8 +21,8 @@ import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from layerline import keys, wire
-from layerline.driver import DriveError, Pipeline
+from layerline import keys, version, wire
+from layerline.driver import DriveError
 from layerline.model.loader import load_stage
 from layerline.pipeline import control as raw_control
 from stage_procs import control, free_port_pairs, start_workers
@@ -31,9 +34,9 @@ QUIET_S = 2.0                      # how long a stranger waits for an answer tha
 @pytest.fixture(scope="module")
 def stages(small_ckpt, request):
     """stage0 (0:2) -> stage1 (2:4) and a spare last stage (2:4), --curve auto on loopback."""
-    w = start_workers(str(small_ckpt), [(0, 2), (2, 4)], kv_context=KV)
+    w = start_workers(str(small_ckpt), [(0, 2), (2, 4)], kv_context=KV, more_keys=["spare"])
     request.addfinalizer(w.stop)
-    spare = start_workers(str(small_ckpt), [(2, 4)], kv_context=KV, names=["spare"], first=False)
+    spare = start_workers(str(small_ckpt), [(2, 4)], kv_context=KV, names=["spare"], first=False, keys_root=w.tmp)
     request.addfinalizer(spare.stop)
     w.spare = spare
     return w
@@ -63,19 +66,33 @@ def stranger(ctx, kind: str, server_public: bytes, worker_keys: str):
 
 def test_strangers_cannot_shut_down_or_redirect_a_worker(stages, reference):
     ctl0, ctl1 = stages.control
-    before = [control(c, "stats") for c in (ctl0, ctl1, stages.spare.control[0])]
     pids = [control(c, "health")["pid"] for c in (ctl0, ctl1)]
     kd = os.path.dirname(stages.keys)
-    public = {n: keys.read_key_file(os.path.join(kd, "store", f"{n}.key"))[0] for n in ("stage0", "stage1")}
+    public = {n: keys.read_key_file(os.path.join(kd, "store", f"{n}.key"))[0]
+              for n in ("stage0", "stage1", "controller")}
+    pipe = stages.pipeline(timeout_s=60)
+    held = "held-" + wire.new_id("")
+    pipe.forward(ids_(1, 4, seed=1), seq=held, cache=True)   # a live sequence a stranger would release
+    seqs = [control(c, "stats")["sequences"] for c in (ctl0, ctl1)]
+    before = [control(c, "stats") for c in (ctl0, ctl1, stages.spare.control[0])]
+    forged = {"op": "result", "id": "r0", "timings": []}
     ctx = zmq.Context()
     socks = []
     try:
         for kind in ("no curve", "unknown key", "a worker's key"):
-            for target, name, frames in [
+            targets = [
                 (ctl0, "stage0", wire.encode({"op": "set_next", "next": stages.spare.data[0], "next_key": "spare"})),
                 (ctl1, "stage1", wire.encode({"op": "shutdown"})),
                 (ctl0, "stage0", wire.encode({"op": "health"})),
-            ]:
+            ]
+            if kind != "a worker's key":   # a worker's key is the deployment's: data sockets let it in
+                targets += [
+                    (stages.data[0], "stage0", wire.encode({"op": "forward", "id": "x1", "reply_to": pipe.reply_to},
+                                                           {"input_ids": ids_(1, 3)})),
+                    (stages.data[0], "stage0", wire.encode({"op": "release", "seq": held})),
+                    (pipe.reply_to, "controller", wire.encode(forged, {"logits": torch.zeros(1, 1, VOCAB)})),
+                ]
+            for target, name, frames in targets:
                 s, mon = stranger(ctx, kind, public[name], os.path.join(kd, "stage1"))
                 s.connect(target)
                 s.send_multipart(frames, flags=zmq.NOBLOCK)   # queued: the pipe exists before the handshake
@@ -88,6 +105,7 @@ def test_strangers_cannot_shut_down_or_redirect_a_worker(stages, reference):
                 while mon.poll(0):
                     events[i].add(recv_monitor_message(mon)["event"])
             time.sleep(0.05)
+        assert pipe.answers(pipe.results) == [] and pipe.answers(pipe.to_first) == []
         for i, (kind, target, _, _) in enumerate(socks):
             assert zmq.EVENT_HANDSHAKE_SUCCEEDED not in events[i], (kind, target)
             if kind != "no curve":  # refused by the ZAP allow-list, not a protocol mismatch
@@ -104,9 +122,11 @@ def test_strangers_cannot_shut_down_or_redirect_a_worker(stages, reference):
     assert control(ctl0, "health")["next"] == stages.data[1]
     after = [control(c, "stats") for c in (ctl0, ctl1, stages.spare.control[0])]
     assert [(a["requests"], a["rejected"]) for a in after] == [(b["requests"], b["rejected"]) for b in before]
-    with Pipeline(stages.first, timeout_s=60) as pipe:
+    assert [a["sequences"] for a in after[:2]] == seqs, "a stranger's release freed a sequence"
+    with pipe:
         ids = ids_(1, 5, seed=3)
         r = pipe.forward(ids)
+        pipe.release(held)
     assert [t["stage"] for t in r.timings] == ["stage0", "stage1"]
     assert torch.allclose(r.logits, reference(ids), rtol=0, atol=1e-5)
     assert control(stages.spare.control[0], "stats")["requests"] == before[2]["requests"]
@@ -138,7 +158,7 @@ def test_the_controllers_key_redirects_and_shuts_down(stages, reference):
     try:
         r = control(ctl0, "set_next", next=spare.data[0], next_key="spare")
         assert r["op"] == "ok" and r["next"] == spare.data[0]
-        with Pipeline(stages.first, timeout_s=60) as pipe:
+        with stages.pipeline(timeout_s=60) as pipe:
             ids = ids_(2, 3, seed=4)
             res = pipe.forward(ids)
         assert [t["stage"] for t in res.timings] == ["stage0", "spare"]
@@ -150,7 +170,7 @@ def test_the_controllers_key_redirects_and_shuts_down(stages, reference):
 
 
 def test_a_worker_without_keys_stops_in_one_line_naming_keys(small_ckpt, tmp_path):
-    """Loopback and --curve auto: the control socket still needs the keys, so --keys is required."""
+    """Loopback and --curve auto: every socket still runs CURVE, so --keys is required."""
     (port,) = free_port_pairs(1)
     base = [sys.executable, "-m", "layerline.worker", "--checkpoint", str(small_ckpt), "--layers", "0:4",
             "--first", "--last", "--bind", f"tcp://127.0.0.1:{port}"]
@@ -162,13 +182,18 @@ def test_a_worker_without_keys_stops_in_one_line_naming_keys(small_ckpt, tmp_pat
         assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
         return lines[0]
     line = fails()
-    assert line.startswith(f"layerline worker: the control socket tcp://127.0.0.1:{port + 1} runs CURVE always")
+    assert line.startswith("layerline worker: every worker socket runs CURVE, loopback included")
     assert "--keys is not set" in line and "python -m layerline.keys local" in line and "layerline_keys_dir" in line
     # a keys dir whose allowed/ lacks the controller's key cannot let the controller in
     d = keys.local_keys(str(tmp_path / "k"), ["w"])["w"]
     os.unlink(os.path.join(d, "allowed", "controller.key"))
     line = fails("--keys", d)
     assert "has no allowed/controller.key" in line
+    # a worker on other code than the controller's plan names refuses to start, naming both
+    line = fails("--keys", d, "--layerline-version", "0.0.9+0123456789ab")
+    assert line == (f"layerline worker: --layerline-version: the controller runs layerline 0.0.9+0123456789ab, this "
+                    f"host's {sys.executable} has {version.full()}; re-run deploy.yml so the runtime role installs the "
+                    "controller's version here")
     # the CLI that makes them
     r = subprocess.run([sys.executable, "-m", "layerline.keys", "local", "--dest", str(tmp_path / "cli"), "w1", "w2"],
                        capture_output=True, text=True, timeout=60)

@@ -1,8 +1,8 @@
 """CURVE on the wire: keys made by the keys role's command line, workers and a driver that use
 them, and peers without an allowed key that can neither inject into nor read from a worker.
 
-Everything runs on loopback with CURVE forced on (--curve on), so the same code paths run as
-between real hosts. Attackers are plain zmq sockets: one without CURVE, one with a fresh
+Everything runs on loopback, where CURVE runs as between real hosts (every socket, whatever
+--curve says; these workers also say --curve on, the value an inventory may pin). Attackers are plain zmq sockets: one without CURVE, one with a fresh
 keypair nobody allowed, one claiming an allowed public key without its secret, and servers
 impersonating a driver's result socket.
 """
@@ -52,9 +52,9 @@ def keys_cli(*args: str) -> dict:
     ("tcp://10.77.0.2:9100", True), ("tcp://0.0.0.0:9100", True), ("tcp://*:9100", True),
     ("tcp://[::]:9100", True), ("tcp://w2.example:9100", True), ("tcp://192.168.1.5:9100", True),
 ])
-def test_curve_is_needed_off_loopback(endpoint, want):
-    assert keys.needs_curve(endpoint) is want
-    assert keys.curve_on("auto", endpoint) is want
+def test_curve_runs_on_every_socket_loopback_included(endpoint, want):
+    assert keys.needs_curve(endpoint) is want   # where traffic can be read off the wire
+    assert keys.curve_on("auto", endpoint) is True
     assert keys.curve_on("on", endpoint) is True
 
 
@@ -357,7 +357,7 @@ def worker_fails(small_ckpt, *extra: str) -> str:
 def test_off_loopback_without_keys_is_one_line_naming_keys(small_ckpt):
     # nothing binds: the worker checks its keys before it opens a socket (10.77.0.1 is never reached)
     line = worker_fails(small_ckpt, "--bind", "tcp://10.77.0.1:29999")
-    assert line.startswith("layerline worker: --bind tcp://10.77.0.1:29999 is not loopback, so CURVE is on")
+    assert line.startswith("layerline worker: every worker socket runs CURVE, loopback included")
     assert "--keys is not set" in line and "layerline_keys_dir" in line
 
 
@@ -375,8 +375,11 @@ def test_missing_keys_dir_and_readable_secret_are_refused_by_the_worker(small_ck
 
 
 def test_driver_off_loopback_without_keys_is_one_line(small_ckpt, keyset):
-    with pytest.raises(keys.KeysError, match=r"the first stage tcp://10.77.0.1:9100 is not loopback, so CURVE is on"):
-        Pipeline("tcp://10.77.0.1:9100")
+    for first in ("tcp://10.77.0.1:9100", "tcp://127.0.0.1:9100"):   # loopback as well
+        with pytest.raises(keys.KeysError, match=r"every pipeline socket runs CURVE, loopback included, so it needs "
+                                                 r"this host's keys, but --keys is not set; run playbooks/keys.yml and pass the "
+                                                 r"controller's keys dir"):
+            Pipeline(first)
     with pytest.raises(keys.KeysError, match=r"--first-key: CURVE is on, so name the server's host"):
         Pipeline("tcp://10.77.0.1:9100", keys_dir=str(keyset.controller))
     r = subprocess.run([sys.executable, "-m", "layerline.cli", "drive", "--first", "tcp://10.77.0.1:9100",

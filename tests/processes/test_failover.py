@@ -224,12 +224,13 @@ def ckpt(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def plain(ckpt, tmp_path_factory):
-    """Three stages without a standby, and a server over them."""
+    """Three stages without a standby, and a server over them (down after two missed 1-s health
+    checks: a stopped stage is seen within the tests' stops)."""
     tmp = tmp_path_factory.mktemp("plain")
     cluster = Cluster(ckpt, tmp)
     server = None
     try:
-        server = Server(cluster, ckpt, tmp)
+        server = Server(cluster, ckpt, tmp, "--health-deadline", "1")
         reference = run_clients(server.url)
         for r in reference:
             assert r["status"] == 200 and len(r["tokens"]) == N_TOKENS, r
@@ -348,10 +349,10 @@ def test_standby_takes_over(ckpt, q8_gguf, tmp_path, dead):
 
 def test_no_standby_and_no_restart_in_time_is_503_then_recovers(plain, ckpt, tmp_path):
     """--restart-wait 1 and a stage stopped for 8 s: the streams end in a 503 error object before it is
-    back (2 s to notice, 1 s to wait: 8 s leaves room for a busy machine), new requests get 503 at
+    back (2 s to notice: two missed 1-s checks, 1 s to wait: 8 s leaves room for a busy machine), new requests get 503 at
     once, and once the stage answers again the server serves."""
     cluster, _, reference = plain
-    server = Server(cluster, ckpt, tmp_path, "--restart-wait", "1")
+    server = Server(cluster, ckpt, tmp_path, "--restart-wait", "1", "--health-deadline", "1")
     try:
         pid = cluster.status("stage2")["worker_pid"]
         cont = threading.Event()
@@ -385,7 +386,7 @@ def test_no_standby_and_no_restart_in_time_is_503_then_recovers(plain, ckpt, tmp
         server.stop()
 
 
-def test_engine_fail_over_keeps_what_the_stages_confirmed():
+def test_engine_fail_over_keeps_what_the_stages_confirmed(tmp_path):
     """No processes: a fail_over starts a new epoch (stamped on what is sent next), forgets the
     requests in flight (late answers dropped) and dispatches nothing while paused; on resume each
     running sequence is resent from what every stage confirmed (held), not from 0. A stage that lost
@@ -395,7 +396,9 @@ def test_engine_fail_over_keeps_what_the_stages_confirmed():
     from layerline.engine import INFLIGHT, READY, Engine, Sequence
     from layerline.pipeline import Answer
 
-    with Pipeline("tcp://127.0.0.1:1", timeout_s=30) as pipe:
+    from layerline import keys
+    kd = keys.local_keys(str(tmp_path / "keys"), ["stage0"])   # every pipeline socket runs CURVE
+    with Pipeline("tcp://127.0.0.1:1", timeout_s=30, keys_dir=kd["controller"], first_key="stage0") as pipe:
         eng = Engine(pipe, stages=3, rows=True, max_replays=0)
         a, b = Sequence("a", [1, 2, 3], 8), Sequence("b", [4, 5], 8)
         for s in (a, b):

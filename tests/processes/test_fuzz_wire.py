@@ -4,9 +4,8 @@ A seeded mutator (reproducible: LAYERLINE_FUZZ_SEED, default 14) takes valid mes
 truncates, duplicates, reorders and empties frames, lies about shapes, dtypes and frame
 counts, asks for huge sizes, breaks the header's UTF-8 and JSON, swaps ops, names stale or
 unknown sequences and wire epochs (stale ones are refused, not computed) and sends oversized
-frames. They go to a two-stage pipeline on loopback (--curve auto: the data sockets are plain
-TCP) and to one with --curve on (every socket CURVE), data sockets as the controller, control
-sockets as the controller and as strangers.
+frames. They go to a two-stage pipeline on loopback (every socket CURVE, as between hosts): data
+sockets as the controller, control sockets as the controller and as strangers.
 
 Asserted: no worker exits; every message gets an error reply or is dropped, and the socket
 answers the next one (a ping after each message; no hang); resident memory grows by less than
@@ -31,7 +30,6 @@ import torch
 import zmq
 
 from layerline import keys, wire
-from layerline.driver import Pipeline
 from stage_procs import control, control_socket, start_workers
 
 VOCAB, HIDDEN, KV = 500, 128, 128     # the small_ckpt fixture
@@ -225,17 +223,12 @@ class Mutator:
 # --- the rig ------------------------------------------------------------------------------------
 
 class Asker:
-    """A DEALER into one socket as the controller (CURVE when the socket runs it), a ping after
-    each message, and the tally of what came back."""
+    """A DEALER into one socket as the controller (CURVE), a ping after each message, and the
+    tally of what came back."""
 
-    def __init__(self, ctx, endpoint: str, keys_dir: str, name: str, curve: bool, is_control: bool):
+    def __init__(self, ctx, endpoint: str, keys_dir: str, name: str, is_control: bool):
         self.endpoint, self.is_control = endpoint, is_control
-        if curve:
-            self.s = control_socket(endpoint, ctx, keys_dir, name)
-        else:
-            self.s = ctx.socket(zmq.DEALER)
-            self.s.setsockopt(zmq.LINGER, 0)
-            self.s.connect(endpoint)
+        self.s = control_socket(endpoint, ctx, keys_dir, name)
         self.pings = 0
         self.errors = self.dropped = self.other = self.lost_pings = 0
         self.raw: dict[str, int] = {}   # error texts that name no field (a Python exception's), by kind
@@ -283,21 +276,20 @@ class Asker:
         self.s.close(0)
 
 
-def fuzz(w: SimpleNamespace, curve: bool, n_data: int, n_control: int) -> dict:
-    rng = random.Random(SEED + (1 if curve else 0))
+def fuzz(w: SimpleNamespace, n_data: int, n_control: int) -> dict:
+    rng = random.Random(SEED + 1)
     ctx = zmq.Context()
     results = ctx.socket(zmq.ROUTER)   # where fuzzed forwards answer (reply_to)
     results.setsockopt(zmq.LINGER, 0)
-    if curve:
-        allow = keys.Allowlist(ctx, keys.load_host_keys(w.keys).allowed)
-        keys.serve_curve(results, keys.load_host_keys(w.keys))
+    allow = keys.Allowlist(ctx, keys.load_host_keys(w.keys).allowed)
+    keys.serve_curve(results, keys.load_host_keys(w.keys))
     reply_to = f"tcp://127.0.0.1:{results.bind_to_random_port('tcp://127.0.0.1')}"
     seqs = [f"q{i}" for i in range(6)]
     muts = [Mutator(rng, True, reply_to, seqs), Mutator(rng, False, reply_to, seqs)]
     for m, (nxt, key) in zip(muts, [(w.data[1], w.names[1]), (w.data[1], w.names[1])]):
         m.next, m.next_key = nxt, key
-    data = [Asker(ctx, w.data[i], w.keys, w.names[i], curve, False) for i in range(2)]
-    ctl = [Asker(ctx, w.control[i], w.keys, w.names[i], True, True) for i in range(2)]
+    data = [Asker(ctx, w.data[i], w.keys, w.names[i], False) for i in range(2)]
+    ctl = [Asker(ctx, w.control[i], w.keys, w.names[i], True) for i in range(2)]
     pids = [p.pid for p in w.procs]
     probe_ids = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(SEED))
 
@@ -307,11 +299,10 @@ def fuzz(w: SimpleNamespace, curve: bool, n_data: int, n_control: int) -> dict:
         got = pipe.forward(probe_ids).logits
         assert torch.equal(got, fresh), f"logits changed {what}"
 
-    pkw = dict(keys_dir=w.keys, first_key=w.names[0], curve="on") if curve else {}
     t0 = time.perf_counter()
     results_seen = 0
     try:
-        with Pipeline(w.first, timeout_s=60, **pkw) as pipe:
+        with w.pipeline(timeout_s=60) as pipe:
             fresh = pipe.forward(probe_ids).logits          # the fresh workers' answer
             # warm both stages' allocators with valid traffic before the baseline
             for _ in range(20):
@@ -368,11 +359,10 @@ def fuzz(w: SimpleNamespace, curve: bool, n_data: int, n_control: int) -> dict:
         for a in data + ctl:
             a.close()
         results.close(0)
-        if curve:
-            allow.stop()
+        allow.stop()
         ctx.term()
     stats = [control(c, "stats") for c in w.control]
-    return {"curve": curve, "data_messages": n_data, "control_messages": n_control,
+    return {"data_messages": n_data, "control_messages": n_control,
             "stranger_control_messages": len(strangers) * 5,
             "crashes": sum(p.poll() is not None for p in w.procs),
             "data_error_replies": sum(a.errors for a in data), "data_dropped": sum(a.dropped for a in data),
@@ -386,12 +376,11 @@ def fuzz(w: SimpleNamespace, curve: bool, n_data: int, n_control: int) -> dict:
             "seconds": round(time.perf_counter() - t0, 1)}
 
 
-@pytest.mark.parametrize("curve", [False, True], ids=["loopback", "curve-on"])
-def test_fuzzed_messages_never_kill_or_hang_a_worker(small_ckpt, curve):
+def test_fuzzed_messages_never_kill_or_hang_a_worker(small_ckpt):
     n_data, n_control = counts()
-    w = start_workers(str(small_ckpt), [(0, 2), (2, 4)], kv_context=KV, extra=["--curve", "on"] if curve else [])
+    w = start_workers(str(small_ckpt), [(0, 2), (2, 4)], kv_context=KV)
     try:
-        report = fuzz(w, curve, n_data, n_control)
+        report = fuzz(w, n_data, n_control)
     finally:
         codes = w.stop()
     print("\nfuzz " + json.dumps(report), flush=True)

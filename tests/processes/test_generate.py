@@ -82,7 +82,8 @@ def test_micro_batches_in_flight_follow_the_pipelines_depth(pipeline, full, dept
     """Stages that share cores (a plan's depth 1) get one micro-batch of every decoding row;
     stages on machines of their own (depth 3) get one each, so none idles."""
     prompts = [[7, 1, 2], [7, 3, 4], [7, 5, 6], [7, 8, 9]]
-    with CountingPipeline(pipeline.first, timeout_s=60, depth=depth) as pipe:
+    with CountingPipeline(pipeline.first, timeout_s=60, depth=depth, keys_dir=pipeline.keys_dir,
+                          first_key=pipeline.first_key) as pipe:
         g = generate(pipe, prompts, 8)
     assert g.tokens == [in_process(full, p, 8) for p in prompts]
     assert pipe.most_rows_out == 1 if depth == 1 else 1 < pipe.most_rows_out <= depth
@@ -134,7 +135,7 @@ class LosingPipeline(Pipeline):
 
 
 def test_lost_cache_is_rebuilt_by_replaying_the_prefix(small_ckpt, pipeline, full):
-    pipe = LosingPipeline(pipeline.first, timeout_s=60)
+    pipe = LosingPipeline(pipeline.first, timeout_s=60, keys_dir=pipeline.keys_dir, first_key=pipeline.first_key)
     try:
         g = generate(pipe, [PROMPTS[4]], 6)
     finally:

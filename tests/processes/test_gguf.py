@@ -407,13 +407,14 @@ def test_smollm2_three_stage_fp32_pipeline_equals_transformers(smol_reference, f
     from layerline.cli import local_stages, stop_local
     from layerline.driver import Pipeline
     from layerline.generate import generate
+    from layerline.local import controller_keys
     prompts, want, hf_dir = smol_reference
     eos = open_checkpoint(SMOL).special_tokens["eos"]["id"]
     ckpt = str(SMOL) if form == "gguf" else str(hf_dir)
     t0 = time.perf_counter()
     procs, first, tmp, _ = local_stages(ckpt, 3, "fp32", kv_context=512, threads=1)
     try:
-        with Pipeline(first) as pipe:
+        with Pipeline(first, keys_dir=controller_keys(tmp), first_key="stage0") as pipe:
             g = generate(pipe, prompts, NEW_TOKENS, eos=eos)
     finally:
         stop_local(procs)

@@ -19,7 +19,7 @@ from layerline import wire
 from layerline.checkpoint import read_index, write_demo_checkpoint
 from layerline.errors import LayerlineError
 from layerline.model.loader import load_stage
-from stage_procs import Client, control, start_workers
+from stage_procs import control, start_workers
 
 KV = 64
 VOCAB = 500
@@ -151,7 +151,7 @@ def pipeline(small_ckpt, request):
 
 @pytest.fixture(scope="module")
 def client(pipeline, request):
-    c = Client(pipeline.first)
+    c = pipeline.client()
     request.addfinalizer(c.close)
     return c
 
@@ -254,9 +254,8 @@ def test_a_later_stage_that_lost_a_row_names_it_at_reply_to(client, pipeline):
     import zmq
     prefill(client, "y1", [5, 6, 7])
     prefill(client, "y2", [8, 9])
-    s = zmq.Context.instance().socket(zmq.DEALER)
+    s = pipeline.dealer(1)
     s.setsockopt(zmq.LINGER, 1000)
-    s.connect(pipeline.data[1])
     s.send_multipart(wire.encode({"op": "release", "seq": "y2"}))  # frees y2 on stage1 and stage2
     s.close()
     import time
@@ -342,7 +341,7 @@ def test_the_kv_budget_evicts_the_oldest_and_rows_then_name_it(small_ckpt):
     cfg = read_index(small_ckpt).config
     per_token = 2 * cfg["num_key_value_heads"] * (cfg["hidden_size"] // cfg["num_attention_heads"]) * 4 * 4
     w = start_workers(str(small_ckpt), [(0, 4)], kv_context=KV, extra=["--kv-bytes", str(2 * 16 * per_token)])
-    c = Client(w.first)
+    c = w.client()
     try:
         for s in ("e1", "e2", "e3"):
             h, t = c.call({"seq": s, "pos": 0, "cache": True, "reserve": 16, "logits": "last"},

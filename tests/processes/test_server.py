@@ -235,7 +235,7 @@ def test_completion_equals_generate(server, client, stages, full):
     assert ids_of(r.choices[0]) == want
     assert r.choices[0].finish_reason == ("stop" if want[-1] == EOS else "length")
     assert r.usage.prompt_tokens == 5 and r.usage.completion_tokens == len(want)
-    with Pipeline(stages[1], timeout_s=60) as pipe:  # the same stages, driven directly
+    with Pipeline(stages[1], timeout_s=60, keys_dir=stages[3], first_key="stage0") as pipe:  # driven directly
         assert generate(pipe, [prompt], 8, eos=EOS).tokens[0] == want
 
 

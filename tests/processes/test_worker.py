@@ -22,9 +22,10 @@ import torch
 import zmq
 
 from helpers import wait_ready
-from layerline import wire
-from stage_procs import control, control_socket, free_port_pairs, register, start_workers, stop_workers, worker_keys
-from layerline.driver import DriveError, Pipeline, greedy_generate
+from layerline import keys, version, wire
+from stage_procs import (control, control_socket, curve_dealer, curve_results, free_port_pairs, register, start_workers,
+                         stop_workers, worker_keys)
+from layerline.driver import DriveError, greedy_generate
 from layerline.model.loader import load_stage
 
 KV = 128        # --kv-context: small caches, quick to allocate
@@ -44,7 +45,7 @@ def control_of(endpoint: str) -> str:
 @pytest.fixture(scope="module")
 def stages(small_ckpt, request):
     """Two local workers: stage0 = layers 0:2 (first), stage1 = layers 2:4 (last)."""
-    w = start_workers(str(small_ckpt), [(0, 2), (2, 4)], "fp32", kv_context=KV, threads=1)
+    w = start_workers(str(small_ckpt), [(0, 2), (2, 4)], "fp32", kv_context=KV, threads=1, more_keys=["spare"])
     tmp = tempfile.mkdtemp(prefix="layerline-worker-test-")
 
     def stop():
@@ -60,7 +61,7 @@ def stages(small_ckpt, request):
 
 @pytest.fixture(scope="module")
 def pipe(stages, request):
-    p = Pipeline(stages.first, timeout_s=30.0)
+    p = stages.workers.pipeline(timeout_s=30.0)
     request.addfinalizer(p.close)
     return p
 
@@ -94,19 +95,19 @@ def spare(small_ckpt, stages, request):
 def restore_routing(stages):
     """Whatever a test does to stage0's next hop, point it back at stage1 afterwards."""
     yield
-    control(stages.control[0], "set_next", next=stages.data[1])
+    control(stages.control[0], "set_next", next=stages.data[1], next_key="stage1")
 
 
 @pytest.fixture
-def dealer():
-    """send(endpoint, frames) -> the decoded reply header (and tensors), over a fresh DEALER."""
+def dealer(stages):
+    """send(endpoint, frames) -> the decoded reply header (and tensors), over a fresh DEALER to a
+    stage's data socket, as the controller (CURVE)."""
     ctx = zmq.Context()
     socks = []
+    names = dict(zip(stages.data, stages.workers.names))
 
     def send(endpoint, frames, timeout_s=10.0):
-        s = ctx.socket(zmq.DEALER)
-        s.setsockopt(zmq.LINGER, 0)
-        s.connect(endpoint)
+        s = curve_dealer(endpoint, stages.workers.keys, names[endpoint], ctx)
         socks.append(s)
         s.send_multipart(frames)
         assert s.poll(timeout_s * 1000), f"no reply from {endpoint} within {timeout_s} s"
@@ -201,9 +202,8 @@ def test_error_at_a_later_stage_reaches_the_driver_by_name(pipe, stages):
     seq = "forgotten"
     try:
         pipe.forward(ids_(1, 3), seq=seq, pos=0, cache=True)
-        dealer_sock = zmq.Context.instance().socket(zmq.DEALER)
+        dealer_sock = stages.workers.dealer(1)
         dealer_sock.setsockopt(zmq.LINGER, 1000)
-        dealer_sock.connect(stages.data[1])
         dealer_sock.send_multipart(wire.encode({"op": "release", "seq": seq}))
         dealer_sock.close()
         deadline = time.time() + 5
@@ -333,10 +333,7 @@ def test_driver_hears_a_rejection_by_stage_name(pipe):
 
 
 def test_a_flood_of_garbage_is_survived(stages, pipe):
-    ctx = zmq.Context.instance()
-    s = ctx.socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    s.connect(stages.first)
+    s = stages.workers.dealer(0)
     try:
         for k in range(300):
             s.send_multipart([os.urandom(k % 50), os.urandom(k % 7)][: 1 + k % 2])
@@ -370,12 +367,9 @@ def test_a_request_past_its_deadline_is_reported_by_stage_name(stages, dealer):
     assert h["error"] == "stage stage0: request late-0 missed its deadline before compute"
 
     # at the last stage, the error also goes to the driver's reply_to socket
-    ctx = zmq.Context.instance()
-    results = ctx.socket(zmq.ROUTER)
-    results.setsockopt(zmq.LINGER, 0)
-    port = results.bind_to_random_port("tcp://127.0.0.1")
+    results, reply_to = curve_results(stages.workers.keys)
     try:
-        h, _ = dealer(stages.data[1], wire.encode(H(id="late-1", deadline=past, reply_to=f"tcp://127.0.0.1:{port}"),
+        h, _ = dealer(stages.data[1], wire.encode(H(id="late-1", deadline=past, reply_to=reply_to),
                                                   {"hidden": torch.zeros(1, 2, HIDDEN)}))
         assert h["op"] == "error" and h["stage"] == "stage1" and "late-1 missed its deadline" in h["error"]
         assert results.poll(5000), "no error at reply_to"
@@ -386,6 +380,37 @@ def test_a_request_past_its_deadline_is_reported_by_stage_name(stages, dealer):
 
 
 # --- control ------------------------------------------------------------------------------------
+
+def test_a_peer_on_other_code_is_refused_naming_both_versions(stages, dealer):
+    """Every connection carries its side's layerline version (ZMTP metadata): a sender on other code
+    gets one line naming both, and its message changes nothing."""
+    for i in range(2):   # the ready file and health name the version each worker runs
+        assert stages.info[i]["version"] == version.full() and stages.info[i]["protocol"] == wire.PROTOCOL
+        assert control(stages.control[i], "health")["version"] == version.full()
+    ck = keys.load_host_keys(stages.workers.keys)
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.METADATA, f"{version.PROP_VERSION}:0.0.9+0123456789ab".encode())
+    s.setsockopt(zmq.METADATA, f"{version.PROP_PROTOCOL}:1".encode())
+    s.setsockopt(zmq.CURVE_SECRETKEY, ck.secret)
+    s.setsockopt(zmq.CURVE_PUBLICKEY, ck.public)
+    s.setsockopt(zmq.CURVE_SERVERKEY, ck.peers["stage0"])
+    s.connect(stages.data[0])
+    before = stats(stages.control[0])["requests"]
+    try:
+        s.send_multipart(wire.encode(H(id="old-1"), GOOD_IDS))
+        assert s.poll(10_000), "no answer"
+        h, _ = wire.decode(s.recv_multipart())
+    finally:
+        s.close(0)
+        ctx.term()
+    assert h["op"] == "error" and h["id"] == "old-1" and h["error"] == (
+        f"version mismatch: the sender runs layerline 0.0.9+0123456789ab (wire protocol 1), stage stage0 runs "
+        f"layerline {version.full()} (wire protocol 1); re-run deploy.yml so every host gets the controller's "
+        "layerline (the runtime role reinstalls and restarts the hosts that differ)")
+    assert stats(stages.control[0])["requests"] == before
+
 
 def test_health_and_stats(stages, pipe):
     for i, c in enumerate(stages.control):
@@ -425,7 +450,7 @@ def test_bad_control_requests_get_error_replies(stages):
 
 
 def test_set_next_reroutes_traffic(stages, pipe, reference, spare, restore_routing):
-    r = control(stages.control[0], "set_next", next=spare.data)
+    r = control(stages.control[0], "set_next", next=spare.data, next_key="spare")
     assert r["op"] == "ok" and r["next"] == spare.data
     assert control(stages.control[0], "health")["next"] == spare.data
     s1, sp = stats(stages.control[1])["requests"], stats(spare.control)["requests"]
@@ -436,7 +461,7 @@ def test_set_next_reroutes_traffic(stages, pipe, reference, spare, restore_routi
     assert stats(spare.control)["requests"] == sp + 1
     assert stats(stages.control[1])["requests"] == s1
     # and back
-    control(stages.control[0], "set_next", next=stages.data[1])
+    control(stages.control[0], "set_next", next=stages.data[1], next_key="stage1")
     assert [t["stage"] for t in pipe.forward(ids).timings] == ["stage0", "stage1"]
     assert stats(spare.control)["requests"] == sp + 1
 
@@ -462,16 +487,16 @@ def test_dead_last_stage_makes_forward_raise_within_its_timeout(stages, spare, r
     if spare.proc.poll() is None:
         spare.proc.send_signal(signal.SIGKILL)
         spare.proc.wait(10)
-    control(stages.control[0], "set_next", next=spare.data)
-    with Pipeline(stages.first, timeout_s=1.5) as p:
+    control(stages.control[0], "set_next", next=spare.data, next_key="spare")
+    with stages.workers.pipeline(timeout_s=1.5) as p:
         t0 = time.perf_counter()
         with pytest.raises(DriveError, match=r"no result within"):
             p.forward(ids_(1, 2))
         assert time.perf_counter() - t0 < 1.5 + 2.0
     # stage0 itself stayed up and, re-pointed, serves again
     assert control(stages.control[0], "health")["op"] == "ok"
-    control(stages.control[0], "set_next", next=stages.data[1])
-    with Pipeline(stages.first, timeout_s=30) as p:
+    control(stages.control[0], "set_next", next=stages.data[1], next_key="stage1")
+    with stages.workers.pipeline(timeout_s=30) as p:
         assert [t["stage"] for t in p.forward(ids_(1, 2)).timings] == ["stage0", "stage1"]
     assert p.ctx is None, "a pipeline terminates the context it made"
 

@@ -545,7 +545,7 @@ def test_bad_policy_role_precision():
 
 # --- shared machines -------------------------------------------------------------------------------
 
-def test_hosts_on_one_machine_split_its_ram():
+def test_hosts_on_one_machine_split_its_ram(tmp_path):
     """Hosts with one machine_id (the kernel's boot id) share its RAM, as they share its cores."""
     ram = 3 * 10**9
     box = dict(hostname="box", machine_id="boot-1", ram_total=4 * 10**9)
@@ -563,7 +563,9 @@ def test_hosts_on_one_machine_split_its_ram():
     # and how many micro-batches the engine keeps in flight: one per core group (box, other, solo)
     assert Plan.from_dict(p).depth == 3
     live = {**p, "stages": [{**st, "endpoint": f"tcp://127.0.0.1:{5600 + i}"} for i, st in enumerate(p["stages"])]}
-    with pipeline_for_plan(live) as pipe:  # what the server and the drive engine go by
+    from layerline.keys import local_keys
+    kd = local_keys(str(tmp_path / "keys"), [s["host"] for s in p["stages"]])   # every pipeline runs CURVE
+    with pipeline_for_plan(live, keys_dir=kd["controller"]) as pipe:  # what the server and the drive engine go by
         assert pipe.depth == 3
     # without a machine_id (an older probe) the hostname tells
     legacy = plan([spec("a", ram, hostname="box"), spec("b", ram, hostname="box")], _mc(),

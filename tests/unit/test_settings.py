@@ -450,8 +450,8 @@ def test_the_runtime_roles_commands_are_built_in_python():
                              capture_output=True, text=True, check=True)
     assert json.loads(missing.stdout) == ["nope-x"]
     version = subprocess.run([sys.executable, *r.version_argv[1:]], capture_output=True, text=True, check=True)
-    from layerline import __version__
-    assert version.stdout.strip() == __version__
+    from layerline.version import full
+    assert version.stdout.strip() == full()   # the package version and its code's hash
 
 
 def test_the_discover_modules_worker_port_is_the_settings_default():

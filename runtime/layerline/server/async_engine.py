@@ -8,7 +8,6 @@ in the engine's queue; beyond `max_queue` waiting, submit refuses (the API answe
 from __future__ import annotations
 
 import asyncio
-import itertools
 import os
 import queue
 import secrets
@@ -16,6 +15,7 @@ import threading
 import time
 from typing import Callable
 
+from .. import wire
 from ..pipeline import Pipeline
 from ..errors import LayerlineError
 from ..engine import Engine, Sampling, Sequence
@@ -85,7 +85,6 @@ class AsyncEngine:
         self._ready = threading.Event()
         self._failed: BaseException | None = None
         self._thread: threading.Thread | None = None
-        self._ids = itertools.count()
         self.engine_rows: bool | None = None
         self._out: list = []   # (stream, event) of the engine's current turn
         self._stage_hist: dict = {}
@@ -215,7 +214,7 @@ class AsyncEngine:
             self._waiting += 1
             self.metrics.queue_depth.set(self._waiting)
             self.metrics.v_waiting.set(self._waiting)
-        sid = f"s{os.getpid()}-{next(self._ids)}"
+        sid = wire.new_id("s")   # unguessable: an id names what a message may release or rewind
         st = Stream(sid, loop, len(prompt))
         m = self.metrics
 

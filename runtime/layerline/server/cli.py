@@ -62,7 +62,10 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--health-interval", type=float, default=0.5,
                    help="seconds between two health checks of every stage (actives and standbys)")
     p.add_argument("--health-deadline", type=float, default=2.0,
-                   help="seconds a stage has to answer health before it is down (and failed over)")
+                   help="seconds a stage has to answer one health check (a miss)")
+    p.add_argument("--health-misses", type=int, default=2,
+                   help="misses in a row that make a stage down (and failed over); a stage whose port refuses "
+                        "connections (its process is gone) is down at once")
     p.add_argument("--restart-wait", type=float, default=30.0,
                    help="with no standby for a stage that is down: seconds to wait for its supervisor's restart "
                         "before the requests it holds fail with 503")
@@ -113,7 +116,7 @@ def _check(a) -> None:
     for flag in ("max_queue", "max_running", "chunk", "busy_chunk", "default_max_tokens", "max_body_bytes"):
         if getattr(a, flag) < 1:
             raise LayerlineError(f"--{flag.replace('_', '-')} {getattr(a, flag)}: must be at least 1")
-    for flag in ("kv_tokens", "context", "microbatches"):
+    for flag in ("kv_tokens", "context", "microbatches", "health_misses"):
         if getattr(a, flag) is not None and getattr(a, flag) < 1:
             raise LayerlineError(f"--{flag.replace('_', '-')} {getattr(a, flag)}: must be at least 1")
     for flag in ("health_interval", "health_deadline", "restart_wait"):
@@ -273,7 +276,7 @@ def _serve(a, plan: dict | None, keys=None, admin_keys=None) -> int:
     failover = Failover(stages + (standbys_from_plan(plan) if plan else []), health=client.health,
                         set_next=client.set_next, engine=engine.call, open_pipe=pipes.into, metrics=metrics,
                         interval=a.health_interval, deadline=a.health_deadline, restart_wait=a.restart_wait,
-                        on_lost=_on_lost(a.on_stage_lost, a.log_file))
+                        on_lost=_on_lost(a.on_stage_lost, a.log_file), misses=a.health_misses)
     failover.start()
     try:
         cfg = ServerConfig(name, context, kv, keys, a.max_body_bytes, a.default_max_tokens, admin_keys=admin_keys,

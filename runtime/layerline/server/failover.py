@@ -1,9 +1,15 @@
 """Failover: the server's health monitor, its route, and what it does when a stage goes away.
 
 Every `interval` seconds a probe thread per stage (actives and standbys) sends the `health`
-control op with a deadline. A stage that misses it is down: one log line naming its host and
-control endpoint, `layerline_stage_up{host,role}` 0. A stage that answers with another pid than
-before was restarted between two probes (its caches are gone just the same).
+control op with a deadline. Workers answer it on a thread of their own, so a long forward does
+not delay the answer; one slow answer on a loaded machine is still no reason to fail over. A
+stage is down after `misses` consecutive missed deadlines (a window of misses x deadline
+seconds; --health-misses, default 2), or at once when nothing listens at its control port any
+more (the connection is refused: its process is gone; a SIGKILLed worker is failed over within
+the probe interval). Down is one log line naming its host and control endpoint,
+`layerline_stage_up{host,role}` 0; a miss below the limit is a log line of its own. A stage that
+answers with another pid than before was restarted between two probes (its caches are gone just
+the same).
 
 When an active stage is down (or restarted), the coordinator thread
 1. pauses the engine (Engine.fail_over): a new wire epoch, so a stage drops what is still on its
@@ -41,11 +47,20 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..errors import LayerlineError
+from ..pipeline import REFUSED, VERSION
 from .route import Route, StageState
 
 log = logging.getLogger("layerline.server")
 
 UP, DOWN, RESTARTED = "up", "down", "restarted"
+MISSES = 2   # consecutive missed health deadlines that make a stage down (--health-misses)
+
+
+def is_down(misses: int, limit: int, error: LayerlineError) -> bool:
+    """Whether a stage that has now missed `misses` health checks in a row (the last with
+    `error`) is down: `limit` misses, one whose connection was refused (its process is gone), or
+    one that runs other code than the server (layerline.version: it cannot be routed through)."""
+    return misses >= limit or getattr(error, "code", None) in (REFUSED, VERSION)
 
 
 @dataclass
@@ -70,12 +85,15 @@ class Failover:
 
     def __init__(self, stages: list[StageState], *, health: Callable, set_next: Callable, engine: Callable,
                  open_pipe: Callable, metrics=None, interval: float = 0.5, deadline: float = 2.0,
-                 restart_wait: float = 30.0, on_lost: Callable | None = None):
+                 restart_wait: float = 30.0, on_lost: Callable | None = None, misses: int = MISSES):
         self.stages = stages
         self.route = Route([s for s in stages if s.role == "active"])
         self.health, self.set_next, self.engine, self.open_pipe = health, set_next, engine, open_pipe
         self.metrics = metrics
         self.interval, self.deadline, self.restart_wait = interval, deadline, restart_wait
+        if misses < 1:
+            raise LayerlineError(f"--health-misses {misses}: must be at least 1")
+        self.misses = misses
         self.on_lost = on_lost
         self.events: queue.SimpleQueue = queue.SimpleQueue()
         self.lock = threading.Lock()
@@ -134,10 +152,12 @@ class Failover:
     # -- probes (one thread per stage)
 
     def _probe_loop(self, s: StageState) -> None:
+        misses = 0   # in a row
         while not self.stop_ev.is_set() and not s.retired:
             t0 = time.monotonic()
             try:
                 h = self.health(s, self.deadline)
+                misses = 0
                 pid = h.get("pid") if isinstance(h.get("pid"), int) else None
                 with self.lock:
                     was_up, old_pid = s.up, s.pid
@@ -151,14 +171,23 @@ class Failover:
                                 "are gone", s.host, s.control, old_pid, pid)
                     self.events.put((RESTARTED, s))
             except LayerlineError as e:
+                misses += 1
+                down = is_down(misses, self.misses, e)
                 with self.lock:
                     was_up = s.up
-                    s.up, s.error = False, str(e)
-                    self._gauge(s, 0)
-                if was_up is not False:
-                    log.warning("stage %s (%s) at %s is down: no answer to health within %.1f s",
-                                s.host, s.role, s.control, self.deadline)
+                    s.error = str(e)
+                    if down:
+                        s.up = False
+                        self._gauge(s, 0)
+                if down and was_up is not False:
+                    code = getattr(e, "code", None)
+                    why = ("its process is gone (connection refused)" if code == REFUSED else str(e) if code == VERSION
+                           else f"no answer to {misses} health checks in a row, {self.deadline:g} s each")
+                    log.warning("stage %s (%s) at %s is down: %s", s.host, s.role, s.control, why)
                     self.events.put((DOWN, s))
+                elif not down:
+                    log.info("stage %s at %s missed a health check (%d of %d in a row before it counts as down): %s",
+                             s.host, s.control, misses, self.misses, e)
             except Exception as e:  # noqa: BLE001 - a probe never dies
                 log.warning("stage %s at %s: health probe failed: %s", s.host, s.control, e)
             self.stop_ev.wait(max(0.0, self.interval - (time.monotonic() - t0)))

@@ -54,7 +54,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--next-key", default=None,
                    help="the next stage's public key: its host name in KEYS/peers/, a .key file or z85 text")
     p.add_argument("--curve", default="auto", choices=["auto", "on"],
-                   help="auto: CURVE on every socket whose address is not loopback; on: on every socket")
+                   help="kept for existing command lines: both values run CURVE on every socket, loopback included")
     p.add_argument("--name", default=None, help="name reported in timings and errors")
     p.add_argument("--ready-file", default=None)
     p.add_argument("--control", default=None)
@@ -80,6 +80,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="KV bytes this stage may hold across sequences (the plan's kv_bytes)")
     p.add_argument("--expert-cache-bytes", type=int, default=None,
                    help="page routed experts from disk through an LRU cache of this many bytes")
+    p.add_argument("--layerline-version", default=None, metavar="V",
+                   help="the controller's layerline version (layerline.version.full()): a worker on other code "
+                        "refuses to start; in the argv, so a worker restarts when the controller's code changes")
     a = p.parse_args(argv)
     if a.probe:
         return a
@@ -154,6 +157,11 @@ def main(argv: list[str] | None = None) -> int:
             from ..probe import probe
             print(json.dumps(probe(args.checkpoint, device=args.device)))
             return 0
+        from .. import version
+        if args.layerline_version and args.layerline_version != version.full():
+            raise LayerlineError(f"--layerline-version: the controller runs layerline {args.layerline_version}, this "
+                                 f"host's {sys.executable} has {version.full()}; re-run deploy.yml so the runtime role "
+                                 "installs the controller's version here")
         from ..model import cpu_kernels
         from .serve import Worker
         w = Worker(args)

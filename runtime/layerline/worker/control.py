@@ -3,7 +3,8 @@
 health (name, pid, layers, next hop and its host, uptime, CURVE), stats (counters, sequences held,
 compile and kernel state, the timed step, paged experts), set_next (a new next hop: a host name
 whose key is in the keys dir's peers/), shutdown. Only the controller's key gets in
-(layerline.worker.sockets). A bad op gets an error reply and counts as rejected.
+(layerline.worker.sockets). A bad op gets an error reply and counts as rejected. Answered on the
+worker's control thread (layerline.worker.serve), never behind a forward.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from typing import TYPE_CHECKING
 import zmq
 
 from .. import keys as keymod
-from .. import wire
+from .. import version, wire
 from ..model import cpu_kernels
 
 if TYPE_CHECKING:
@@ -31,7 +32,8 @@ def answer(w: "Worker", h: dict) -> dict:
     if op == "health":
         return {"op": "ok", "name": w.name, "pid": os.getpid(), "layers": [w.args.start, w.args.end],
                 "next": net.next_addr, "uptime_s": time.time() - c.stats.started,
-                "curve": net.curve_bind, "next_key": net.next_key}
+                "curve": net.curve_bind, "next_key": net.next_key, "version": version.full(),
+                "protocol": wire.PROTOCOL}
     if op == "stats":
         s = c.stats
         reply = {"op": "ok", "name": w.name, "requests": s.requests, "errors": s.errors,
@@ -65,6 +67,9 @@ def handle(w: "Worker", frames: list) -> None:
     h = None
     try:
         h, _ = wire.decode(body)
+        bad = version.mismatch(body[0], "the controller", f"stage {w.name}")
+        if bad:
+            raise wire.WireError(bad)
         reply = answer(w, h)
     except Exception as e:  # noqa: BLE001
         w.compute.stats.rejected += 1

@@ -2,18 +2,24 @@
 
 Every data message is validated; any failure becomes an error reply (to the sender, and to the
 driver's reply_to when it names one), never a dead worker. `op: release, seq` frees a sequence's
-KV cache here and on every later stage. Control messages are answered between data messages
-(layerline.worker.control).
+KV cache here and on every later stage.
+
+Two threads: the compute thread (the process's main thread) reads the data socket and runs each
+forward; the control thread owns the control socket and answers it (layerline.worker.control)
+whatever the compute thread is doing, so a long prefill on a loaded machine never makes a worker
+miss its health deadline. The only thing both touch is the DEALER to the next stage, which a
+set_next swaps under Sockets.next_lock.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import threading
 import time
 
 import zmq
 
-from .. import awake, wire
+from .. import awake, version, wire
 from ..errors import LayerlineError
 from ..files import atomic_write_json
 from ..model import cpu_kernels
@@ -46,7 +52,7 @@ class Worker:
                 "device": self.args.device, "curve": self.net.curve_bind, "compile": self.args.compile,
                 "compiled": c.stage.compiled, "compile_s": c.compile_s,
                 "compile_error": c.stage.compile_error, "kernels": cpu_kernels.status(),
-                "step_s": c.step_s, "time": time.time()}
+                "step_s": c.step_s, "version": version.full(), "protocol": wire.PROTOCOL, "time": time.time()}
         os.makedirs(os.path.dirname(os.path.abspath(self.args.ready_file)), exist_ok=True)
         atomic_write_json(self.args.ready_file, info, mode=0o644)
 
@@ -56,6 +62,9 @@ class Worker:
         h = None
         try:
             h, tensors = wire.decode(body)
+            bad = version.mismatch(body[0], "the sender", f"stage {self.name}")
+            if bad:   # a peer on other code: refused, naming both versions (to the sender and reply_to)
+                raise wire.WireError(bad)
             if h["op"] == "release":
                 seq = wire.require(h, "seq", str)
                 self.compute.kv.release(seq)
@@ -103,25 +112,40 @@ class Worker:
         except Exception:  # noqa: BLE001 - an unreachable asker is not a reason to die
             pass
 
+    POLL_MS = 200   # how soon either thread sees `running` go false (shutdown, SIGTERM)
+
     def serve(self) -> None:
         net = self.net
+        self.control_thread = threading.Thread(target=self.serve_control, name="layerline-control", daemon=True)
+        self.control_thread.start()
+        self.write_ready()
         poller = zmq.Poller()
         poller.register(net.data, zmq.POLLIN)
-        poller.register(net.control, zmq.POLLIN)
-        self.write_ready()
+        try:
+            while self.running:
+                if poller.poll(self.POLL_MS):
+                    frames = net.data.recv_multipart(copy=False)
+                    if len(frames) >= 2:
+                        self.handle_data(frames)
+                        self.awake.poke()  # the next message is due within a pipeline's step
+        finally:
+            self.running = False
+            self.close()
+
+    def serve_control(self) -> None:
+        """The control thread: answers the control socket while the compute thread computes."""
+        poller = zmq.Poller()
+        poller.register(self.net.control, zmq.POLLIN)
         while self.running:
-            for sock, _ in poller.poll(500):
-                frames = sock.recv_multipart(copy=False)
-                if len(frames) < 2:
-                    continue
-                if sock is net.data:
-                    self.handle_data(frames)
-                    self.awake.poke()  # the next message is due within a pipeline's step
-                else:
+            if poller.poll(self.POLL_MS):
+                frames = self.net.control.recv_multipart(copy=False)
+                if len(frames) >= 2:
                     control.handle(self, frames)
-        self.close()
 
     def close(self) -> None:
+        t = getattr(self, "control_thread", None)
+        if t is not None:
+            t.join(5)   # it sees running false within POLL_MS: its socket closes after it stops
         self.awake.close()
         self.net.close()
         if self.args.ready_file:

@@ -7,8 +7,9 @@ DEALERs to drivers' result sockets (reply_to), the most recent MAX_REPLY_PEERS k
 CURVE (layerline.keys), with this host's keys from --keys DIR (required): the control socket
 runs it always, loopback included, and lets in only the controller's key (DIR/allowed/
 controller.key), so no other process can stop, redirect or even probe a worker. Every other
-socket runs it when its address is not loopback (--curve auto), or always (--curve on); the
-data socket lets in only clients whose public key is in DIR/allowed/; the DEALER to --next
+socket runs it too, loopback included (--curve auto and on alike: keys.curve_on), so a local
+process without the deployment's keys can neither use the model nor release or rewind a
+sequence; the data socket lets in only clients whose public key is in DIR/allowed/; the DEALER to --next
 trusts only the key DIR/peers/NEXT.key (--next-key NEXT: a host name, a .key file or the z85
 key); results go to a driver's reply_to only as the holder of DIR/peers/controller.key, never
 to a key a message names.
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import threading
 from collections import OrderedDict
 
 import zmq
@@ -37,13 +39,7 @@ class Sockets:
         self.args, self.name = args, name
         self.control_addr = args.control or control_endpoint(args.bind)
         self.curve_bind = keymod.curve_on(args.curve, args.bind)
-        if args.curve == "on":
-            why = "--curve on"
-        elif self.curve_bind:
-            why = f"--bind {args.bind} is not loopback, so CURVE is on for it"
-        else:
-            why = (f"the control socket {self.control_addr} runs CURVE always (only the controller's key may stop or "
-                   "redirect a worker)")
+        why = "every worker socket runs CURVE, loopback included (only the deployment's keys may use a worker)"
         self.keys = keymod.load_host_keys(args.keys, "--keys", why, hint=keymod.LOCAL_HINT)
         if self.keys.controller is None:
             raise keymod.KeysError(f"--keys {args.keys}: has no allowed/{keymod.CONTROLLER}.key, the one key the "
@@ -53,6 +49,7 @@ class Sockets:
             self.keys.server_key(args.next_key, "--next-key")
         self.ctx = self.auth = self.data = self.control = None
         self.next = None
+        self.next_lock = threading.Lock()   # the control thread's set_next swaps what the compute thread sends on
         self.next_addr: str | None = None
         self.next_key: str | None = None
         self.peers: OrderedDict[str, zmq.Socket] = OrderedDict()
@@ -102,11 +99,12 @@ class Sockets:
         if keymod.curve_on(self.args.curve, addr):
             server = self.keys.server_key(key, "next_key" if names_only else "--next-key", names_only=names_only)
         s = self._dealer(addr, server, "next")   # on failure the old route stays
-        if self.next is not None:
-            self.next.close(linger=1000)
-        # the next hop's host name is reported (health) even without CURVE on this link: the
-        # server follows it to find each stage's key for the control socket
-        self.next, self.next_addr, self.next_key = s, addr, key
+        with self.next_lock:
+            if self.next is not None:
+                self.next.close(linger=1000)
+            # the next hop's host name is reported (health): the server follows it to find each
+            # stage's key for the control socket
+            self.next, self.next_addr, self.next_key = s, addr, key
 
     def _dealer(self, addr: str, server, what: str) -> zmq.Socket:
         """A DEALER connected to addr (CURVE toward `server`'s key when given); closed again when the
@@ -147,7 +145,8 @@ class Sockets:
                                  "full); check that worker's health") from None
 
     def send_next(self, msg: list) -> None:
-        self.send(self.next, msg, self.next_addr)
+        with self.next_lock:
+            self.send(self.next, msg, self.next_addr)
 
     def close(self) -> None:
         for s in [self.data, self.control, self.next, *self.peers.values()]:
