@@ -33,7 +33,8 @@ def cluster(tmp_path_factory):
     c = Cluster.from_path(ROOT / "inventory", extravars=extra, stream=progress)
     yield c, home, ckpt, progress
     try:
-        c.teardown()
+        if list((home / "state").glob("*/ready.json")):   # the test's own teardown did not run to its end
+            c.teardown()
     except LayerlineError:
         pass
     c.close()

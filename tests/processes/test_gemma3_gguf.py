@@ -41,11 +41,27 @@ def gemma() -> Path:
 
 @pytest.fixture(scope="module")
 def reference(gemma):
-    """transformers' tokenizer ids of TEXTS and greedy new tokens of PROMPTS, from the GGUF."""
-    tok = transformers.AutoTokenizer.from_pretrained(str(gemma.parent), gguf_file=gemma.name)
+    """transformers' tokenizer ids of TEXTS and greedy new tokens of PROMPTS, from the GGUF.
+
+    transformers opens the file three times (the tokenizer, the config, the weights), and gguf's reader
+    spends most of each on the 262,144 vocabulary entries: here it reads the file once and hands the
+    same reader (read-only, a memory map) to all three; what transformers makes of it is unchanged."""
+    import gguf
+    readers: dict = {}
+    read = gguf.GGUFReader
+
+    def once(path, mode="r"):
+        key = (str(path), mode)
+        if key not in readers:
+            readers[key] = read(path, mode)
+        return readers[key]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf, "GGUFReader", once)
+        tok = transformers.AutoTokenizer.from_pretrained(str(gemma.parent), gguf_file=gemma.name)
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(gemma.parent), gguf_file=gemma.name,
+                                                                  dtype=torch.float32).eval()
+    assert len(readers) == 1, readers
     ids = [tok(t)["input_ids"] for t in TEXTS]
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(gemma.parent), gguf_file=gemma.name,
-                                                              dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None  # NEW_TOKENS each, as --ignore-eos
     want = []
     with torch.no_grad():
