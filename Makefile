@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
 
-.PHONY: setup demo test test-unit fuzz lint molecule bench bench-llamacpp clean teardown
+.PHONY: setup demo test test-unit fuzz lint molecule bench bench-llamacpp clean teardown collection
 
 setup: $(VENV)/.layerline-stamp
 
@@ -59,6 +59,13 @@ lint: setup
 		$(BIN)/ansible-doc -M modules/library "$$(basename $$m .py)" | grep -q OPTIONS \
 			|| { echo "ansible-doc $$m: no OPTIONS section" >&2; exit 1; }; \
 	done
+	# the collection as users install it: ansible-doc shows every module and filter, ansible-lint passes there
+	$(BIN)/python scripts/collection.py check "$$($(BIN)/python scripts/collection.py build)"
+
+# the Ansible collection layerline.layerline (galaxy.yml made with the package's version), as a tarball in
+# .cache/collection: ansible-galaxy collection install .cache/collection/layerline-layerline-*.tar.gz
+collection: setup
+	$(BIN)/python scripts/collection.py build
 
 # the molecule scenarios (default: the embedded inventory; multihost: namespace hosts, needs root);
 # tests/deploy/test_deployment.py and tests/multihost/test_multihost.py run the same deploys in `make test`

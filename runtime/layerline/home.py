@@ -141,4 +141,8 @@ class ControllerHome:
 def wheel_dir(home: "str | os.PathLike | None", source: "str | os.PathLike") -> str:
     """Where the runtime role builds the layerline wheel: HOME/wheels, or SOURCE/.cache/wheels (the checkout
     the wheel is built from) for a play without a layerline_home."""
-    return ControllerHome.of(home if home not in (None, "") else os.path.join(os.fspath(source), ".cache")).wheels
+    if home in (None, ""):
+        from .version import source_root
+        src = os.fspath(source) or source_root()
+        home = os.path.join(src, ".cache") if src else os.path.join(os.path.expanduser("~"), ".cache", "layerline")
+    return ControllerHome.of(home).wheels

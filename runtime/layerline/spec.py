@@ -18,6 +18,7 @@ from .endpoints import LOOPBACK, endpoint_host, is_loopback, is_wildcard
 from .errors import LayerlineError
 from .keys import secret_file
 from .planner import Plan
+from .version import INSTALLED, source_root
 from .settings import COMPILE_READY_TIMEOUT_S, READY_TIMEOUT_S, HostSettings  # noqa: F401 - re-exported
 
 SettingsLike = HostSettings | dict
@@ -207,10 +208,18 @@ class RuntimeSpec:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
 
 
+def runtime_source(source: str = "") -> str:
+    """What the runtime role builds the wheel from: the source given, else the checkout the controller's layerline
+    runs from (layerline.version.source_root), else "installed": build_wheel.py repacks the installed
+    distribution (a controller that pip-installed layerline and runs the collection's roles)."""
+    return source or source_root() or INSTALLED
+
+
 def runtime_spec(host: str, hvars: SettingsLike, dependencies: dict, controller_python: str, role_path: str,
                  source: str, wheel_dir: str) -> RuntimeSpec:
     """The runtime role's spec: dependencies maps distribution to import name; the wheel is built from
-    source into wheel_dir by the role's files/build_wheel.py under the controller's interpreter."""
+    source (runtime_source) into wheel_dir by the role's files/build_wheel.py under the controller's interpreter."""
+    source = runtime_source(source)
     python = HostSettings.of(host, hvars).runtime_interpreter
     return RuntimeSpec(python=python, version_argv=(python, "-c", VERSION_CODE),
                        missing_argv=(python, "-c", MISSING_CODE, json.dumps(dict(dependencies), sort_keys=True)),

@@ -13,6 +13,8 @@ import tomllib
 from importlib import metadata
 
 DISTRIBUTION = "layerline"
+# build_wheel.py's SOURCE for "no checkout: repack the distribution this interpreter has installed"
+INSTALLED = "installed"
 
 
 def source_root() -> str | None:
