@@ -126,14 +126,20 @@ class ControllerHome:
             raise LayerlineError(f"{self.plan}: not a JSON object; run deploy.yml again to plan anew")
         return plan
 
-    def save(self, what: str, value, mode: int = 0o600) -> bool:
-        """Write one of the home's files atomically; True when its bytes changed. route.json keeps only
-        the route state's own keys (layerline.routes.DrainState)."""
+    @staticmethod
+    def stored(what: str, value):
+        """The data save() writes for a value: route.json keeps only the route state's own keys
+        (layerline.routes.DrainState). Check mode compares it with what the file holds."""
         if what == "route":
             from .routes import DrainState
-            value = DrainState.from_dict(value).to_dict()
-        elif what == "plan" and not (isinstance(value, dict) and "stages" in value):
+            return DrainState.from_dict(value).to_dict()
+        if what == "plan" and not (isinstance(value, dict) and "stages" in value):
             raise LayerlineError("plan.json: refusing to keep a plan without stages (run the Plan play first)")
+        return value
+
+    def save(self, what: str, value, mode: int = 0o600) -> bool:
+        """Write one of the home's files atomically (the data stored() gives); True when its bytes changed."""
+        value = self.stored(what, value)
         os.makedirs(self.root, exist_ok=True)
         return atomic_write_json(self.file(what), value, mode, if_changed=True)
 

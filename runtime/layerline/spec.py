@@ -151,8 +151,11 @@ def demo_checkpoint_argv(hvars: SettingsLike, python: str = "python3", host: str
 
 
 def index_argv(hvars: SettingsLike, python: str = "python3", host: str = "controller") -> list[str]:
-    """The controller's command that prints the checkpoint's tensor index and ModelCost as JSON (headers only)."""
-    return [python, "-m", "layerline.cli", "index", HostSettings.of(host, hvars).checkpoint_path, "--json"]
+    """The controller's command that prints the checkpoint's tensor index and ModelCost as JSON (headers only);
+    with layerline_demo_checkpoint, a checkpoint not written yet (check mode) indexes the demo it would be."""
+    hs = HostSettings.of(host, hvars)
+    return [python, "-m", "layerline.cli", "index", hs.checkpoint_path, "--json",
+            *(["--demo-if-missing"] if hs.demo_checkpoint else [])]
 
 
 @dataclass(frozen=True)
