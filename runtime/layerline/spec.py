@@ -38,8 +38,13 @@ class WorkerSpec:
     # record_step, less measured_s): the next plan's factor for this device, precision and compile
     step: dict = field(default_factory=dict)
 
+    @property
+    def inputs(self) -> list[str]:
+        """What the worker reads when it starts besides its argv: a change restarts it (layerline_worker inputs)."""
+        return [self.keys_dir]
+
     def to_dict(self) -> dict:
-        return asdict(self) | {"argv": list(self.argv)}
+        return asdict(self) | {"argv": list(self.argv), "inputs": self.inputs}
 
 
 def planned_worker(plan: Plan, host: str, hvars: SettingsLike, python: str | None = None) -> dict:
@@ -308,9 +313,16 @@ class ServerSpec:
         message is printed verbatim by Ansible's YAML output, so the line pastes as printed)."""
         return f"serving at {self.endpoint} ; try:\n{self.curl}"
 
+    @property
+    def inputs(self) -> list[str]:
+        """What the server reads when it starts besides its argv (its CURVE keys, the admin key, the API keys
+        when keyed): a change restarts it (layerline_worker inputs)."""
+        keys = self.argv[self.argv.index("--keys") + 1] if "--keys" in self.argv else None
+        return [p for p in (keys, self.admin_key_file, self.api_keys_file if self.keyed else None) if p]
+
     def to_dict(self) -> dict:
         return asdict(self) | {"argv": list(self.argv), "key_dirs": list(self.key_dirs),
-                               "endpoint": self.endpoint, "banner": self.banner}
+                               "endpoint": self.endpoint, "banner": self.banner, "inputs": self.inputs}
 
 
 def server_spec(hvars: SettingsLike, python: str = "python3", host: str = "controller") -> ServerSpec:
