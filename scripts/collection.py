@@ -55,8 +55,13 @@ def galaxy(version: str) -> dict:
 
 
 def _yaml(value) -> str:
-    """YAML as JSON (JSON is YAML): no yaml writer needed, and nothing is reinterpreted."""
-    return json.dumps(value, indent=2) + "\n"
+    """Block YAML with lines folded under ansible-lint's limit."""
+    import yaml
+
+    class Indented(yaml.SafeDumper):  # list items indented under their key, as yamllint expects
+        def increase_indent(self, flow=False, indentless=False):
+            return super().increase_indent(flow, False)
+    return yaml.dump(value, Dumper=Indented, width=100, sort_keys=False, default_flow_style=False)
 
 
 def filter_docs(filter_file: Path) -> dict[str, dict]:
@@ -81,11 +86,12 @@ def filter_docs(filter_file: Path) -> dict[str, dict]:
         out[name] = {
             "DOCUMENTATION": {
                 "name": name, "author": "layerline", "short_description": short,
-                "description": [line for line in (doc or f"The {name} filter.").split("\n\n") if line.strip()],
+                "description": [" ".join(para.split()) for para in (doc or f"The {name} filter.").split("\n\n")
+                                if para.strip()],
                 "positional": ", ".join(p.name for p in params[1:]) or None,
                 "options": options,
             },
-            "EXAMPLES": f"# {{{{ {params[0].name} | {FQ}.{name}({args}) }}}}\n",
+            "EXAMPLES": f"# {{{{ {params[0].name} | {FQ}.{name}({args}) }}}}",
             "RETURN": {"_value": {"description": f"What {name} gives (see the description).", "type": "raw"}},
         }
         if out[name]["DOCUMENTATION"]["positional"] is None:
@@ -98,13 +104,11 @@ def build(out: Path) -> Path:
     with tempfile.TemporaryDirectory(prefix="layerline-collection-") as tmp:
         src = Path(tmp) / NAME
         shutil.copytree(DEV, src, symlinks=False, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-        (src / "galaxy.yml").write_text(_yaml(galaxy(version)))
+        (src / "galaxy.yml").write_text("---\n" + _yaml(galaxy(version)))
         shutil.copy2(ROOT / "LICENSE", src / "LICENSE")
         for f in sorted((src / "plugins" / "filter").glob("*.py")):
             for name, doc in filter_docs(f).items():
-                (src / "plugins" / "filter" / f"{name}.yml").write_text(
-                    "---\n" + "".join(f"{k}: {_yaml(v) if k != 'EXAMPLES' else json.dumps(v) + chr(10)}"
-                                      for k, v in doc.items()))
+                (src / "plugins" / "filter" / f"{name}.yml").write_text("---\n" + _yaml(doc))
         out.mkdir(parents=True, exist_ok=True)
         tarball = out / f"{NAMESPACE}-{NAME}-{version}.tar.gz"
         r = subprocess.run([str(BIN / "ansible-galaxy"), "collection", "build", str(src), "--output-path", str(out),

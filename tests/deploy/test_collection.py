@@ -96,7 +96,7 @@ def test_the_installed_collection_deploys_drives_drains_and_tears_down(tmp_path)
         "vars": {"ansible_connection": "local", "ansible_python_interpreter": sys.executable,
                  "layerline_home": str(home), "layerline_checkpoint": str(ckpt), "layerline_demo_checkpoint": False,
                  "layerline_serve_port": PORT_BASE + 90, "layerline_policy": "uniform", "layerline_seq": 6,
-                 "layerline_nice": 19, "layerline_probe_serial": True, "layerline_reserve_ram_gb": 0}}}, indent=1))
+                 "layerline_nice": 10, "layerline_probe_serial": True, "layerline_reserve_ram_gb": 0}}}, indent=1))
     (project / "site.yml").write_text(USER_PLAYBOOK)
 
     pids: dict = {}
