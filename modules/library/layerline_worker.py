@@ -303,11 +303,10 @@ def main():
     digest = inputs_digest(p["inputs"], dict((str(k), str(v)) for k, v in (p["env"] or {}).items()))
     # a worker that runs with this argv but was started before its keys, API keys or environment changed
     inputs_changed = False
-    if state == "started":
+    recorded = recorded_digest(state_dir)
+    if state == "started" and recorded is not None and recorded != digest:  # status costs a process: only then
         _, status = supervise(module, python, "status", state_dir)
-        recorded = recorded_digest(state_dir)
-        inputs_changed = (bool(status.get("running")) and status.get("argv") == p["argv"]
-                          and recorded is not None and recorded != digest)
+        inputs_changed = bool(status.get("running")) and status.get("argv") == p["argv"]
         if inputs_changed:
             state = "restarted"
             result["restarted_for"] = "inputs (keys, API keys or environment) changed"
