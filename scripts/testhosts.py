@@ -454,7 +454,7 @@ def up(lay: Layout, n: int, out: Path, python: str, port: int, mem_limits: list[
         + json.dumps(inventory, indent=2) + "\n")  # JSON is YAML; no yaml dependency here
     (out / "home").mkdir(exist_ok=True)
 
-    for name, h in hosts.items():
+    for h in hosts.values():
         _wait_for(lambda h=h: _port_open(h["addr"]), 20, f"sshd in {h['namespace']}")
     info = {"prefix": lay.prefix, "subnet": str(lay.net), "bridge": lay.bridge, "controller_addr": str(lay.gateway),
             "out": str(out), "inventory": str(out / "inventory.yml"), "ssh_config": str(out / "ssh_config"),

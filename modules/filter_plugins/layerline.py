@@ -343,10 +343,12 @@ class FilterModule:
     def filters(self):
         return {f.__name__: f for f in (
             layerline_plan, layerline_route_plan, layerline_check_vars, layerline_settings, layerline_server_host, layerline_home_paths,
-            layerline_worker_spec, layerline_ships_stage, layerline_argv, layerline_host_report, layerline_server_spec, layerline_drive_argv,
+            layerline_worker_spec, layerline_ships_stage, layerline_argv, layerline_host_report, layerline_server_spec,
+            layerline_drive_argv,
             layerline_demo_checkpoint_argv, layerline_index_argv, layerline_keys_spec, layerline_keys_place_argv,
             layerline_wheel_dir, layerline_version, layerline_health_gate, layerline_runtime_spec,
             layerline_runtime_install_argv, layerline_runtime_needs_install,
             layerline_stage_argv, layerline_stage_copy_error, layerline_state_dir, layerline_saved_plan,
-            layerline_route, layerline_route_begin, layerline_route_commit, layerline_plan_to_keep, layerline_host_errors, layerline_drain_outcome, layerline_drain_stops,
+            layerline_route, layerline_route_begin, layerline_route_commit, layerline_plan_to_keep,
+            layerline_host_errors, layerline_drain_outcome, layerline_drain_stops,
             layerline_known_addresses, layerline_peers, layerline_plan_table, layerline_drive_report)}

@@ -186,7 +186,7 @@ def subnet_addresses(subnet):
         net = ipaddress.ip_network(str(subnet).strip(), strict=False)
     except ValueError as e:
         raise DiscoverError("layerline_discover.subnet: %r is not a network in CIDR notation (%s); "
-                            "write it like 10.0.0.0/24" % (subnet, e))
+                            "write it like 10.0.0.0/24" % (subnet, e)) from None
     if net.num_addresses > MAX_ADDRESSES:
         widest = 16 if net.version == 4 else 112
         raise DiscoverError("layerline_discover.subnet: %s is wider than /%d (%d addresses); scan at most "
@@ -218,7 +218,7 @@ def split_host_port(entry, default_port):
                 raise ValueError
         except ValueError:
             raise DiscoverError("layerline_discover.ssh_hosts: %r has port %r; give a port in 1..65535"
-                                % (s, port))
+                                % (s, port)) from None
     else:
         port = default_port
     return host, port
@@ -304,7 +304,7 @@ def discover(ssh_hosts=(), subnet=None, port=22, timeout_ms=300, banner=True, wo
     if todo:
         with ThreadPoolExecutor(max_workers=max(1, min(int(workers), len(todo)))) as pool:
             results = list(pool.map(lambda c: check(c[1], c[2], timeout_s, banner), todo))
-        for (label, host, p, name, report_all), (addr, text, reason) in zip(todo, results):
+        for (label, _host, p, name, report_all), (addr, text, reason) in zip(todo, results):
             if reason is None:
                 if addr in known_set:  # a name for an address the inventory already has
                     skipped.append(label)

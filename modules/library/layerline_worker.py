@@ -17,8 +17,9 @@ description:
     what it runs in C(STATE_DIR/supervisor.json).
   - A start is complete only once the worker has written its ready file, a JSON object that
     includes the worker's C(pid).
-  - Idempotent on the argv. With O(state=started), a running worker whose recorded argv equals
-    O(argv) is left alone; any other argv restarts it.
+  - Idempotent on the argv, the environment and the inputs. With O(state=started), a running worker whose
+    recorded argv equals O(argv) is left alone unless O(env) or the content of O(inputs) changed since it
+    started (recorded in C(STATE_DIR/inputs.json)); any other argv restarts it.
 version_added: "0.1.0"
 author:
   - layerline contributors
@@ -74,14 +75,13 @@ options:
   env:
     description:
       - Extra environment variables for the supervisor and the worker. Values become strings.
-      - Not part of the idempotence check; use O(state=restarted) after changing only this.
+      - A running worker started with other values is restarted.
     type: dict
     default: {}
-  watch:
+  inputs:
     description:
-      - Files or dirs the worker reads once at its start besides O(argv), such as its keys dir (its
-        allow-list of peers). With O(state=started), a worker that started with other contents of
-        them is restarted, as for a changed O(argv).
+      - Files and dirs the process reads when it starts (its keys dir, its API key files). A running
+        worker whose inputs' content changed since it started is restarted; nothing else is.
     type: list
     elements: path
     default: []
@@ -133,6 +133,11 @@ EXAMPLES = r"""
 """
 
 RETURN = r"""
+restarted_for:
+  description: Why a running worker with the same argv was restarted (its O(inputs) or O(env) changed).
+  returned: when that happened
+  type: str
+  sample: inputs (keys, API keys or environment) changed
 name:
   description: The O(name) given.
   returned: always
@@ -193,6 +198,7 @@ msg:
   sample: started stage0
 """
 
+import hashlib
 import json
 import os
 import sys
@@ -221,6 +227,42 @@ def supervise(module, python, command, state_dir, *extra):
         name=p["name"], state=p["state"], state_dir=state_dir)
 
 
+INPUTS_FILE = "inputs.json"
+
+
+def inputs_digest(paths, env):
+    """One digest of the environment and the content of every file under the inputs (missing ones count)."""
+    h = hashlib.sha256(json.dumps(sorted(env.items())).encode())
+    for top in sorted(paths):
+        files = [top]
+        if os.path.isdir(top):
+            files = sorted(os.path.join(d, f) for d, _dirs, names in os.walk(top) for f in names)
+        for path in files:
+            h.update(path.encode() + b"\0")
+            try:
+                with open(path, "rb") as f:
+                    h.update(hashlib.sha256(f.read()).digest())
+            except OSError:
+                h.update(b"missing")
+    return h.hexdigest()
+
+
+def recorded_digest(state_dir):
+    try:
+        with open(os.path.join(state_dir, INPUTS_FILE)) as f:
+            return json.load(f).get("digest")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def record_digest(state_dir, digest):
+    tmp = os.path.join(state_dir, INPUTS_FILE + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump({"digest": digest}, f)
+    os.chmod(tmp, 0o600)
+    os.replace(tmp, os.path.join(state_dir, INPUTS_FILE))
+
+
 def main():
     module = AnsibleModule(
         argument_spec=dict(
@@ -232,8 +274,8 @@ def main():
             ready_timeout=dict(type="float", default=120.0),
             python=dict(type="str"),
             env=dict(type="dict", default={}),
+            inputs=dict(type="list", elements="path", default=[]),
             max_restarts=dict(type="int", default=5),
-            watch=dict(type="list", elements="path", default=[]),
         ),
         required_if=[("state", "started", ["argv"]), ("state", "restarted", ["argv"])],
         supports_check_mode=True,
@@ -258,17 +300,26 @@ def main():
             module.fail_json(msg="layerline_worker %s: max_restarts must be 0 or more, got %d"
                                  % (name, p["max_restarts"]), **result)
         result["argv"] = p["argv"]
+    digest = inputs_digest(p["inputs"], dict((str(k), str(v)) for k, v in (p["env"] or {}).items()))
+    # a worker that runs with this argv but was started before its keys, API keys or environment changed
+    inputs_changed = False
+    recorded = recorded_digest(state_dir)
+    if state == "started" and recorded is not None and recorded != digest:  # status costs a process: only then
+        _, status = supervise(module, python, "status", state_dir)
+        inputs_changed = bool(status.get("running")) and status.get("argv") == p["argv"]
+        if inputs_changed:
+            state = "restarted"
+            result["restarted_for"] = "inputs (keys, API keys or environment) changed"
 
     if module.check_mode:
-        _, status = supervise(module, python, "status", state_dir,
-                              *[a for w in p["watch"] for a in ("--watch", w)])
+        _, status = supervise(module, python, "status", state_dir)
         running = bool(status.get("running"))
         result["supervisor_pid"] = status.get("supervisor_pid")
         if state == "stopped":
             result.update(changed=running, msg=("would stop %s" if running else "%s is not running") % name)
-        elif state == "restarted" or not running or status.get("argv") != p["argv"] or status.get("watch_changed"):
-            what = "start" if not running else "restart" if state == "restarted" else \
-                "restart (argv changed)" if status.get("argv") != p["argv"] else "restart (watched files changed)"
+        elif state == "restarted" or not running or status.get("argv") != p["argv"]:
+            what = ("start" if not running else "restart (its inputs changed)" if inputs_changed
+                    else "restart" if state == "restarted" else "restart (argv changed)")
             result.update(changed=True, msg="would %s %s" % (what, name))
         else:
             ready = status.get("ready")
@@ -285,8 +336,6 @@ def main():
             extra += ["--ready-file", p["ready_file"]]
         if state == "restarted":
             extra.append("--restart")
-        for w in p["watch"]:
-            extra += ["--watch", w]
         rc, answer = supervise(module, python, "start", state_dir, *(extra + ["--"] + p["argv"]))
         result["ready_file"] = answer.get("ready_file")
         if answer.get("ready") is not None:
@@ -295,6 +344,8 @@ def main():
                   log=answer.get("log") or result["log"], msg=answer.get("msg", ""))
     if answer.get("log_tail"):
         result["log_tail"] = answer["log_tail"]
+    if state != "stopped" and rc == 0 and answer.get("state") != "failed":
+        record_digest(state_dir, digest)
     if rc != 0 or answer.get("state") == "failed":
         tail = "\n".join(answer.get("log_tail") or []) or "(nothing)"
         result["msg"] = "layerline_worker %s\nLast lines of %s:\n%s" % (result["msg"], result["log"], tail)

@@ -1,7 +1,10 @@
 """layerline: one transformer split layer-wise across heterogeneous machines."""
 from .errors import LayerlineError
+from .version import package_version
 
-__version__ = "0.1.0"
+# the version is decided in one place, the package metadata (pyproject.toml's [project] version);
+# layerline.version reads it, and reads pyproject.toml itself in a source checkout that was never installed
+__version__ = package_version()
 __all__ = ["LayerlineError", "Cluster", "ClusterError", "__version__"]
 
 

@@ -11,6 +11,7 @@ import shutil
 import sys
 import time
 
+from . import __version__
 from .model import COMPILE_MODES
 from .endpoints import LOOPBACK
 from .errors import LayerlineError
@@ -67,6 +68,17 @@ def _stored_by_type(idx) -> list[tuple[str, int, int]]:
 
 
 def cmd_index(a) -> int:
+    if a.demo_if_missing and not os.path.exists(a.checkpoint):
+        # what `demo-checkpoint CHECKPOINT` would write (deploy.yml --check indexes it without writing it)
+        if a.checkpoint.endswith(".gguf"):
+            a.checkpoint = packaged_smollm2()
+        else:
+            import tempfile
+            from .checkpoint import write_demo_checkpoint
+            with tempfile.TemporaryDirectory(prefix="layerline-demo-") as tmp:
+                a.checkpoint = str(write_demo_checkpoint(os.path.join(tmp, "demo")))
+                a.demo_if_missing = False
+                return cmd_index(a)
     from .checkpoint import open_checkpoint
     from .cost import model_cost
     ck = open_checkpoint(a.checkpoint)
@@ -324,6 +336,7 @@ def cmd_stage_checkpoint(a) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="layerline", description="one transformer split layer-wise across machines")
+    p.add_argument("--version", action="version", version=f"layerline {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     d = sub.add_parser("demo-checkpoint", help="write a deterministic random-init checkpoint (HF layout); "
@@ -353,6 +366,8 @@ def build_parser() -> argparse.ArgumentParser:
     sc.set_defaults(fn=cmd_stage_checkpoint)
 
     i = sub.add_parser("index", help="tensor index and model cost, from headers only")
+    i.add_argument("--demo-if-missing", action="store_true",
+                   help="a CHECKPOINT that is not there: index the demo checkpoint `demo-checkpoint` would write there")
     i.add_argument("checkpoint")
     i.add_argument("--json", action="store_true")
     i.set_defaults(fn=cmd_index)

@@ -124,8 +124,8 @@ class _Run:
 
 def _tag(ed: dict, wrapper: str = "") -> str:
     """Which playbook or role a task came from, for progress lines: probe, plan, layerline_worker, ..."""
-    if ed.get("role"):
-        return str(ed["role"])
+    if ed.get("role"):  # the role's own name, without its collection (layerline.layerline.)
+        return str(ed["role"]).rsplit(".", 1)[-1]
     path = str(ed.get("task_path") or "").rsplit(":", 1)[0]
     if wrapper and path == wrapper:
         return "cluster"

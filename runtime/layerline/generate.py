@@ -57,7 +57,8 @@ def generate(pipe: Pipeline, prompts: list[list[int]], max_new_tokens: int, samp
         raise LayerlineError(f"--max-new-tokens {max_new_tokens}: must be at least 1")
     tag = wire.new_id("g")
     eng = Engine(pipe, max_replays=max_replays, record=True, raise_errors=True, rows=None if batch else False)
-    seqs = [Sequence(f"{tag}-{i}", list(p), max_new_tokens, sampling, frozenset() if eos is None else frozenset([eos] if isinstance(eos, int) else eos),
+    stops = frozenset() if eos is None else frozenset([eos] if isinstance(eos, int) else eos)
+    seqs = [Sequence(f"{tag}-{i}", list(p), max_new_tokens, sampling, stops,
                      gen=torch.Generator().manual_seed(sampling.seed * 1_000_003 + i))
             for i, p in enumerate(prompts)]
     t0 = time.perf_counter()

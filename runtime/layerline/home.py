@@ -126,14 +126,20 @@ class ControllerHome:
             raise LayerlineError(f"{self.plan}: not a JSON object; run deploy.yml again to plan anew")
         return plan
 
-    def save(self, what: str, value, mode: int = 0o600) -> bool:
-        """Write one of the home's files atomically; True when its bytes changed. route.json keeps only
-        the route state's own keys and a pending change (layerline.routes.route_record)."""
+    @staticmethod
+    def stored(what: str, value):
+        """The data save() writes for a value: route.json keeps only the route state's own keys and a
+        pending change (layerline.routes.route_record). Check mode compares it with what the file holds."""
         if what == "route":
             from .routes import route_record
-            value = route_record(value)
-        elif what == "plan" and not (isinstance(value, dict) and "stages" in value):
+            return route_record(value)
+        if what == "plan" and not (isinstance(value, dict) and "stages" in value):
             raise LayerlineError("plan.json: refusing to keep a plan without stages (run the Plan play first)")
+        return value
+
+    def save(self, what: str, value, mode: int = 0o600) -> bool:
+        """Write one of the home's files atomically (the data stored() gives); True when its bytes changed."""
+        value = self.stored(what, value)
         os.makedirs(self.root, exist_ok=True)
         return atomic_write_json(self.file(what), value, mode, if_changed=True)
 
@@ -141,4 +147,8 @@ class ControllerHome:
 def wheel_dir(home: "str | os.PathLike | None", source: "str | os.PathLike") -> str:
     """Where the runtime role builds the layerline wheel: HOME/wheels, or SOURCE/.cache/wheels (the checkout
     the wheel is built from) for a play without a layerline_home."""
-    return ControllerHome.of(home if home not in (None, "") else os.path.join(os.fspath(source), ".cache")).wheels
+    if home in (None, ""):
+        from .version import source_root
+        src = os.fspath(source) or source_root()
+        home = os.path.join(src, ".cache") if src else os.path.join(os.path.expanduser("~"), ".cache", "layerline")
+    return ControllerHome.of(home).wheels

@@ -157,6 +157,14 @@ class Plan:
         """The active stage that takes this stage's output (standbys feed the same next hop)."""
         return next((s for s in self.actives if s.layers[0] == stage.layers[1]), None)
 
+    def placement(self) -> dict:
+        """What the plan places where (hosts, roles, layers, devices, precisions, endpoints): a change here changes
+        the deployment; the predictions that follow measured step times do not (layerline_save's changed, --diff)."""
+        return {"precision": self.precision, "kv": dataclasses.asdict(self.kv),
+                "stages": [{"host": s.host, "role": s.role, "layers": list(s.layers), "device": s.device,
+                            "precision": s.precision, "endpoint": s.endpoint, "standby_for": s.standby_for}
+                           for s in self.stages]}
+
     def to_dict(self) -> dict:
         return {"precision": self.precision, "objective": self.objective, "policy": self.policy,
                 "kv": dataclasses.asdict(self.kv), "num_layers": self.num_layers,

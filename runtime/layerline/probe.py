@@ -310,7 +310,6 @@ def _copy_bandwidth(torch, dev, budget_s: float, nbytes: int) -> float:
     sync = _sync_for(torch, dev)
     seconds = _best_time(lambda: dst.copy_(src), sync, budget_s, min_reps=3, max_reps=20)
     moved = 2 * numel * 4
-    del src, dst
     return float(moved / seconds)
 
 

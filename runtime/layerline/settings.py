@@ -252,7 +252,7 @@ class HostSettings:
             except SettingsError as e:
                 raise SettingsError(f"{e}; fix it in the inventory (or the -e that sets it)") from None
         s = cls(**kw)
-        s.layer_pin        # checked here, so a bad pin fails before anything is measured
+        s.layer_pin  # noqa: B018  (checked here, so a bad pin fails before anything is measured)
         if bool(s.serve_tls_cert) != bool(s.serve_tls_key):
             raise SettingsError("layerline_serve_tls_cert and layerline_serve_tls_key go together: set both (a PEM "
                                 "certificate and its key on the serving host) or neither; fix it in the inventory")

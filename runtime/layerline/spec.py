@@ -19,6 +19,7 @@ from .endpoints import LOOPBACK, endpoint_host, is_loopback, is_wildcard
 from .errors import LayerlineError
 from .keys import secret_file
 from .planner import Plan
+from .version import INSTALLED, source_root
 from .settings import COMPILE_READY_TIMEOUT_S, READY_TIMEOUT_S, HostSettings  # noqa: F401 - re-exported
 
 SettingsLike = HostSettings | dict
@@ -37,13 +38,16 @@ class WorkerSpec:
     # what the launch keeps of the step the worker times at warm-up (the layerline_probe module's
     # record_step, less measured_s): the next plan's factor for this device, precision and compile
     step: dict = field(default_factory=dict)
-    # what the worker reads once at start besides argv: its keys dir (its allow-list). The layerline_worker
-    # module restarts a worker whose watched files changed (layerline.supervise --watch): a change of keys,
-    # a host gone from the inventory, reaches exactly the workers whose keys dir changed
-    watch: tuple[str, ...] = ()
+
+    @property
+    def inputs(self) -> list[str]:
+        """What the worker reads when it starts besides its argv: its keys dir (its allow-list). The
+        layerline_worker module restarts a worker whose inputs changed since it started (the supervisor's
+        --watch digest): a change of keys, a host gone from the inventory, reaches exactly those workers."""
+        return [self.keys_dir]
 
     def to_dict(self) -> dict:
-        return asdict(self) | {"argv": list(self.argv), "watch": list(self.watch)}
+        return asdict(self) | {"argv": list(self.argv), "inputs": self.inputs}
 
 
 def planned_worker(plan: Plan, host: str, hvars: SettingsLike, python: str | None = None) -> dict:
@@ -115,7 +119,6 @@ def worker_spec(plan: Plan, host: str, hvars: SettingsLike, python: str | None =
     if s.compile != "off":
         argv += ["--compile", s.compile, "--compile-cache", hs.worker_compile_cache]
     return WorkerSpec(host=host, argv=tuple(argv), python=python, state_dir=state, ready_file=ready, keys_dir=keys,
-                      watch=(keys,),
                       ready_timeout=hs.ready_timeout(s.compile != "off"), endpoint=str(s.endpoint),
                       step={"device": s.device.split("+")[0], "precision": s.precision, "compile": s.compile,
                             "predicted_s": s.predicted_s, "factor": s.step_factor})
@@ -159,8 +162,11 @@ def demo_checkpoint_argv(hvars: SettingsLike, python: str = "python3", host: str
 
 
 def index_argv(hvars: SettingsLike, python: str = "python3", host: str = "controller") -> list[str]:
-    """The controller's command that prints the checkpoint's tensor index and ModelCost as JSON (headers only)."""
-    return [python, "-m", "layerline.cli", "index", HostSettings.of(host, hvars).checkpoint_path, "--json"]
+    """The controller's command that prints the checkpoint's tensor index and ModelCost as JSON (headers only);
+    with layerline_demo_checkpoint, a checkpoint not written yet (check mode) indexes the demo it would be."""
+    hs = HostSettings.of(host, hvars)
+    return [python, "-m", "layerline.cli", "index", hs.checkpoint_path, "--json",
+            *(["--demo-if-missing"] if hs.demo_checkpoint else [])]
 
 
 @dataclass(frozen=True)
@@ -216,10 +222,18 @@ class RuntimeSpec:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
 
 
+def runtime_source(source: str = "") -> str:
+    """What the runtime role builds the wheel from: the source given, else the checkout the controller's layerline
+    runs from (layerline.version.source_root), else "installed": build_wheel.py repacks the installed
+    distribution (a controller that pip-installed layerline and runs the collection's roles)."""
+    return source or source_root() or INSTALLED
+
+
 def runtime_spec(host: str, hvars: SettingsLike, dependencies: dict, controller_python: str, role_path: str,
                  source: str, wheel_dir: str) -> RuntimeSpec:
     """The runtime role's spec: dependencies maps distribution to import name; the wheel is built from
-    source into wheel_dir by the role's files/build_wheel.py under the controller's interpreter."""
+    source (runtime_source) into wheel_dir by the role's files/build_wheel.py under the controller's interpreter."""
+    source = runtime_source(source)
     python = HostSettings.of(host, hvars).runtime_interpreter
     return RuntimeSpec(python=python, version_argv=(python, "-c", VERSION_CODE),
                        missing_argv=(python, "-c", MISSING_CODE, json.dumps(dict(dependencies), sort_keys=True)),
@@ -306,9 +320,16 @@ class ServerSpec:
         message is printed verbatim by Ansible's YAML output, so the line pastes as printed)."""
         return f"serving at {self.endpoint} ; try:\n{self.curl}"
 
+    @property
+    def inputs(self) -> list[str]:
+        """What the server reads when it starts besides its argv (its CURVE keys, the admin key, the API keys
+        when keyed): a change restarts it (layerline_worker inputs)."""
+        keys = self.argv[self.argv.index("--keys") + 1] if "--keys" in self.argv else None
+        return [p for p in (keys, self.admin_key_file, self.api_keys_file if self.keyed else None) if p]
+
     def to_dict(self) -> dict:
         return asdict(self) | {"argv": list(self.argv), "key_dirs": list(self.key_dirs),
-                               "endpoint": self.endpoint, "banner": self.banner}
+                               "endpoint": self.endpoint, "banner": self.banner, "inputs": self.inputs}
 
 
 def server_spec(hvars: SettingsLike, python: str = "python3", host: str = "controller") -> ServerSpec:
@@ -390,8 +411,8 @@ def curl_line(url: str, body: dict, api_keys_file: str | None = None, ca_file: s
 
 def host_report(plan: Plan | None, host: str, hvars: SettingsLike) -> dict:
     """What layerline.Cluster keeps of a host between steps: its settings (defaults filled in), its
-    variables as given (`vars`: HostSettings.from_vars reads them back), the controller's keys dir, and its worker argv under its worker interpreter ([] when the plan holds no
-    stage for it)."""
+    variables as given (`vars`: HostSettings.from_vars reads them back), the controller's keys dir, and its
+    worker argv under its worker interpreter ([] when the plan holds no stage for it)."""
     hs = HostSettings.of(host, hvars)
     planned = plan is not None and plan.stage(host) is not None
     return hs.facts() | {"keys_controller_dir": hs.controller_home.keys_controller, "vars": hs.to_vars(),

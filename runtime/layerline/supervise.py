@@ -10,11 +10,7 @@ and 1 on failure, ``status`` exits 0; a usage error exits 2 (still with a JSON o
 "msg" names the flag).
 
 ``start`` is idempotent on ARGV: a supervisor of D that runs the same ARGV is left alone
-({"changed": false}); another ARGV (or ``--restart``) stops it and starts anew. ``--watch PATH``
-(repeatable) names what the worker reads once at its start besides ARGV (a worker's keys dir: its
-allow-list): the supervisor records a digest of those files at every start of the worker, and a
-``start`` that finds them changed restarts it too ("restart (watched files changed)"), so a change
-of keys reaches exactly the workers whose keys changed. ``status --watch`` says whether they did. It starts the
+({"changed": false}); another ARGV (or ``--restart``) stops it and starts anew. It starts the
 supervisor detached (its own session, so it outlives the caller) and waits until the
 worker's ready file exists, the supervisor gives up, or ``--ready-timeout`` passes. The
 ready file is ``--ready-file``, else the ``--ready-file`` in ARGV (what a layerline worker is
@@ -41,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import fcntl
-import hashlib
 import json
 import os
 import shlex
@@ -203,43 +198,13 @@ def ready_file_of(argv: list[str], given: str | None, paths: Paths) -> str:
     return paths.resolve(given or READY)
 
 
-def watch_digest(paths: list[str], base: str) -> str | None:
-    """A digest of the watched files (every regular file under each path, dirs walked, by relative name
-    and content; a path that is missing or unreadable counts as such), None when nothing is watched.
-    Relative paths are taken from base (the state dir)."""
-    if not paths:
-        return None
-    h = hashlib.sha256()
-    for top in sorted(os.path.join(base, p) for p in paths):
-        h.update(b"\0path\0" + top.encode())
-        files = [top] if os.path.isfile(top) else sorted(
-            os.path.join(d, f) for d, _, names in os.walk(top) for f in names)
-        if not files:
-            h.update(b"\0missing")
-        for f in files:
-            h.update(b"\0file\0" + os.path.relpath(f, top).encode())
-            try:
-                with open(f, "rb") as fh:
-                    h.update(hashlib.sha256(fh.read()).digest())
-            except OSError as exc:
-                h.update(f"\0unreadable {exc.errno}".encode())
-    return h.hexdigest()
-
-
-def watch_changed(live: dict, watch: list[str], paths: "Paths") -> bool:
-    """Whether the running worker started with other contents of the watched files than they hold now."""
-    return bool(watch) and live.get("watch_digest") != watch_digest(watch, paths.state_dir)
-
-
 # -- the supervisor (the `run` command) -----------------------------------------------------
 
 
 class Supervisor:
-    def __init__(self, paths: Paths, name: str, argv: list[str], ready_file: str, max_restarts: int,
-                 watch: list[str] | None = None):
+    def __init__(self, paths: Paths, name: str, argv: list[str], ready_file: str, max_restarts: int):
         self.paths = paths
         self.argv = argv
-        self.watch = list(watch or [])
         self.ready_file = ready_file
         self.max_restarts = max_restarts
         self.child: subprocess.Popen | None = None
@@ -250,8 +215,7 @@ class Supervisor:
             "pid": os.getpid(), "pid_start": proc_start(os.getpid()), "boot_id": boot_id(),
             "name": name, "argv": argv, "ready_file": ready_file, "log": paths.log,
             "max_restarts": max_restarts, "started_at": time.time(), "restarts": 0,
-            "worker_pid": None, "worker_start": None, "state": "running", "watch": self.watch,
-            "watch_digest": None,
+            "worker_pid": None, "worker_start": None, "state": "running",
         }
 
     def log(self, message: str) -> None:
@@ -290,7 +254,6 @@ class Supervisor:
             pass
         except OSError as exc:
             self.log(f"could not remove ready file {self.ready_file}: {exc}")
-        digest = watch_digest(self.watch, self.paths.state_dir)   # before the start: a change after it restarts
         try:
             child = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=self._log_fd,
                                      stderr=subprocess.STDOUT, close_fds=True)
@@ -299,7 +262,7 @@ class Supervisor:
             self.log(reason)
             self.save(state="failed", reason=reason, exit_status=127, worker_pid=None, worker_start=None)
             return None
-        self.save(worker_pid=child.pid, worker_start=proc_start(child.pid), watch_digest=digest)
+        self.save(worker_pid=child.pid, worker_start=proc_start(child.pid))
         self.log(f"started child pid {child.pid}: {shlex.join(self.argv)}")
         return child
 
@@ -461,7 +424,7 @@ def stop_all(paths: Paths, proc: subprocess.Popen | None = None) -> tuple[bool, 
 # -- the commands ---------------------------------------------------------------------------
 
 
-def cmd_status(paths: Paths, watch: list[str] | None = None) -> tuple[int, dict]:
+def cmd_status(paths: Paths) -> tuple[int, dict]:
     rec = read_dict(paths.state)
     live = running_record(paths)
     out = {"running": live is not None, "supervisor_pid": None, "worker_pid": None, "argv": None,
@@ -472,7 +435,6 @@ def cmd_status(paths: Paths, watch: list[str] | None = None) -> tuple[int, dict]
                    name=live.get("name"), ready_file=live.get("ready_file"), started_at=live.get("started_at"),
                    worker_pid=live.get("worker_pid") if worker_alive(live) else None)
         out["ready"] = read_dict(live["ready_file"]) if live.get("ready_file") else None
-        out["watch_changed"] = watch_changed(live, list(watch or []), paths)
         out["msg"] = f"{live.get('name')} runs (supervisor pid {live['pid']})"
     elif rec:
         why = rec.get("reason") or f"state {rec.get('state')}"
@@ -530,9 +492,7 @@ def cmd_start(paths: Paths, ns, argv: list[str]) -> tuple[int, dict]:
 
 def _start(paths: Paths, ns, argv, name, ready_file, out) -> tuple[int, dict]:
     live = running_record(paths)
-    changed_files = live is not None and watch_changed(live, ns.watch, paths)
-    if live is not None and live.get("argv") == argv and live.get("ready_file") == ready_file and not ns.restart \
-            and not changed_files:
+    if live is not None and live.get("argv") == argv and live.get("ready_file") == ready_file and not ns.restart:
         out["supervisor_pid"] = live["pid"]
         offset = max(0, log_size(paths.log) - 8192)
         ready, why = _wait_ready(ready_file, lambda: running_record(paths) is not None, ns.ready_timeout)
@@ -549,8 +509,7 @@ def _start(paths: Paths, ns, argv, name, ready_file, out) -> tuple[int, dict]:
         return 0, out
 
     out["changed"] = True
-    what = "restart" if ns.restart else "start" if live is None else \
-        "restart (argv changed)" if live.get("argv") != argv else "restart (watched files changed)"
+    what = "restart" if ns.restart else "restart (argv changed)" if live is not None else "start"
     _, old, error = stop_all(paths)
     if error:
         out.update(msg=f"{name}: could not stop the old worker: {error}", log_tail=log_tail(paths.log))
@@ -562,8 +521,7 @@ def _start(paths: Paths, ns, argv, name, ready_file, out) -> tuple[int, dict]:
     env = dict(os.environ)
     env.update(ns.env)
     cmd = [sys.executable, "-m", "layerline.supervise", "run", "--state-dir", paths.state_dir,
-           "--name", name, "--max-restarts", str(ns.max_restarts), "--ready-file", ready_file,
-           *[a for w in ns.watch for a in ("--watch", w)], "--", *argv]
+           "--name", name, "--max-restarts", str(ns.max_restarts), "--ready-file", ready_file, "--", *argv]
     log_fd = os.open(paths.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     try:
         # Its own session: the supervisor outlives this command and the caller's connection;
@@ -580,8 +538,7 @@ def _start(paths: Paths, ns, argv, name, ready_file, out) -> tuple[int, dict]:
     rec = read_dict(paths.state) or {}
     if ready is not None:
         out.update(state="started", ready=ready, worker_pid=rec.get("worker_pid") or ready.get("pid"),
-                   msg=f"{'started' if what == 'start' else 'restarted'}"
-                       f"{' (watched files changed)' if 'watched' in what else ''} {name}",
+                   msg=f"{'started' if what == 'start' else 'restarted'} {name}",
                    log_tail=log_tail(paths.log, offset))
         return 0, out
 
@@ -665,9 +622,6 @@ def build_parser() -> argparse.ArgumentParser:
                        help="restarts in a row, each with under 30 s of uptime, before giving up (default 5)")
         p.add_argument("--ready-file", default=None,
                        help="the worker's ready file (default: --ready-file in ARGV, else STATE_DIR/ready.json)")
-    for p in (start, run):
-        p.add_argument("--watch", action="append", default=[], metavar="PATH",
-                       help="a file or dir the worker reads once at start (its keys dir): a change restarts it")
     start.add_argument("--ready-timeout", type=_positive, default=120.0,
                        help="seconds to wait for the ready file (default 120)")
     start.add_argument("--env", type=_env_pair, action="append", default=[], metavar="K=V",
@@ -675,8 +629,6 @@ def build_parser() -> argparse.ArgumentParser:
     start.add_argument("--restart", action="store_true", help="restart even when ARGV is unchanged")
     for cmd in ("stop", "status"):
         sub.add_parser(cmd).add_argument("--state-dir", required=True)
-    sub.choices["status"].add_argument("--watch", action="append", default=[], metavar="PATH",
-                                       help="report whether these files changed since the worker started")
     return parser
 
 
@@ -704,7 +656,7 @@ def main(args: list[str] | None = None) -> int:
     paths = Paths(ns.state_dir)
     if ns.command == "run":
         supervisor = Supervisor(paths, ns.name or os.path.basename(paths.state_dir), argv,
-                                ready_file_of(argv, ns.ready_file, paths), ns.max_restarts, ns.watch)
+                                ready_file_of(argv, ns.ready_file, paths), ns.max_restarts)
         signal.signal(signal.SIGTERM, supervisor.on_signal)
         signal.signal(signal.SIGINT, supervisor.on_signal)
         return supervisor.run()
@@ -714,7 +666,7 @@ def main(args: list[str] | None = None) -> int:
     elif ns.command == "stop":
         rc, out = cmd_stop(paths)
     else:
-        rc, out = cmd_status(paths, ns.watch)
+        rc, out = cmd_status(paths)
     emit(out)
     return rc
 

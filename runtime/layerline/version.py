@@ -1,23 +1,62 @@
-"""The version a host runs: the package's version and a hash of its code, checked on every connection.
+"""The version a host runs, decided here: the package version and a hash of its code.
 
-A host runs the controller's code only when both match: `full()` is the package version (from
-its metadata) plus a content hash of the installed package's .py and .cpp files, so a host that
-kept old code after the controller's was updated differs even when nobody bumped the version.
-The runtime role compares a host's `full()` with the controller's (`needs_install`) and
-reinstalls exactly the hosts that differ; a worker's argv names the controller's version
-(`--layerline-version`), so exactly those workers restart, and a worker started on other code
-refuses to run.
+The package version comes from one place, pyproject.toml's [project] version: a source checkout
+(this file under SOURCE/runtime/layerline/, an editable install or runtime/ on PYTHONPATH) reads
+SOURCE/pyproject.toml, so a version bumped there counts before the next install; an installed
+wheel answers from its metadata (importlib.metadata). `layerline --version`, the collection's
+galaxy.yml and `full()` read it.
 
-Every ZeroMQ socket carries this side's version and wire protocol in its handshake
-(`stamp`: ZMTP metadata, exchanged once per connection inside CURVE's handshake), and every
-receiver checks the sender's on what it reads (`mismatch`): a message from a peer on other code
-gets one line naming both sides' versions, never a half-understood answer.
+A host runs the controller's code only when `full()` matches: the package version plus a content
+hash of the package's .py and .cpp files, so a host that kept old code after the controller's was
+updated differs even when nobody bumped the version. The runtime role compares a host's `full()`
+with the controller's (`needs_install`) and reinstalls exactly the hosts that differ; a worker's
+argv names the controller's version (`--layerline-version`), so exactly those workers restart,
+and a worker started on other code refuses to run.
+
+Every ZeroMQ socket carries this side's version and wire protocol in its handshake (`stamp`: ZMTP
+metadata, exchanged once per connection inside CURVE's handshake), and every receiver checks the
+sender's on what it reads (`mismatch`): a message from a peer on other code gets one line naming
+both sides' versions, never a half-understood answer.
 """
 from __future__ import annotations
 
 import functools
 import hashlib
 import os
+import tomllib
+from importlib import metadata
+
+DISTRIBUTION = "layerline"
+# build_wheel.py's SOURCE for "no checkout: repack the distribution this interpreter has installed"
+INSTALLED = "installed"
+
+
+def source_root() -> str | None:
+    """The source checkout this package lies in (SOURCE/runtime/layerline/, SOURCE/pyproject.toml naming
+    this distribution), or None for an installed wheel."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return root if pyproject_project(os.path.join(root, "pyproject.toml")).get("name") == DISTRIBUTION else None
+
+
+def pyproject_project(path: str) -> dict:
+    """The [project] table of a pyproject.toml ({} where there is none)."""
+    try:
+        with open(path, "rb") as f:
+            return dict(tomllib.load(f).get("project", {}))
+    except (OSError, tomllib.TOMLDecodeError):
+        return {}
+
+
+def package_version() -> str:
+    """The source checkout's pyproject.toml version, else the installed distribution's metadata."""
+    root = source_root()
+    if root is not None:
+        return str(pyproject_project(os.path.join(root, "pyproject.toml"))["version"])
+    try:
+        return metadata.version(DISTRIBUTION)
+    except metadata.PackageNotFoundError:  # copied files without metadata: say so rather than guess
+        return "0+unknown"
+
 
 PROTOCOL = 1                       # the wire protocol (layerline.wire's header "v")
 HASH_SUFFIXES = (".py", ".cpp", ".c", ".h")

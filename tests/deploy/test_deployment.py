@@ -453,7 +453,7 @@ def test_teardown_stops_every_worker_and_the_server(deployed):
     assert "server" in pids and len(pids) > 2, pids
     playbook("teardown.yml", *extra)
     assert not list((home / "state").glob("*/ready.json"))
-    for name, pid in pids.items():
+    for pid in pids.values():
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
 

@@ -147,6 +147,23 @@ def test_start_is_idempotent_and_restarts_on_argv_change(rig):
     assert moved["ready"]["args"] == ["--layers", "2:4"]
     assert not alive(pid) and not alive(sup)
 
+    # inputs (a keys dir) and env: the same argv restarts exactly when what it read at start changed
+    keys = rig.root / "keys"
+    keys.mkdir()
+    (keys / "self.key").write_text("one")
+    argv = rig.argv("--layers", "2:4")
+    pid = run_module(rig.args(argv=argv, inputs=[str(keys)]))["pid"]
+    same = run_module(rig.args(argv=argv, inputs=[str(keys)]))
+    assert same["changed"] is False and same["pid"] == pid, same
+    (keys / "self.key").write_text("two")
+    checked = run_module(rig.args(argv=argv, inputs=[str(keys)]), check=True)
+    assert checked["changed"] is True and "inputs changed" in checked["msg"] and rig.ready_pid() == pid, checked
+    rekeyed = run_module(rig.args(argv=argv, inputs=[str(keys)]))
+    assert rekeyed["changed"] is True and rekeyed["pid"] != pid and "restarted_for" in rekeyed, rekeyed
+    assert run_module(rig.args(argv=argv, inputs=[str(keys)]))["changed"] is False
+    env = run_module(rig.args(argv=argv, inputs=[str(keys)], env={"LAYERLINE_X": "1"}))
+    assert env["changed"] is True and env["pid"] != rekeyed["pid"], env
+
 
 def test_killed_worker_is_restarted_then_stopped(rig):
     first = run_module(rig.args(argv=rig.argv()))

@@ -139,7 +139,7 @@ def write_big_gguf(path: Path, s: Shape) -> Path:
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
-    for i, (name, shape, t) in enumerate(s.tensors()):
+    for i, (_name, shape, t) in enumerate(s.tensors()):
         rng = np.random.default_rng([s.seed, i])
         w.write_tensor_data(np.ones(shape, np.float32) if t == "F32" else _blocks(rng, shape, t))
     w.close()

@@ -422,7 +422,8 @@ def test_capped_hosts_hold_the_model_no_host_could(big):
         st, cg = proc_status(workers[h]), cgroup_figures(info, h)
         anon_peak = max(watch.workers.get(netns_inode(info["hosts"][h]["namespace"]), 0), st.get("RssAnon", 0))
         peaks[h] = {"layers": s["layers"], "planned_weight": s["weight_bytes"], "planned_kv": s["kv_bytes"],
-                    "budget": s["mem_budget_bytes"], "worker_vmhwm": st.get("VmHWM"), "worker_rss": st.get("VmRSS"), "worker_anon_peak": anon_peak,
+                    "budget": s["mem_budget_bytes"], "worker_vmhwm": st.get("VmHWM"), "worker_rss": st.get("VmRSS"),
+                    "worker_anon_peak": anon_peak,
                     "worker_anon": st.get("RssAnon"), "cgroup_max_usage": cg["max_usage"],
                     "cgroup_failcnt": cg["failcnt"], "oom_kill": cg["oom_kill"], "cap": cg["limit"]}
         assert cg["limit"] == CAP

@@ -2,9 +2,9 @@
 them, and peers without an allowed key that can neither inject into nor read from a worker.
 
 Everything runs on loopback, where CURVE runs as between real hosts (every socket, whatever
---curve says; these workers also say --curve on, the value an inventory may pin). Attackers are plain zmq sockets: one without CURVE, one with a fresh
-keypair nobody allowed, one claiming an allowed public key without its secret, and servers
-impersonating a driver's result socket.
+--curve says; these workers also say --curve on, the value an inventory may pin). Attackers are
+plain zmq sockets: one without CURVE, one with a fresh keypair nobody allowed, one claiming an
+allowed public key without its secret, and servers impersonating a driver's result socket.
 """
 from __future__ import annotations
 

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import openai
 import pytest
-import torch
 from safetensors.torch import load_file, save_file
 
 from test_server import Server

@@ -25,7 +25,6 @@ import re
 import time
 from types import SimpleNamespace
 
-import pytest
 import torch
 import zmq
 

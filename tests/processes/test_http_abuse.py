@@ -5,7 +5,6 @@ with the undisturbed tokens."""
 from __future__ import annotations
 
 import json
-import os
 import random
 import socket
 import threading

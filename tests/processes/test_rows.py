@@ -46,7 +46,7 @@ def test_forward_rows_equals_one_step_per_sequence(tmp_path, arch, one_thread):
     for first, last, lo, hi in ((True, False, 0, 2), (False, True, 2, n)):
         stage = load_stage(ck, lo, hi, first, last, "fp32")
 
-        def inp(t):
+        def inp(t, first=first, stage=stage):
             return (torch.randint(0, 300, (1, t), generator=g) if first
                     else torch.randn(1, t, stage.args.hidden_size, generator=g))
         prompts = [inp(t) for t in lens]

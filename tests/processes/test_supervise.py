@@ -228,12 +228,12 @@ def test_real_worker_under_supervise(rig, small_ckpt):
             "--precision", "fp32", "--kv-context", "64", "--bind", f"tcp://127.0.0.1:{port}",
             "--name", "w", "--ready-file", str(rig.ready), "--first", "--last", "--threads", "1",
             "--keys", kd["w"], "--curve", "on"]
-    watch = ("--name", "w", "--ready-timeout", "120", "--watch", kd["w"])   # its keys dir: a change restarts it
-    rc, out = rig.sv("start", *watch, argv=argv, timeout=180)
+    opts = ("--name", "w", "--ready-timeout", "120")
+    rc, out = rig.sv("start", *opts, argv=argv, timeout=180)
     assert rc == 0, out
     assert out["ready"]["pid"] == out["worker_pid"] and out["ready"]["layers"] == [0, 4]
     assert out["ready_file"] == str(rig.ready)  # found in the worker's own argv
-    rc, again = rig.sv("start", *watch, argv=argv)
+    rc, again = rig.sv("start", *opts, argv=argv)
     assert rc == 0 and again["changed"] is False
     old = out["worker_pid"]
     ctl = f"tcp://127.0.0.1:{port + 1}"
@@ -245,15 +245,15 @@ def test_real_worker_under_supervise(rig, small_ckpt):
     assert control(ctl, "health", keys_dir=kd["controller"], peer="w", timeout_s=30)["pid"] == new
 
     # keys rotate: x, in the keys, gets answers; the keys role's place() drops x (gone from the inventory),
-    # and the next start with the keys dir watched restarts the worker (its argv unchanged), which refuses x
-    rc, same = rig.sv("start", *watch, argv=argv)
+    # and the restart the layerline_worker module asks for when a worker's inputs (its keys dir) changed
+    # (tests/deploy/test_worker_module.py) gives a worker, on the same argv, that refuses x
+    rc, same = rig.sv("start", *opts, argv=argv)
     assert rc == 0 and same["changed"] is False and same["worker_pid"] == new, same
     assert x_is_answered(kd, port)
     public = {n: read_key_file(str(rig.root / "keys" / "store" / f"{n}.key"))[0] for n in ("w", "controller")}
     assert place(kd["w"], "w", public)
-    assert rig.sv("status", "--watch", kd["w"])[1]["watch_changed"] is True
-    rc, rotated = rig.sv("start", *watch, argv=argv, timeout=180)
-    assert rc == 0 and rotated["changed"] is True and rotated["msg"] == "restarted (watched files changed) w", rotated
+    rc, rotated = rig.sv("start", *opts, "--restart", argv=argv, timeout=180)
+    assert rc == 0 and rotated["changed"] is True, rotated
     assert rotated["worker_pid"] != new
     x_pub = read_key_file(str(rig.root / "keys" / "store" / "x.key"))[0].decode()
     assert not x_is_answered(kd, port, timeout_ms=1000)   # the proof is the worker's line below

@@ -77,3 +77,23 @@ def test_runtime_role_wheel_has_the_sources(tmp_path):
     names = set(zipfile.ZipFile(json.loads(r.stdout)["wheel"]).namelist())
     for name in cpu_kernels.sources():
         assert f"layerline/model/csrc/{name}" in names
+
+    # a controller that pip-installed layerline (no checkout): the role repacks the installed distribution,
+    # and that install's version comes from its metadata, the same pyproject.toml version
+    target = tmp_path / "site"
+    pip = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target",
+                          str(target), json.loads(r.stdout)["wheel"]], capture_output=True, text=True, timeout=300)
+    assert pip.returncode == 0, pip.stderr
+    script = ROOT / "roles" / "layerline_runtime" / "files" / "build_wheel.py"
+    again = subprocess.run([sys.executable, "-I", "-c", "import sys, runpy; sys.path.insert(0, sys.argv[1]); "
+                            "sys.argv = sys.argv[2:]; runpy.run_path(sys.argv[0], run_name='__main__')",
+                            str(target), str(script), "installed", str(tmp_path / "repacked")],
+                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    repacked = set(zipfile.ZipFile(json.loads(again.stdout)["wheel"]).namelist())
+    assert {n for n in names if not n.endswith("RECORD")} <= repacked
+    version = subprocess.run([sys.executable, "-I", "-c", "import sys; sys.path.insert(0, sys.argv[1]); "
+                              "import layerline, layerline.version as v; print(layerline.__version__, v.source_root())",
+                              str(target)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    conf = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert version.stdout.split() == [conf["project"]["version"], "None"], version.stderr

@@ -767,7 +767,7 @@ def test_each_layer_adds_the_probed_fixed_cost_and_the_head_streams_at_its_bytes
                  spec("b", BIG, layers=(L // 2, L), layer_s=layer_s)]
         p = plan(specs, mc, opts, "manual")
         add = layer_s if isinstance(layer_s, float) and layer_s > 0 else 0.0
-        for st in actives(p):
+        for st in actives(p):  # noqa: F402 (the loop's stage; the strategies module is not used below)
             a, b = st["layers"]
             assert close(st["predicted_s"], s_time(mc, "bf16", 1e12, 1e11, a, b, 1) + (b - a) * add), (layer_s, st)
     head_only = mc.head_params + (mc.embed_params if mc.tied_embeddings else 0)

@@ -304,12 +304,13 @@ def test_secrets_are_written_by_a_module_not_by_copy_content():
         for task in _tasks(yaml.safe_load(path.read_text())):
             copy = task.get("ansible.builtin.copy") or task.get("copy")
             assert not (isinstance(copy, dict) and "content" in copy), f"{path.relative_to(ROOT)}: {task.get('name')}"
-            save = task.get("layerline_save")
+            save = task.get("layerline.layerline.layerline_save")
             if (isinstance(save, dict) and save.get("file") in ("admin_key", "api_keys")) or \
                     (isinstance(copy, dict) and "secret" in str(copy)):
                 assert task.get("no_log") is True, f"{path.relative_to(ROOT)}: {task.get('name')} must be no_log"
     server = yaml.safe_load((ROOT / "roles" / "layerline_server" / "tasks" / "main.yml").read_text())
-    made = [t["layerline_save"]["file"] for t in server if "layerline_save" in t and "content" not in t["layerline_save"]]
+    save = "layerline.layerline.layerline_save"
+    made = [t[save]["file"] for t in server if save in t and "content" not in t[save]]
     assert made == ["admin_key", "api_keys"], "the admin key and the API keys"
 
 

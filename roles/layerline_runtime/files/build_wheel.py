@@ -6,6 +6,8 @@
 SOURCE is the repo (pyproject.toml, README.md, runtime/). The copy leaves out build/,
 *.egg-info and __pycache__, so a wheel never carries files that a stale build dir kept.
 No index and no build isolation: the controller's own setuptools builds it.
+SOURCE "installed" (no checkout: a controller that pip-installed layerline): the distribution
+this interpreter has installed is packed back into a wheel from its own RECORD.
 """
 from __future__ import annotations
 
@@ -15,10 +17,34 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import zipfile
+from importlib import metadata
+
+
+def repack_installed(outdir: str) -> int:
+    """The installed layerline distribution as a wheel: the files its RECORD lists (installer-only files left out)."""
+    dist = metadata.distribution("layerline")
+    version = dist.version
+    files = [f for f in dist.files or [] if not f.name.endswith((".pyc",)) and "__pycache__" not in f.parts
+             and f.name not in ("INSTALLER", "REQUESTED", "direct_url.json") and not str(f).startswith("..")]
+    if not any(str(f).startswith("layerline/") for f in files):
+        print("build_wheel: the installed layerline is not a plain install (an editable one?); "
+              "give layerline_runtime_source the checkout it comes from", file=sys.stderr)
+        return 1
+    dest = os.path.join(outdir, f"layerline-{version}-py3-none-any.whl")
+    with zipfile.ZipFile(dest + ".tmp", "w", zipfile.ZIP_DEFLATED) as z:
+        for f in files:
+            z.write(str(f.locate()), str(f))
+    os.chmod(dest + ".tmp", 0o644)
+    os.replace(dest + ".tmp", dest)
+    print(json.dumps({"wheel": dest, "version": version}))
+    return 0
 
 
 def main(source: str, outdir: str) -> int:
     os.makedirs(outdir, mode=0o755, exist_ok=True)
+    if source == "installed":
+        return repack_installed(outdir)
     with tempfile.TemporaryDirectory(prefix="layerline-wheel-") as tmp:
         src = os.path.join(tmp, "src")
         os.makedirs(src)

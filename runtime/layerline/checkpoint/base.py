@@ -134,7 +134,7 @@ class Checkpoint(ABC):
     def tensor(self, name: str, device: str = "cpu") -> "torch.Tensor":
         return next(iter(self.tensors([name], device)))[1]
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (a no-op by default: a checkpoint that holds no files need not define it)
         """Let go of the files held open for reading tensors (they reopen when asked again)."""
 
     @abstractmethod

@@ -497,5 +497,5 @@ def _int4_blocks(raw, qtype):
     return codes, (d * sc).reshape(r, -1), (-dmin * mn).reshape(r, -1)
 
 
-__all__ = ["GGUF_MAGIC", "STAGE_GGUF", "STAGE_CONFIG_KEY", "SUPPORTED_ARCHS", "INT4_DIRECT", "GGUFCheckpoint", "has_gguf_magic", "hf_tensor_name",
-           "permute_for_gguf"]
+__all__ = ["GGUF_MAGIC", "STAGE_GGUF", "STAGE_CONFIG_KEY", "SUPPORTED_ARCHS", "INT4_DIRECT", "GGUFCheckpoint", "has_gguf_magic",
+           "hf_tensor_name", "permute_for_gguf"]

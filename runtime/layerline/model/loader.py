@@ -208,7 +208,7 @@ def load_stage(ckpt_dir: str, start: int, end: int, first: bool, last: bool,
     int4 = {expected[k][0] for k, t in meta_state.items() if t.dtype == torch.uint8}
 
     names: list[str] = []
-    for key, (name, shape) in expected.items():
+    for _key, (name, shape) in expected.items():
         entry = index.tensors.get(name)
         if entry is None:
             raise CheckpointError(f"{ckpt_dir}: tensor {name} is missing from the *.safetensors files; "
