@@ -55,7 +55,9 @@ def test_probe_reports_every_nodecaps_key_with_sane_values(caps):
     assert (cpu["name"], cpu["kind"]) == ("cpu", "cpu")
     assert cpu["memory_bytes"] == caps["ram_total_bytes"]
     assert cpu["memory_free_bytes"] == caps["ram_available_bytes"]
-    assert 0 < cpu["layer_overhead_s"] < 0.01, cpu  # a decode layer's fixed cost, measured on CPUs
+    # a decode layer's fixed cost, measured on CPUs; None where a busy machine's timings of the small
+    # and the large layers did not separate (probe._decode_rates says so rather than guess)
+    assert cpu["layer_overhead_s"] is None or 0 < cpu["layer_overhead_s"] < 0.01, cpu
     for dev in caps["devices"]:
         assert dev["flops_per_s"] > 1e6, dev
         assert dev["mem_bw_bytes_per_s"] > 1e6, dev
