@@ -335,7 +335,7 @@ def test_drain_and_rejoin_under_load_lose_nothing(deployed):
     phase("drain w2 under load")
 
     # under load, w3's worker is SIGKILLed while its supervisor is held (so it is not back before the
-    # monitor looks): the standby w4 is promoted; then w1's worker stops answering for 7 s (SIGSTOP,
+    # monitor looks): the standby w4 is promoted; then w1's worker stops answering for 12 s (SIGSTOP,
     # no standby): the server waits for it. Only what w4 lacks is replayed (the stall replays
     # nothing); nothing is lost.
     promoted = metric("layerline_failovers_total")
@@ -357,7 +357,9 @@ def test_drain_and_rejoin_under_load_lose_nothing(deployed):
     with Load() as load:
         pid = ready(home, "w1", 1)["pid"]
         os.kill(pid, signal.SIGSTOP)
-        time.sleep(7)   # past the 4 s health deadline: the server takes w1 for down
+        # past two 4 s health deadlines in a row (layerline_serve_health_deadline, --health-misses 2):
+        # the server takes w1 for down and waits for it
+        time.sleep(12)
         os.kill(pid, signal.SIGCONT)
         wait_for(lambda: httpx.get(URL + "/health", timeout=10).status_code == 200 and
                  metric("layerline_failovers_total") >= promoted + 2, timeout=60,
