@@ -20,9 +20,7 @@ import asyncio
 import json
 import os
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -39,12 +37,6 @@ def pct(xs: list[float], p: float) -> float:
         return float("nan")
     xs = sorted(xs)
     return xs[min(len(xs) - 1, max(0, round(p / 100 * (len(xs) - 1))))]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def one_request(client, url: str, prompt: list[int], new: int) -> dict:
@@ -119,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     from layerline.checkpoint import write_demo_checkpoint
     from layerline.cli import local_stages, stop_local
+    from layerline.local import local_server, stop_server
     from layerline.driver import Pipeline
     from layerline.generate import generate
 
@@ -132,27 +125,13 @@ def main(argv: list[str] | None = None) -> int:
     server = None
     report: dict = {"prompt": a.prompt, "new": a.new, "levels": []}
     try:
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        # the server asks the stages' control sockets as the controller (CURVE, the run's keys)
-        server = subprocess.Popen([sys.executable, "-m", "layerline.server", "--first", first, "--first-key", "stage0",
-                                   "--keys", os.path.join(tmp, "keys", "controller"), "--checkpoint", ckpt,
-                                   "--model-name", "bench", "--port", str(port), "--chunk", str(a.chunk),
-                                   "--microbatches", str(depth), "--log-file",
-                                   os.path.join(tmp, "server.log")], stderr=open(os.path.join(tmp, "server.err"), "w"),
-                                  # as deployed: the role gives the server no OpenMP setting of its own
-                                  env={k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"})
-        import httpx
-        deadline = time.time() + 120
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if server.poll() is not None or time.time() > deadline:
-                raise SystemExit("server did not start: " + open(os.path.join(tmp, "server.err")).read()[-2000:])
-            time.sleep(0.2)
+        # the server asks the stages' control sockets as the controller (CURVE, the run's keys); as
+        # deployed, the role gives the server no OpenMP setting of its own
+        server, url = local_server(["--first", first, "--first-key", "stage0", "--keys",
+                                    os.path.join(tmp, "keys", "controller"), "--checkpoint", ckpt,
+                                    "--model-name", "bench", "--chunk", str(a.chunk), "--microbatches", str(depth),
+                                    "--log-file", os.path.join(tmp, "server.log")], tmp, timeout_s=120,
+                                   env={k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"})
         asyncio.run(level(url, 1, 2, prompts, 8))  # warm the path
         with Pipeline(first, timeout_s=300, depth=depth, keys_dir=os.path.join(tmp, "keys", "controller"),
                       first_key="stage0") as pipe:
@@ -187,9 +166,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"; server CPU {r['server_cpu_ms_per_token']:.2f} ms/token ({r['requests']} requests)",
                   file=sys.stderr, flush=True)
     finally:
-        if server is not None and server.poll() is None:
-            server.terminate()
-            server.wait(15)
+        stop_server(server)
         stop_local(procs)
         shutil.rmtree(tmp, ignore_errors=True)
     if not a.no_transformers:  # (c) after the workers are gone: the whole machine for it

@@ -24,7 +24,6 @@ import json
 import os
 import platform
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -33,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
 import llamacpp  # noqa: E402
-from bench_serve import free_port, pct  # noqa: E402
+from bench_serve import pct  # noqa: E402
 
 
 def cpu_name() -> str:
@@ -117,35 +116,17 @@ def llama_levels(name: str, gguf: str, log: Path, slots: int, threads: int, ctx:
 
 
 def layerline_levels(gguf: str, threads: int, levels, requests, prompts, new) -> dict:
-    import httpx
-
-    from layerline.local import local_stages, stop_local
+    from layerline.local import local_server, local_stages, stop_local, stop_server
     procs, first, tmp, depth = local_stages(gguf, 3, "gguf", threads=threads)
     server = None
     try:
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        server = subprocess.Popen([sys.executable, "-m", "layerline.server", "--first", first, "--first-key", "stage0",
-                                   "--keys", os.path.join(tmp, "keys", "controller"), "--checkpoint", gguf,
-                                   "--model-name", "bench", "--port", str(port), "--microbatches", str(depth),
-                                   "--log-file", os.path.join(tmp, "server.log")],
-                                  stderr=open(os.path.join(tmp, "server.err"), "w"))
-        deadline = time.time() + 180
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if server.poll() is not None or time.time() > deadline:
-                raise SystemExit("layerline server did not start: "
-                                 + open(os.path.join(tmp, "server.err")).read()[-2000:])
-            time.sleep(0.3)
+        server, url = local_server(["--first", first, "--first-key", "stage0", "--keys",
+                                    os.path.join(tmp, "keys", "controller"), "--checkpoint", gguf,
+                                    "--model-name", "bench", "--microbatches", str(depth),
+                                    "--log-file", os.path.join(tmp, "server.log")], tmp)
         return run_levels("layerline (3 workers, gguf)", url, "bench", levels, requests, prompts, new)
     finally:
-        if server is not None and server.poll() is None:
-            server.terminate()
-            server.wait(15)
+        stop_server(server)
         stop_local(procs)
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -20,8 +20,6 @@ import multiprocessing as mp
 import os
 import re
 import shutil
-import socket
-import subprocess
 import sys
 import threading
 import time
@@ -34,12 +32,6 @@ def _hog(stop_at: float) -> None:
     x = 0
     while time.time() < stop_at:
         x = (x * 1103515245 + 12345) & 0xFFFFFFFF
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _metrics(url: str) -> dict[str, float]:
@@ -64,30 +56,17 @@ def main(argv: list[str] | None = None) -> int:
     import httpx
 
     from layerline.checkpoint import write_demo_checkpoint
-    from layerline.local import controller_keys, local_stages, stop_local
+    from layerline.local import controller_keys, local_server, local_stages, stop_local, stop_server
     ckpt = a.checkpoint or str(write_demo_checkpoint(ROOT / ".cache" / "liveness-soak-ckpt", layers=6, hidden=512,
                                                      vocab=2048, dtype="float32", seed=0))
     procs, first, tmp, depth = local_stages(ckpt, a.stages, "fp32", threads=1)
     server = None
     hogs: list = []
     try:
-        port = _free_port()
-        url = f"http://127.0.0.1:{port}"
         log = os.path.join(tmp, "server.log")
-        server = subprocess.Popen([sys.executable, "-m", "layerline.server", "--first", first, "--first-key", "stage0",
-                                   "--keys", controller_keys(tmp), "--checkpoint", ckpt, "--model-name", "soak",
-                                   "--port", str(port), "--microbatches", str(depth), "--log-file", log],
-                                  stdout=subprocess.DEVNULL, stderr=open(os.path.join(tmp, "server.err"), "w"))
-        deadline = time.time() + 120
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if server.poll() is not None or time.time() > deadline:
-                raise SystemExit("server did not start: " + open(os.path.join(tmp, "server.err")).read()[-2000:])
-            time.sleep(0.2)
+        server, url = local_server(["--first", first, "--first-key", "stage0", "--keys", controller_keys(tmp),
+                                    "--checkpoint", ckpt, "--model-name", "soak", "--microbatches", str(depth),
+                                    "--log-file", log], tmp, timeout_s=120)
         t0 = time.time()
         stop_at = t0 + a.minutes * 60
         hogs = [mp.get_context("spawn").Process(target=_hog, args=(stop_at,), daemon=True) for _ in range(a.hogs)]
@@ -139,12 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for h in hogs:
             h.kill()
-        if server is not None:
-            server.terminate()
-            try:
-                server.wait(15)
-            except subprocess.TimeoutExpired:
-                server.kill()
+        stop_server(server)
         stop_local(procs)
         shutil.rmtree(tmp, ignore_errors=True)
 

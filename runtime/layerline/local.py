@@ -189,3 +189,43 @@ def stop_local(procs) -> None:
             p.wait(10)
         except subprocess.TimeoutExpired:
             p.kill()
+
+
+def local_server(args: list[str], log_dir: str, timeout_s: float = 180.0,
+                 env: dict | None = None) -> tuple[subprocess.Popen, str]:
+    """`python -m layerline.server ARGS --port P` on loopback (the benchmarks' and scripts' server over
+    local stages), its stderr in LOG_DIR/server.err. Returns (process, url) once /health answers 200;
+    else stops it and raises LayerlineError with the end of its stderr."""
+    import urllib.request
+    port = free_ports(1)[0]
+    url = f"http://127.0.0.1:{port}"
+    err_path = os.path.join(log_dir, "server.err")
+    with open(err_path, "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "layerline.server", *args, "--port", str(port)],
+                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err, env=env)
+    deadline = time.time() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                if r.status == 200:
+                    return proc, url
+        except OSError:
+            pass
+        if proc.poll() is not None or time.time() > deadline:
+            if proc.poll() is None:
+                proc.terminate()
+                proc.wait(15)
+            with open(err_path) as f:
+                raise LayerlineError(f"layerline.server did not come up within {timeout_s:.0f} s: {f.read()[-2000:]}")
+        time.sleep(0.2)
+
+
+def stop_server(proc: subprocess.Popen | None) -> None:
+    """Stop a server local_server started (None, or one already gone: nothing to do)."""
+    if proc is not None and proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(15)
