@@ -212,9 +212,7 @@ def local_server(args: list[str], log_dir: str, timeout_s: float = 180.0,
         except OSError:
             pass
         if proc.poll() is not None or time.time() > deadline:
-            if proc.poll() is None:
-                proc.terminate()
-                proc.wait(15)
+            stop_server(proc)
             with open(err_path) as f:
                 raise LayerlineError(f"layerline.server did not come up within {timeout_s:.0f} s: {f.read()[-2000:]}")
         time.sleep(0.2)
