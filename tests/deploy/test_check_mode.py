@@ -13,8 +13,9 @@ PORT_BASE = 29950  # nothing listens in check mode; still clear of every other t
 
 def test_deploy_in_check_mode_changes_nothing(tmp_path):
     home = tmp_path / "home"   # not made: check mode must not make it either
+    # policy uniform: all three workers hold layers whatever the probes measure on a busy machine
     r = playbook("deploy.yml", "--check", "--diff", "-e", f"layerline_home={home}",
-                 "-e", f"layerline_port_base={PORT_BASE}")
+                 "-e", f"layerline_port_base={PORT_BASE}", "-e", "layerline_policy=uniform")
     out = r.stdout
     recap = dict(re.findall(r"^(w\d)\s+: (ok=.*)$", out, re.M))
     assert sorted(recap) == ["w1", "w2", "w3"], out[-2000:]
