@@ -16,6 +16,7 @@ random (wire.new_id), as the engine's sequence ids are.
 from __future__ import annotations
 
 import os
+import socket
 import time
 from dataclasses import dataclass
 
@@ -279,6 +280,19 @@ REFUSED = "refused"   # DriveError.code of a control request to a port nothing l
 VERSION = "version"   # DriveError.code of an answer from a peer on other code (layerline.version)
 
 
+def _accepts(endpoint: str, timeout_s: float = 1.0) -> bool:
+    """Whether a TCP connection to tcp://HOST:PORT is accepted (a listening port; a busy process's too)."""
+    rest = endpoint.split("://", 1)[-1]
+    port = int(rest.rsplit(":", 1)[1])
+    try:
+        with socket.create_connection((endpoint_host(endpoint), port), timeout=timeout_s):
+            return True
+    except ConnectionRefusedError:
+        return False
+    except OSError:   # unreachable or slow: not known to be gone
+        return True
+
+
 def control(endpoint: str, op: str, timeout_s: float = 5.0, ctx: zmq.Context | None = None, *,
             keys_dir: str | None = None, peer: str | None = None, curve: str = "auto", **fields) -> dict:
     """One request to a worker's control socket (health, stats, set_next, shutdown).
@@ -323,6 +337,11 @@ def control(endpoint: str, op: str, timeout_s: float = 5.0, ctx: zmq.Context | N
             if mon in ready:
                 from zmq.utils.monitor import recv_monitor_message
                 ev = recv_monitor_message(mon)["event"]
+                if ev & _HANDSHAKE_FAILED and not _accepts(endpoint):
+                    # a process killed mid-handshake also fails it: its port, refused now, tells it apart
+                    raise DriveError(f"control {endpoint}: nothing listens there any more (the connection closed "
+                                     "during the CURVE handshake and is refused now): the worker's process is gone",
+                                     REFUSED)
                 if ev & _HANDSHAKE_FAILED:
                     raise DriveError(f"control {endpoint}: the worker refused the CURVE handshake (its "
                                      f"allowed/controller.key is not {hk.dir}/self.key, or {peer!r} is not that "

@@ -73,3 +73,27 @@ def test_control_to_a_port_nothing_listens_on_says_refused(tmp_path):
     with pytest.raises(DriveError, match=r"nothing listens there \(connection refused\)") as e:
         control(f"tcp://127.0.0.1:{port}", "health", timeout_s=30, keys_dir=kd["controller"], peer="w")
     assert e.value.code == REFUSED
+
+
+def test_a_process_gone_mid_handshake_is_refused_not_a_key_refusal(tmp_path):
+    """A port that takes the connection and then goes away (a worker SIGKILLed while the health check
+    connects): the handshake fails, but the port refuses now, so it is the process that is gone, not
+    a key the worker does not let in."""
+    import socket
+    import threading
+
+    kd = keys.local_keys(str(tmp_path / "keys"), ["w"])
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def die_on_first_connection():
+        conn, _ = listener.accept()
+        listener.close()          # the port refuses from now on
+        conn.close()              # and the handshake in progress fails
+    t = threading.Thread(target=die_on_first_connection, daemon=True)
+    t.start()
+    with pytest.raises(DriveError, match=r"process is gone") as e:
+        control(f"tcp://127.0.0.1:{port}", "health", timeout_s=30, keys_dir=kd["controller"], peer="w")
+    t.join(5)
+    assert e.value.code == REFUSED
+    assert "refused the CURVE handshake" not in str(e.value)
