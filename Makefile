@@ -45,8 +45,8 @@ test-big: setup
 test-unit: setup
 	$(BIN)/python -m pytest -q tests/unit
 
-# the wire fuzzer at full count: 10,000 data + 2,000 control messages into live workers, on loopback
-# and with CURVE on (`make test` sends 1,000 + 200); prints its figures. LAYERLINE_FUZZ_SEED=N reseeds.
+# the wire fuzzer at full count: 10,000 data + 2,000 control messages into live workers, over CURVE on
+# loopback (`make test` sends 1,000 + 200); prints its figures. LAYERLINE_FUZZ_SEED=N reseeds.
 fuzz: setup
 	LAYERLINE_FUZZ=full $(BIN)/python -m pytest -q -s tests/processes/test_fuzz_wire.py
 
