@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 
+from layerline import version
+
 from helpers import BIN, ROOT, ansible_env, playbook, recap, remove_testhosts
 from helpers import run_testhosts as hostctl
 
@@ -158,6 +160,18 @@ def test_runtime_role_installs_layerline_where_missing(cluster):
     assert where.startswith(str(py.parent.parent)), f"layerline imported from {where}, not the venv's own"
     r = playbook("playbooks/runtime.yml", "-i", inv, "-l", "h1", *extra, "-e", f"layerline_runtime_python={py}")
     assert recap(r.stdout)["h1"]["changed"] == 0, r.stdout[-3000:]
+
+    # an upgrade reaches the host: its copy now differs from the controller's code (as after the controller's
+    # checkout moved on), so its version (package version + content hash) differs and the role reinstalls
+    installed = Path(where).parent / "errors.py"
+    original = installed.read_text()
+    installed.write_text(original + "# code the controller no longer runs\n")
+    full = [str(py), "-c", "from layerline import version; print(version.full())"]
+    assert subprocess.run(full, capture_output=True, text=True, check=True, env=own).stdout.strip() != version.full()
+    r = playbook("playbooks/runtime.yml", "-i", inv, "-l", "h1", *extra, "-e", f"layerline_runtime_python={py}")
+    assert recap(r.stdout)["h1"]["changed"] > 0, r.stdout[-3000:]
+    assert installed.read_text() == original, "the reinstall did not replace the host's old code"
+    assert subprocess.run(full, capture_output=True, text=True, check=True, env=own).stdout.strip() == version.full()
 
 
 def test_deploy_across_hosts_idempotent_teardown(cluster):
