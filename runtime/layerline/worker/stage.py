@@ -40,6 +40,7 @@ import torch
 from .. import precision, timing_lock, wire
 from ..errors import LayerlineError
 from ..model.kv import KVPool
+from ..prefix import MAX_ENTRIES
 from ..wire import MAX_BATCH, MAX_SEQS
 
 IDLE_CAP_S = 0.05  # the longest idle measure_step waits before a timed step
@@ -83,7 +84,7 @@ class StageCompute:
         self.kv = KVPool(lambda batch, tokens: self.stage.new_cache(batch, tokens, dtype=self.kv_dtype),
                          bytes_per_token=per_token,
                          budget=args.kv_bytes if args.kv_bytes else args.kv_context * per_token,
-                         max_seqs=MAX_SEQS, context=args.kv_context, name=name)
+                         max_seqs=MAX_SEQS, context=args.kv_context, name=name, max_entries=MAX_ENTRIES)
         self.stats = Stats()
 
     def prepare(self, awake) -> None:
