@@ -469,6 +469,15 @@ def test_a_fork_copies_a_kept_prefix_at_every_stage(client, pipeline):
     h, _ = client.call({"seq": "ph", "pos": 12, "cache": False, "fork": {"from": "pe1", "len": 12}},
                        {"input_ids": torch.tensor([p2[12:]])})
     assert h["op"] == "error" and "header.fork" in h["error"]
+    for bad, text in (({"fork": {"from": "pe1", "len": 11}}, "header.fork.len: 11 must equal header.pos 12"),
+                      ({"fork": {"from": "pe1", "len": 12}, "input": torch.tensor([[1], [2]])}, "one row"),
+                      ({"fork": ["pe1", 12]}, "header.fork: must be")):
+        ids = bad.pop("input", torch.tensor([p2[12:]]))
+        h, _ = client.call({"seq": "pi", "pos": 12, "cache": True, "logits": "last", **bad}, {"input_ids": ids})
+        assert h["op"] == "error" and text in h["error"], (bad, h["error"])
+    for bad in ({"keep": "p/1", "len": 3}, {"keep": "pz", "len": 0}, {"len": 3}):   # the worker lives on
+        client.out.send_multipart(wire.encode({"op": "release", "seq": "pw", **bad}))
+    assert all(p.poll() is None for p in pipeline.procs)
     for q in ("pf", "pw", "pg", "pe1"):
         client.release(q)
     _wait_for(lambda: _stats(pipeline, "prefix_entries") == before, "release frees the entry")
