@@ -26,6 +26,15 @@ token history and what the stages hold of it; every step it
   max_replays. Or it fails them all with `unavailable` (a "stage_down" error, HTTP 503) when
   nothing came back.
 
+With `prefix` on (the server's default), it keeps a prefix cache (layerline.prefix): a sequence
+that ends normally (or is cancelled) leaves its prompt's KV at every stage as an entry (`release`
+with `keep`); a new prompt that starts with an entry's tokens up to one of its chunk bounds starts
+there (`held`), with that entry's bounds as its first chunks, and its first message tells each stage
+to copy the entry's KV (`fork`). So a replay from 0 cuts its prompt as the cached computation did,
+and its greedy tokens are those of a run without the cache at the same bounds. A stage that lacks
+the entry (evicted, restarted, promoted, a new route) answers seq_unknown: the entry is forgotten and
+the sequence replays from 0, uncounted toward max_replays.
+
 Stages that do not speak `rows` yet get one message per sequence per step (all in flight).
 `layerline.generate.generate()` is a thin wrapper: add every prompt, run until all are done. The
 server runs the same Engine in its own thread (`Engine.serve`, through
@@ -48,6 +57,7 @@ from . import wire
 from .errors import LayerlineError
 from .model.sampling import adjust_logits, logprobs, mask_logits, sample
 from .pipeline import Answer, DriveError, Pipeline, StepResult
+from .prefix import PrefixIndex
 from .wire import MAX_BATCH, MAX_SEQS
 
 
@@ -104,6 +114,7 @@ class Sequence:
     logprobs: int | None = None
     bias: dict[int, float] | None = None   # logit_bias: token id -> added to its logit before choosing
     penalties: tuple[float, float] | None = None   # (presence, frequency), over the generated tokens
+    fork: tuple[str, int] | None = None   # (prefix entry, N): its first message copies the entry's N tokens
 
     def __post_init__(self):
         if not self.tokens:
@@ -193,12 +204,15 @@ class Engine:
     steps less). kv_tokens: KV tokens every stage can hold across sequences: a sequence is
     admitted when its reserve (prompt + max_new) fits beside the running ones.
     max_running: sequences admitted at once (a stage keeps at most MAX_SEQS caches).
+    prefix: keep a prefix cache (layerline.prefix), within kv_tokens beside the running sequences
+    (prefix_tokens when kv_tokens is None).
     """
 
     def __init__(self, pipe: Pipeline, *, stages: int | None = None, chunk: int = 128,
                  busy_chunk: int = 64, kv_tokens: int | None = None, max_running: int = MAX_SEQS, max_replays: int = 2,
                  rows: bool | None = None, record: bool = False, raise_errors: bool = False,
-                 on_step: Callable[[StepResult, str, int], None] | None = None):
+                 on_step: Callable[[StepResult, str, int], None] | None = None, prefix: bool = False,
+                 prefix_tokens: int = 1 << 16):
         if chunk < 1:
             raise LayerlineError(f"chunk {chunk}: must be at least 1")
         self.pipe = pipe
@@ -216,6 +230,7 @@ class Engine:
         self.waiting: deque[Sequence] = deque()
         self.running: dict[str, Sequence] = {}
         self.kv_used = 0
+        self.prefix = PrefixIndex(kv_tokens or prefix_tokens) if prefix else None
         self.inflight: dict[str, tuple[str, list[Sequence], list[int]]] = {}  # rid -> (kind, seqs, positions)
         self.steps: list[StepResult] = []
         self.decode_steps: list[StepResult] = []
@@ -270,7 +285,28 @@ class Engine:
             self.kv_used += s.reserve
             self.running[s.sid] = s
             s.state = READY
+            if self.prefix is not None:
+                self._reuse(s)
             s.emit("admitted")
+
+    def _reuse(self, s: Sequence) -> None:
+        """Entries beyond what the running sequences leave of kv_tokens go (the stages would evict
+        them for those anyway); then s starts at the longest prefix an entry holds, if any."""
+        if self.kv_tokens is not None:
+            self._drop(self.prefix.trim(max(0, self.kv_tokens - self.kv_used)))
+        if s.held or s.bounds:
+            return
+        hit = self.prefix.lookup(s.prompt)
+        if hit is not None:
+            s.held, s.bounds, s.fork = hit.length, list(hit.bounds), (hit.entry, hit.length)
+
+    def _drop(self, entries: list[str]) -> None:
+        """Every stage frees these prefix entries."""
+        for e in entries:
+            try:
+                self.pipe.release(e)
+            except zmq.ZMQError:
+                pass
 
     @property
     def depth(self) -> int:
@@ -314,8 +350,9 @@ class Engine:
     def _submit_seq(self, s: Sequence, chunk: int) -> None:
         n = s.prefill_chunk(chunk)
         ids = torch.tensor([s.tokens[s.held:s.held + n]], dtype=torch.int64)
+        fork = s.fork if s.fork is not None and s.held == s.fork[1] else None
         rid = self.pipe.submit(ids, seq=s.sid, pos=s.held, cache=True, last_only=True,
-                               reserve=s.reserve if s.held == 0 else None)
+                               reserve=s.reserve if s.held == 0 or fork else None, fork=fork)
         s.state = INFLIGHT
         self.inflight[rid] = ("seq", [s], [n])
 
@@ -376,6 +413,13 @@ class Engine:
                 if s.sid not in lost:
                     s.state = READY  # nothing was applied: step it again
                     continue
+                if s.fork is not None:  # a stage lacks the prefix entry it forked from: compute it all
+                    self.prefix.forget(s.fork[0], lost=True)
+                    self._drop([s.fork[0]])
+                    s.fork = None
+                    s.held = 0
+                    s.state = READY
+                    continue
                 if s.failed_over:  # the failover's stage lost it: not this sequence's fault
                     s.failed_over = False
                 elif s.replays >= self.max_replays:
@@ -397,6 +441,7 @@ class Engine:
             s.held += n
             s.state = READY
             s.failed_over = False
+            s.fork = None
             if s.held == len(s.tokens):
                 sampled.append((i, s))
         if not sampled:
@@ -465,8 +510,9 @@ class Engine:
             self.kv_used -= s.reserve
         s.state, s.finish = DONE, reason
         if release and was_running:
+            keep = self._keep(s) if reason in ("stop", "length", "cancelled") else None
             try:
-                self.pipe.release(s.sid)
+                self.pipe.release(s.sid, keep)
             except zmq.ZMQError:
                 pass
         if reason == "unavailable":
@@ -475,6 +521,19 @@ class Engine:
             s.emit("error", s.error)
         else:
             s.emit("done", reason)
+
+    def _keep(self, s: Sequence) -> tuple[str, int] | None:
+        """The prefix entry (id, tokens) the stages keep of an ending sequence: its prompt up to the
+        last chunk bound every stage confirmed; None when nothing is worth keeping."""
+        if self.prefix is None or s.fork is not None:   # a fork not confirmed: the stages may lack it
+            return None
+        done = [b for b in s.bounds if b <= min(s.held, len(s.prompt))]
+        if not done:
+            return None
+        eid = wire.new_id("p")
+        dropped = self.prefix.add(eid, s.prompt, done)
+        self._drop([d for d in dropped if d != eid])
+        return None if eid in dropped else (eid, done[-1])
 
     # -- failover (the server's monitor calls these in the engine's thread)
 
@@ -559,10 +618,13 @@ class Engine:
         """Stop waiting for anything in flight; release every live sequence's caches."""
         self.pipe.forget(list(self.inflight))
         self.inflight.clear()
+        prefix, self.prefix = self.prefix, None   # nothing more is kept
         for s in list(self.running.values()):
             self._finish(s, "cancelled")
         while self.waiting:
             self._finish(self.waiting.popleft(), "cancelled", release=False)
+        if prefix is not None:   # nobody else knows these entries: the stages free them
+            self._drop(prefix.ids())
 
     def serve(self, inbox: "queue.SimpleQueue", wake_fd: int, stopped: Callable[[], bool],
               on_turn: Callable[["Engine"], None] | None = None) -> None:

@@ -146,8 +146,9 @@ class Pipeline:
         return rid
 
     def submit(self, input_ids: torch.Tensor, seq: str | None = None, pos: int = 0, cache: bool = False,
-               last_only: bool = False, reserve: int | None = None) -> str:
-        """Send one pass of [batch, tokens] ids into stage 0 without waiting; returns its request id."""
+               last_only: bool = False, reserve: int | None = None, fork: tuple[str, int] | None = None) -> str:
+        """Send one pass of [batch, tokens] ids into stage 0 without waiting; returns its request id.
+        fork: (prefix entry, N): the sequence starts with a copy of the entry's first N tokens (pos N)."""
         if input_ids.dim() == 1:
             input_ids = input_ids.unsqueeze(0)
         head = {"pos": pos, "cache": cache}
@@ -157,6 +158,8 @@ class Pipeline:
             head["logits"] = "last"
         if reserve is not None:  # tokens this sequence may reach: each stage sizes its KV cache to it
             head["reserve"] = int(reserve)
+        if fork is not None:
+            head["fork"] = {"from": fork[0], "len": int(fork[1])}
         return self._send(head, input_ids)
 
     def submit_rows(self, rows: list[tuple[str, int]], input_ids: torch.Tensor) -> str:
@@ -229,9 +232,13 @@ class Pipeline:
                     raise res
                 return res
 
-    def release(self, seq: str) -> None:
-        """Every stage frees this sequence's KV cache."""
-        self.to_first.send_multipart(wire.encode({"op": "release", "seq": seq}))
+    def release(self, seq: str, keep: tuple[str, int] | None = None) -> None:
+        """Every stage frees this sequence's KV cache (or this prefix entry's); keep: (entry, N): its
+        first N tokens stay as that prefix entry."""
+        head = {"op": "release", "seq": seq}
+        if keep is not None:
+            head.update(keep=keep[0], len=int(keep[1]))
+        self.to_first.send_multipart(wire.encode(head))
 
 
 def reply_host_for(endpoint: str) -> str:

@@ -193,6 +193,7 @@ class HostSettings:
     serve_restart_wait: float = _var(30.0, _number(what="number of seconds"), group=True)
     serve_on_stage_lost: str = _var("", _str, group=True)
     serve_health_deadline: float = _var(2.0, _number(positive=True, what="number of seconds"), group=True)
+    serve_prefix_cache: bool = _var(True, _bool, group=True)   # the server's --prefix-cache (layerline.prefix)
     # HTTPS: a certificate (PEM, chain after it) and its key (0600) on the serving host; the CA the playbooks
     # check it with (default: the certificate itself, for a self-signed one)
     serve_tls_cert: str | None = _var(None, _str, group=True)

@@ -350,6 +350,7 @@ def server_spec(hvars: SettingsLike, python: str = "python3", host: str = "contr
     argv += ["--api-keys", home.api_keys] if keyed else []
     argv += ["--tls-cert", hs.serve_tls_cert, "--tls-key", hs.serve_tls_key] if tls else []
     argv += ["--restart-wait", _num(hs.serve_restart_wait), "--health-deadline", _num(hs.serve_health_deadline)]
+    argv += ["--prefix-cache", "on" if hs.serve_prefix_cache else "off"]
     argv += ["--on-stage-lost", hs.serve_on_stage_lost] if hs.serve_on_stage_lost else []
     model = os.path.basename(checkpoint.rstrip("/"))
     chat = _has_chat_template(checkpoint)

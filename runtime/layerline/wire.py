@@ -179,6 +179,40 @@ def epoch(header: dict) -> int | None:
     return v
 
 
+def fork(header: dict, pos: int, max_pos: int) -> tuple[str, int] | None:
+    """header.fork of a one-sequence forward: {"from": ENTRY, "len": N}, the prefix entry (a wire id
+    the stages kept at a `release` with `keep`) whose first N tokens the new sequence starts with, a
+    copy: N in [1, max_pos] and equal to the message's pos (its tokens follow them). None when absent.
+
+    Checked by the op that reads it (a stage's forward), so its error reply also reaches reply_to."""
+    if "fork" not in header:
+        return None
+    v = header["fork"]
+    if not (isinstance(v, dict) and set(v) == {"from", "len"} and isinstance(v["from"], str)
+            and ID_RE.match(v["from"]) and type(v["len"]) is int and 1 <= v["len"] <= max_pos):
+        raise WireError(f"header.fork: must be {{\"from\": ENTRY, \"len\": N}}: ENTRY 1-64 characters of "
+                        f"[A-Za-z0-9_.:-], N an integer in [1, {max_pos}]")
+    if v["len"] != pos:
+        raise WireError(f"header.fork.len: {v['len']} must equal header.pos {pos} (the new tokens follow the "
+                        "forked ones)")
+    return v["from"], v["len"]
+
+
+def keep(header: dict, max_len: int) -> tuple[str, int] | None:
+    """header.keep and header.len of a `release`: keep the sequence's first len tokens as the prefix
+    entry named keep (a wire id; layerline.prefix), len in [1, max_len]. None when absent."""
+    if "keep" not in header:
+        if "len" in header:
+            raise WireError("header.len: only with header.keep (the prefix entry to keep)")
+        return None
+    k, n = header["keep"], header.get("len")
+    if not (isinstance(k, str) and ID_RE.match(k)):
+        raise WireError("header.keep: must be 1-64 characters of [A-Za-z0-9_.:-] (the prefix entry's id)")
+    if type(n) is not int or not 1 <= n <= max_len:
+        raise WireError(f"header.len: must be an integer in [1, {max_len}] (tokens the prefix entry keeps)")
+    return k, n
+
+
 def decode(frames: list, limits: Limits = Limits()) -> tuple[dict, dict[str, torch.Tensor]]:
     """Validated header and tensors (zero-copy over the frames' buffers)."""
     # every hop of every token runs this: plain loops, no generators, error text built only on error

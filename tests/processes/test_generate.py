@@ -119,12 +119,12 @@ class LosingPipeline(Pipeline):
         super().__post_init__()
         self.decodes = 0
 
-    def submit(self, input_ids, seq=None, pos=0, cache=False, last_only=False, reserve=None):
+    def submit(self, input_ids, seq=None, pos=0, cache=False, last_only=False, reserve=None, fork=None):
         if pos > 0:
             self.decodes += 1
             if self.decodes == 3:
                 self.release(seq)
-        return super().submit(input_ids, seq, pos, cache, last_only, reserve)
+        return super().submit(input_ids, seq, pos, cache, last_only, reserve, fork)
 
     def submit_rows(self, rows, input_ids):
         for seq, _ in rows:

@@ -418,3 +418,118 @@ def test_a_forward_of_an_older_epoch_is_answered_and_not_computed(client, pipeli
     assert [a["stale_dropped"] - b["stale_dropped"] for a, b in zip(after, before)] == [3, 0, 0]
     assert after[0]["requests"] - before[0]["requests"] == 6 and after[1]["requests"] - before[1]["requests"] == 3
     client.release("ep")
+
+
+# --- the prefix cache (layerline.prefix): keep, fork, and a stage that lacks the entry -----------------
+
+def _stats(pipeline, key: str) -> list:
+    return [control(c, "stats")[key] for c in pipeline.control]
+
+
+def _wait_for(pred, what: str) -> None:
+    import time
+    deadline = time.time() + 5
+    while not pred():
+        assert time.time() < deadline, what
+        time.sleep(0.05)
+
+
+def test_a_fork_copies_a_kept_prefix_at_every_stage(client, pipeline):
+    """A sequence released with keep leaves its first tokens as a prefix entry at every stage; a new
+    sequence forked from it (pos N, fork {from, len: N}) gives exactly the logits of computing the
+    whole prompt from 0 in the same chunks; a stage that lacks the entry answers seq_unknown naming
+    the new sequence; a fork needs cache."""
+    p1 = [3, 17, 42, 99, 7, 5, 6, 8, 9, 10, 11, 12]
+    p2 = p1 + [40, 41, 42, 43]
+    before = _stats(pipeline, "prefix_entries")
+    for a, b in ((0, 8), (8, 12)):
+        ok(*client.call({"seq": "pk", "pos": a, "cache": True, "reserve": 24, "logits": "last"},
+                        {"input_ids": torch.tensor([p1[a:b]])}))
+    client.out.send_multipart(wire.encode({"op": "release", "seq": "pk", "keep": "pe1", "len": 12}))
+    _wait_for(lambda: _stats(pipeline, "prefix_entries") == [n + 1 for n in before], "the entry at every stage")
+    h, t = client.call({"seq": "pf", "pos": 12, "cache": True, "reserve": 24, "logits": "last",
+                        "fork": {"from": "pe1", "len": 12}}, {"input_ids": torch.tensor([p2[12:]])})
+    forked = ok(h, t)[0, -1]
+    assert h["fork"] == {"from": "pe1", "len": 12}
+    for a, b in ((0, 8), (8, 12), (12, 16)):
+        whole = ok(*client.call({"seq": "pw", "pos": a, "cache": True, "reserve": 24, "logits": "last"},
+                                {"input_ids": torch.tensor([p2[a:b]])}))[0, -1]
+    assert torch.equal(forked, whole)
+    h, t = step_rows(client, [("pf", 16, 5), ("pw", 16, 5)])   # a forked sequence steps as any other
+    assert torch.equal(ok(h, t)[0, -1], ok(h, t)[1, -1])
+    # stage2 alone loses the entry: stage0 and stage1 fork, stage2 names the new sequence
+    s = pipeline.dealer(2)
+    s.send_multipart(wire.encode({"op": "release", "seq": "pe1"}))
+    _wait_for(lambda: _stats(pipeline, "prefix_entries")[2] == before[2], "stage2 dropped the entry")
+    s.close()
+    h, _ = client.call({"seq": "pg", "pos": 12, "cache": True, "reserve": 24, "logits": "last",
+                        "fork": {"from": "pe1", "len": 12}}, {"input_ids": torch.tensor([p2[12:]])})
+    assert h["op"] == "error" and h["code"] == "seq_unknown" and h["seqs"] == ["pg"] and h["stage"] == "stage2"
+    assert "forks from prefix entry pe1, which is not held here" in h["error"]
+    h, _ = client.call({"seq": "ph", "pos": 12, "cache": False, "fork": {"from": "pe1", "len": 12}},
+                       {"input_ids": torch.tensor([p2[12:]])})
+    assert h["op"] == "error" and "header.fork" in h["error"]
+    for bad, text in (({"fork": {"from": "pe1", "len": 11}}, "header.fork.len: 11 must equal header.pos 12"),
+                      ({"fork": {"from": "pe1", "len": 12}, "input": torch.tensor([[1], [2]])}, "one row"),
+                      ({"fork": ["pe1", 12]}, "header.fork: must be")):
+        ids = bad.pop("input", torch.tensor([p2[12:]]))
+        h, _ = client.call({"seq": "pi", "pos": 12, "cache": True, "logits": "last", **bad}, {"input_ids": ids})
+        assert h["op"] == "error" and text in h["error"], (bad, h["error"])
+    for bad in ({"keep": "p/1", "len": 3}, {"keep": "pz", "len": 0}, {"len": 3}):   # the worker lives on
+        client.out.send_multipart(wire.encode({"op": "release", "seq": "pw", **bad}))
+    assert all(p.poll() is None for p in pipeline.procs)
+    for q in ("pf", "pw", "pg", "pe1"):
+        client.release(q)
+    _wait_for(lambda: _stats(pipeline, "prefix_entries") == before, "release frees the entry")
+
+
+def _engine_run(pipe, prompt: list[int], bounds: list[int] | None = None, prefix: bool = True):
+    """One greedy sequence with logprobs through its own Engine; (sequence, engine, [(token, logprobs)])."""
+    from layerline.engine import Engine, Sequence
+    got = []
+    s = Sequence(wire.new_id("pt"), list(prompt), 6, bounds=list(bounds or []), logprobs=3,
+                 sink=lambda kind, v: got.append(v) if kind == "logprobs" else None)
+    eng = Engine(pipe, chunk=8, rows=True, prefix=prefix, raise_errors=True)
+    eng.add(s)
+    eng.run()
+    return s, eng, got
+
+
+def test_the_engine_reuses_a_prefix_and_a_stage_that_lost_it_recomputes(pipeline):
+    """Through the Engine: a prompt that extends an ended one starts at that one's last chunk bound
+    (a hit) and its greedy tokens and logprobs equal the run without the cache at the same bounds;
+    when stage2 alone lost the entry, the hit replays from 0 and still gives exactly those."""
+    from layerline.engine import Engine, Sequence
+    first = list(range(100, 120))                       # 20 tokens: chunks end at 8, 16, 20
+    second = first + list(range(200, 210))              # + 10: the hit starts at 20
+    third = second + [7, 7, 7]
+    with pipeline.pipeline() as pipe, pipeline.pipeline() as off:
+        eng = Engine(pipe, chunk=8, rows=True, prefix=True, raise_errors=True)
+        for p in (first, second):
+            got = []
+            s = Sequence(wire.new_id("pt"), list(p), 6, logprobs=3,
+                         sink=lambda kind, v, got=got: got.append(v) if kind == "logprobs" else None)
+            eng.add(s)
+            eng.run()
+        assert (eng.prefix.lookups, eng.prefix.hits, eng.prefix.reused) == (2, 1, 20)
+        assert s.bounds == [8, 16, 20, 28, 30] and s.finish == "length"
+        ref, _, ref_got = _engine_run(off, second, [8, 16, 20], prefix=False)
+        assert s.generated == ref.generated and got == ref_got
+        # the second entry replaced the first (it extends it); stage2 alone drops it
+        [entry] = eng.prefix.ids()
+        _wait_for(lambda: _stats(pipeline, "prefix_entries") == [1, 1, 1], "one entry at every stage")
+        d = pipeline.dealer(2)
+        d.send_multipart(wire.encode({"op": "release", "seq": entry}))
+        _wait_for(lambda: _stats(pipeline, "prefix_entries")[2] == 0, "stage2 dropped the entry")
+        d.close()
+        got = []
+        s = Sequence(wire.new_id("pt"), list(third), 6, logprobs=3,
+                     sink=lambda kind, v: got.append(v) if kind == "logprobs" else None)
+        eng.add(s)
+        eng.run()
+        assert (eng.prefix.hits, eng.prefix.lost, s.finish) == (2, 1, "length")
+        assert s.bounds == [8, 16, 20, 28, 30, 33]
+        ref, _, ref_got = _engine_run(off, third, [8, 16, 20, 28, 30], prefix=False)
+        assert s.generated == ref.generated and got == ref_got
+        eng.close()
+    _wait_for(lambda: _stats(pipeline, "prefix_entries") == [0, 0, 0], "close drops every entry")

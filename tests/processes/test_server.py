@@ -145,7 +145,7 @@ def stages(ckpt):
 @pytest.fixture(scope="module")
 def servers(stages, ckpt, bare_ckpt, tmp_path_factory):
     """The main server (stage 0's endpoint, API keys, chat template) and a small one (the plan, one
-    running sequence, a queue of one, no chat template), both over the same three stages."""
+    running sequence, a queue of one, no chat template, no prefix cache), both over the same three stages."""
     tmp = tmp_path_factory.mktemp("srvlogs")
     keys = tmp / "keys"
     keys.write_text(f"# test keys\n{KEY}\n")
@@ -157,7 +157,7 @@ def servers(stages, ckpt, bare_ckpt, tmp_path_factory):
                    "--ready-file", str(tmp / "ready.json")], tmp, KEY)
     main.ready = tmp / "ready.json"
     small = Server(["--plan", str(tmp / "plan.json"), "--keys", ctl_keys, "--checkpoint", str(bare_ckpt),
-                    "--model-name", MODEL, "--max-running", "1", "--max-queue", "1"], tmp)
+                    "--model-name", MODEL, "--max-running", "1", "--max-queue", "1", "--prefix-cache", "off"], tmp)
     try:
         yield main.wait(), small.wait()
     finally:
@@ -493,6 +493,30 @@ def test_non_streaming_client_that_gives_up_frees_the_slot(server):
     assert any("finish=disconnected" in ln and "stream=False" in ln for ln in lines)
 
 
+def test_a_shared_prefix_is_reused_and_answers_as_without_the_cache(servers, client):
+    """A prompt that extends an earlier one (a conversation one turn on) starts from that one's KV at
+    every stage (the metrics count the hit and the tokens reused), and its greedy answer is the one
+    the server without a prefix cache gives (the first prompt is two whole chunks of 128, so both cut
+    the second at the same bounds)."""
+    server, small = servers
+    off = openai.OpenAI(base_url=small.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    first = [10 + (i * 37) % 280 for i in range(256)]
+    second = first + [10 + (i * 11) % 280 for i in range(40)]
+
+    def count(name: str, srv=server) -> float:
+        v = srv.metric(name)
+        return 0.0 if v != v else v   # nan: not counted yet
+    hits, reused = count("layerline_prefix_hits_total"), count("layerline_prefix_reused_tokens_total")
+    client.completions.create(model=MODEL, prompt=first, max_tokens=4, temperature=0)
+    got = client.completions.create(model=MODEL, prompt=second, max_tokens=12, temperature=0)
+    assert count("layerline_prefix_hits_total") > hits
+    assert count("layerline_prefix_reused_tokens_total") >= reused + 256
+    assert 0 < server.metric("layerline_prefix_hit_ratio") <= 1 and server.metric("layerline_prefix_entries") >= 1
+    want = off.completions.create(model=MODEL, prompt=second, max_tokens=12, temperature=0)
+    assert ids_of(got.choices[0]) == ids_of(want.choices[0])
+    assert count("layerline_prefix_lookups_total", small) == 0
+
+
 def test_metrics_and_log(server):
     text = httpx.get(server.url + "/metrics", timeout=10).text
     for want in ('layerline_requests_total{route="/v1/completions",status="200"}',
@@ -500,7 +524,9 @@ def test_metrics_and_log(server):
                  'layerline_requests_total{route="/v1/completions",status="401"}',
                  "layerline_prompt_tokens_total", "layerline_generated_tokens_total", "layerline_queue_depth",
                  "layerline_running_sequences", "layerline_time_to_first_token_seconds_bucket",
-                 "layerline_inter_token_seconds_bucket", 'layerline_stage_step_seconds_count{stage="stage2"}'):
+                 "layerline_inter_token_seconds_bucket", 'layerline_stage_step_seconds_count{stage="stage2"}',
+                 "layerline_prefix_lookups_total", "layerline_prefix_hit_ratio", 'layerline_prefix_bytes{host="',
+                 'vllm:prefix_cache_hits_total{model_name="tiny-chat"}'):
         assert want in text, want
     assert server.metric("layerline_generated_tokens_total") > 100
     lines = server.log.read_text().splitlines()

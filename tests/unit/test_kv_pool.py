@@ -118,3 +118,88 @@ def test_a_sequence_written_at_an_absurd_epoch_fails_alone():
         p.step("a", 0, 1, 3, reserve=8, epoch=1)   # its replay from 0 is refused too
     assert p.rows([("b", 2)], epoch=1) == [b]
     assert a.length == 3
+
+
+# --- prefix entries (layerline.prefix): keep, fork, eviction ------------------------------------------
+
+def filled(c: StageCache, pos: int, t: int, base: float) -> StageCache:
+    """Write t tokens at pos whose K and V values say which token they are (base + position)."""
+    for layer in c.layers:
+        for i in range(pos, pos + t):
+            layer.k[:, :, i] = base + i
+            layer.v[:, :, i] = -(base + i)
+    return written(c, pos, t)
+
+
+def test_keep_and_fork_copy_the_prefix_and_share_one_entry():
+    p = pool()
+    filled(p.step("a", 0, 1, 6, reserve=12, epoch=1), 0, 6, 100.0)
+    assert p.keep("a", "e1", 5) and p.get("a") is None and (len(p), p.entries) == (0, 1)
+    assert p.entry_bytes == 5 * PER_TOKEN                 # a compact copy: 5 tokens, not the 12 reserved
+    forks = []
+    for s in ("b", "c"):                                   # two sequences from one entry, each its own copy
+        c = p.fork(s, "e1", 5, tokens=2, reserve=10, epoch=2)
+        assert (c.length, c.max_len, c.epoch) == (5, 10, 2)
+        forks.append(filled(c, 5, 2, 200.0 if s == "b" else 300.0))
+    for c in forks:
+        assert [float(x) for x in c.layers[1].k[0, 0, :5, 0]] == [100.0, 101.0, 102.0, 103.0, 104.0]
+        assert [float(x) for x in c.layers[0].v[0, 0, :5, 1]] == [-100.0, -101.0, -102.0, -103.0, -104.0]
+    assert float(forks[0].layers[0].k[0, 0, 5, 0]) == 205.0 and float(forks[1].layers[0].k[0, 0, 5, 0]) == 305.0
+    assert p.fork("d", "e1", 3, tokens=1, reserve=8, epoch=None).length == 3   # any shorter prefix of it too
+    assert p.step("b", 7, 1, 1, reserve=10, epoch=2) is forks[0]                # a forked sequence goes on
+
+
+def test_a_fork_from_an_entry_not_held_names_the_new_sequence():
+    p = pool()
+    with pytest.raises(SeqUnknown, match="seq b forks from prefix entry e9, which is not held here") as e:
+        p.fork("b", "e9", 4, tokens=1, reserve=8, epoch=None)
+    assert e.value.code == "seq_unknown" and e.value.header == {"seqs": ["b"]} and p.get("b") is None
+    written(p.step("a", 0, 1, 4, reserve=8, epoch=None), 0, 4)
+    assert p.keep("a", "e1", 4)
+    with pytest.raises(SeqUnknown, match="holds 4 tokens, not 6"):
+        p.fork("b", "e1", 6, tokens=1, reserve=8, epoch=None)
+    p.release("e1")                                        # the engine's release of an entry
+    with pytest.raises(SeqUnknown, match="not held here"):
+        p.fork("b", "e1", 4, tokens=1, reserve=8, epoch=None)
+    # nothing is kept of a sequence this stage lacks, holds fewer tokens of, or of several rows
+    assert not p.keep("ghost", "e2", 4)
+    written(p.step("short", 0, 1, 2, reserve=8, epoch=None), 0, 2)
+    assert not p.keep("short", "e2", 3) and p.entries == 0 and p.get("short") is None
+    written(p.step("wide", 0, 2, 4, reserve=8, epoch=None), 0, 4)
+    assert not p.keep("wide", "e2", 4) and p.entries == 0
+
+
+def test_entries_go_first_least_recently_used_and_never_push_out_a_live_sequence():
+    p = pool(budget_tokens=32)
+    for s, e in (("a", "e1"), ("b", "e2")):
+        written(p.step(s, 0, 1, 8, reserve=8, epoch=None), 0, 8)
+        assert p.keep(s, e, 8)
+    p.fork("f", "e1", 8, tokens=1, reserve=10, epoch=None)       # e1 used: e2 is the least recent now
+    written(p.step("live", 0, 1, 6, reserve=6, epoch=None), 0, 6)  # 8 + 8 + 10 + 6 = 32: all fit
+    assert p.entries == 2
+    p.step("x", 0, 1, 1, reserve=8, epoch=None)                  # 8 more: an entry goes, not a sequence
+    assert p.entries == 1 and p.fork("g", "e1", 8, tokens=0, reserve=8, epoch=None).length == 8
+    assert p.entries == 0 and all(p.get(s) is not None for s in ("f", "live", "x", "g"))  # e1 went for g
+    # an entry that does not fit beside the live sequences is not kept (they are never evicted for it)
+    full = pool(budget_tokens=16)
+    written(full.step("a", 0, 1, 8, reserve=8, epoch=None), 0, 8)
+    written(full.step("b", 0, 1, 4, reserve=8, epoch=None), 0, 4)
+    assert full.keep("b", "e1", 4) and full.entries == 1          # b's own room holds it
+    few = pool(max_seqs=8)
+    few.max_entries = 2
+    for i in range(3):
+        written(few.step(f"s{i}", 0, 1, 2, reserve=2, epoch=None), 0, 2)
+        assert few.keep(f"s{i}", f"e{i}", 2)
+    assert few.entries == 2
+    with pytest.raises(SeqUnknown):
+        few.fork("n", "e0", 2, tokens=1, reserve=4, epoch=None)   # the oldest of three went
+
+
+def test_a_fork_of_an_older_epoch_is_stale():
+    p = pool()
+    written(p.step("a", 0, 1, 4, reserve=8, epoch=1), 0, 4)
+    assert p.keep("a", "e1", 4)
+    written(p.step("b", 0, 1, 5, reserve=8, epoch=3), 0, 5)
+    with pytest.raises(Stale):
+        p.fork("b", "e1", 4, tokens=1, reserve=8, epoch=2)
+    assert p.get("b").length == 5                                # not replaced

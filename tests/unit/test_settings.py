@@ -216,6 +216,8 @@ def test_the_servers_launch_is_built_in_python(tmp_path):
     assert flags["--plan"] == str(tmp_path / "plan.json") and flags["--port"] == "29190"
     assert flags["--keys"] == str(tmp_path / "keys" / "controller") and flags["--restart-wait"] == "10"
     assert flags["--health-deadline"] == "2" and "--api-keys" not in flags and s.url == "http://127.0.0.1:29190"
+    assert flags["--prefix-cache"] == "on"
+    assert dict(zip(*[iter(_server(tmp_path, layerline_serve_prefix_cache=False).argv[4:])] * 2))["--prefix-cache"] == "off"
     open_ = _server(tmp_path, layerline_serve_bind="0.0.0.0")
     assert open_.keyed and "--api-keys" in open_.argv and open_.url == "http://127.0.0.1:8000"
 

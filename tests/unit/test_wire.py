@@ -492,3 +492,29 @@ def test_rows_round_trip_through_a_header(rows):
     frames = wire.encode({"op": "forward", "rows": [list(r) for r in rows], "cache": True})
     h, _ = wire.decode(frames)
     assert wire.rows(h) == rows
+
+
+@pytest.mark.parametrize("fork, pos, text", [
+    ("e1", 4, "header.fork: must be"),
+    ({"from": "e1"}, 4, "header.fork: must be"),
+    ({"from": "e/1", "len": 4}, 4, "header.fork: must be"),
+    ({"from": "e1", "len": 0}, 0, "header.fork: must be"),
+    ({"from": "e1", "len": True}, 1, "header.fork: must be"),
+    ({"from": "e1", "len": 99}, 99, "N an integer in [1, 63]"),
+    ({"from": "e1", "len": 4, "x": 1}, 4, "header.fork: must be"),
+    ({"from": "e1", "len": 4}, 5, "header.fork.len: 4 must equal header.pos 5"),
+])
+def test_a_bad_fork_names_the_field(fork, pos, text):
+    with pytest.raises(WireError) as e:
+        wire.fork({"fork": fork}, pos, 63)
+    assert text in str(e.value)
+
+
+def test_fork_and_keep_read_their_fields():
+    assert wire.fork({}, 0, 63) is None and wire.keep({}, 64) is None
+    assert wire.fork({"fork": {"from": "p1", "len": 7}}, 7, 63) == ("p1", 7)
+    assert wire.keep({"keep": "p1", "len": 64}, 64) == ("p1", 64)
+    for h, text in (({"len": 3}, "header.len: only with header.keep"), ({"keep": "p/1", "len": 3}, "header.keep"),
+                    ({"keep": "p1"}, "header.len"), ({"keep": "p1", "len": 65}, "header.len")):
+        with pytest.raises(WireError, match=re.escape(text)):
+            wire.keep(h, 64)

@@ -11,6 +11,11 @@
   hands out the caches of a rows step, releases one, and refuses a forward of an older wire epoch
   than the last that wrote a sequence (Stale, naming those sequences). The worker holds one; its
   errors name the sequence so the sender can replay just it.
+- Prefix entries (the engine's prefix cache, layerline.prefix): `keep` turns an ended sequence's
+  first tokens into an entry under a new id (read-only from then on); `fork` starts a new sequence
+  with a copy of an entry's first tokens, so many sequences share one system prompt. Entries live
+  in the same byte budget, are evicted least recently used and before any live sequence, and a
+  fork from an entry this stage lacks is SeqUnknown naming the new sequence (it replays from 0).
 """
 from __future__ import annotations
 
@@ -148,7 +153,7 @@ class Stale(SeqUnknown):
 
 class KVPool:
     """A stage's KV caches by sequence id, least recently used first, within `budget` bytes and
-    `max_seqs` sequences. The one owner of the cache contract on a worker.
+    `max_seqs` sequences (and `max_entries` prefix entries). The one owner of the cache contract on a worker.
 
     new_cache(batch, tokens) makes an empty StageCache; bytes_per_token is what one token of one
     row costs across the stage's layers; context is the most tokens a sequence may reach (the
@@ -156,39 +161,104 @@ class KVPool:
     """
 
     def __init__(self, new_cache: Callable[[int, int], StageCache], *, bytes_per_token: int, budget: int,
-                 max_seqs: int, context: int, name: str):
+                 max_seqs: int, context: int, name: str, max_entries: int | None = None):
         self.new_cache = new_cache
         self.bytes_per_token, self.budget, self.max_seqs = bytes_per_token, budget, max_seqs
+        self.max_entries = max_seqs if max_entries is None else max_entries
         self.context, self.name = context, name
         self._seqs: OrderedDict[str, StageCache] = OrderedDict()
+        self._entries: OrderedDict[str, StageCache] = OrderedDict()   # prefix entries, read-only
 
     def __len__(self) -> int:
+        """Live sequences (prefix entries are not sequences: `entries`)."""
         return len(self._seqs)
 
     def get(self, seq: str) -> StageCache | None:
         return self._seqs.get(seq)
 
     @property
+    def entries(self) -> int:
+        return len(self._entries)
+
+    @property
+    def entry_bytes(self) -> int:
+        return sum(c.nbytes for c in list(self._entries.values()))
+
+    @property
     def held_bytes(self) -> int:
-        return sum(c.nbytes for c in self._seqs.values())
+        return sum(c.nbytes for c in list(self._seqs.values())) + self.entry_bytes
 
     def release(self, seq: str) -> None:
+        """Free a sequence's cache, or a prefix entry's (the same id space: the engine's ids)."""
         self._seqs.pop(seq, None)
+        self._entries.pop(seq, None)
+
+    def _make_room(self, need: int, *, seqs: bool) -> None:
+        """Evict prefix entries, least recently used first, then (seqs) the oldest sequences, until
+        `need` more bytes fit the budget and a new sequence (seqs) or entry (not seqs) fits its cap."""
+        while self._entries and (self.held_bytes + need > self.budget
+                                 or (not seqs and len(self._entries) >= self.max_entries)):
+            self._entries.popitem(last=False)
+        while seqs and self._seqs and (len(self._seqs) >= self.max_seqs or self.held_bytes + need > self.budget):
+            self._seqs.popitem(last=False)
 
     def admit(self, seq: str, batch: int, reserve: int) -> StageCache:
         """A new cache for `seq` of `batch` rows and `reserve` tokens (replacing one it had), within
-        the budget: the oldest sequences are evicted first (their senders replay them)."""
+        the budget: prefix entries are evicted first, then the oldest sequences (their senders replay them)."""
         self._seqs.pop(seq, None)
         need = batch * reserve * self.bytes_per_token
         if need > self.budget:
             raise LayerlineError(f"stage {self.name}: seq {seq} needs {need} KV bytes ({batch} x {reserve} tokens) "
                                  f"but the stage's KV budget is {self.budget}; shorten it or raise the plan's "
                                  "layerline_objective.context / batch")
-        while self._seqs and (len(self._seqs) >= self.max_seqs or self.held_bytes + need > self.budget):
-            self._seqs.popitem(last=False)
+        self._make_room(need, seqs=True)
         cache = self.new_cache(batch, reserve)
         self._seqs[seq] = cache
         return cache
+
+    def keep(self, seq: str, entry: str, length: int) -> bool:
+        """The sequence ends; its first `length` tokens stay as prefix entry `entry` (a compact copy
+        unless its cache is that long already). False (and nothing kept) when this stage lacks it,
+        holds fewer tokens of it, it has several rows, or no room is left beside the live sequences."""
+        cache = self._seqs.pop(seq, None)
+        self._entries.pop(entry, None)
+        if cache is None or cache.length < length or cache.batch != 1 or length < 1:
+            return False
+        if cache.max_len != length:
+            kept = self.new_cache(1, length)
+            for dst, src in zip(kept.layers, cache.layers):
+                dst.k.copy_(src.k[:, :, :length])
+                dst.v.copy_(src.v[:, :, :length])
+            cache = kept
+        cache.length = length
+        self._make_room(cache.nbytes, seqs=False)
+        if self.held_bytes + cache.nbytes > self.budget:
+            return False
+        self._entries[entry] = cache
+        return True
+
+    def fork(self, seq: str, entry: str, length: int, tokens: int, reserve: int, epoch: int | None) -> StageCache:
+        """A new one-row cache for `seq` (replacing one it had) holding a copy of prefix entry
+        `entry`'s first `length` tokens, for `tokens` new tokens at position `length`. Raises
+        SeqUnknown naming `seq` when this stage lacks the entry (evicted, restarted, a new stage)
+        or it holds fewer tokens, else as `step`."""
+        self._fresh(epoch, [seq])
+        src = self._entries.get(entry)
+        if src is None or src.length < length:
+            why = "is not held here (evicted, or this worker restarted)" if src is None else \
+                f"holds {src.length} tokens, not {length}"
+            raise SeqUnknown(f"stage {self.name}: seq {seq} forks from prefix entry {entry}, which {why}; "
+                             "replay it from 0", [seq])
+        self._entries.move_to_end(entry)
+        cache = self.admit(seq, 1, min(max(reserve, length + tokens), self.context))  # may evict src: it stays valid
+        if cache.max_len < length + tokens:
+            raise LayerlineError(f"stage {self.name}: seq {seq} would exceed --kv-context {self.context} "
+                                 f"(it reserved {cache.max_len} tokens)")
+        for dst, s in zip(cache.layers, src.layers):
+            dst.k[:, :, :length].copy_(s.k[:, :, :length])
+            dst.v[:, :, :length].copy_(s.v[:, :, :length])
+        cache.length = length
+        return self.step(seq, length, 1, tokens, reserve, epoch)
 
     def _fresh(self, epoch: int | None, seqs: list[str]) -> None:
         """Raise Stale for a forward of an older epoch than the last one that wrote any of these

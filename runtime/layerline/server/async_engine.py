@@ -65,7 +65,7 @@ class AsyncEngine:
     def __init__(self, open_pipe: Callable[[], Pipeline], *, stages: int | None, kv_tokens: int | None,
                  max_running: int, max_queue: int, chunk: int = 128, busy_chunk: int = 64,
                  metrics: Metrics | None = None,
-                 rows: bool | None = None):
+                 rows: bool | None = None, prefix: bool = True):
         self.open_pipe = open_pipe
         self.stages = stages
         self.kv_tokens = kv_tokens
@@ -75,6 +75,8 @@ class AsyncEngine:
         self.busy_chunk = busy_chunk
         self.metrics = metrics or Metrics()
         self.rows = rows
+        self.prefix = prefix
+        self._prefix_seen = (0, 0, 0, 0, 0)   # lookups, hits, reused, lost, looked-up tokens
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._rfd, self._wfd = os.pipe()
         os.set_blocking(self._rfd, False)
@@ -114,7 +116,7 @@ class AsyncEngine:
             # a stage asks for, after a failover too, goes to layerline_replays
             eng = Engine(pipe, stages=self.stages, chunk=self.chunk, busy_chunk=self.busy_chunk,
                          kv_tokens=self.kv_tokens, max_running=self.max_running, rows=self.rows,
-                         on_step=self._on_step, max_replays=4)
+                         on_step=self._on_step, max_replays=4, prefix=self.prefix)
             self._ready.set()
             eng.serve(self.inbox, self._rfd, lambda: self._stop, self._on_turn)
         finally:
@@ -176,6 +178,8 @@ class AsyncEngine:
         if eng.replays != self._replays_seen:
             self.metrics.replays.inc(max(0, eng.replays - self._replays_seen))
             self._replays_seen = eng.replays
+        if eng.prefix is not None:
+            self._prefix_metrics(eng.prefix)
         self._flush()
         self.running = len(eng.running)
         self.engine_rows = eng.rows
@@ -189,6 +193,22 @@ class AsyncEngine:
         with self._lock:
             m.queue_depth.set(self._waiting)
             m.v_waiting.set(self._waiting)
+
+    def _prefix_metrics(self, p) -> None:
+        now = (p.lookups, p.hits, p.reused, p.lost, p.looked_up_tokens)
+        if now != self._prefix_seen:
+            m = self.metrics
+            d = [a - b for a, b in zip(now, self._prefix_seen)]
+            m.prefix_lookups.inc(d[0])
+            m.prefix_hits.inc(d[1])
+            m.prefix_reused.inc(d[2])
+            m.v_prefix_hits.inc(d[2])
+            m.prefix_lost.inc(d[3])
+            m.v_prefix_queries.inc(d[4])
+            m.prefix_hit_ratio.set(p.hits / p.lookups if p.lookups else 0.0)
+            self._prefix_seen = now
+        self.metrics.prefix_entries.set(len(p))
+        self.metrics.prefix_tokens.set(p.tokens)
 
     def _on_step(self, res, kind: str, n: int) -> None:
         for t in res.timings:

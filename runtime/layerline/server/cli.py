@@ -53,6 +53,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--chunk", type=int, default=128, help="prompt tokens per prefill message")
     p.add_argument("--busy-chunk", type=int, default=64,
                    help="prompt tokens per prefill message while other sequences decode")
+    p.add_argument("--prefix-cache", default="on", choices=["on", "off"],
+                   help="on: a prompt that starts with tokens an earlier request computed reuses their KV at every "
+                        "stage (kept within the stages' KV budget, least recently used out first)")
     p.add_argument("--microbatches", type=int, default=None,
                    help="decode micro-batches kept in flight (default: the plan's core groups: one per machine, "
                         "one per GPU; with --first, one per stage)")
@@ -271,7 +274,7 @@ def _serve(a, plan: dict | None, keys=None, admin_keys=None) -> int:
     # with a plan, the pipe's depth (pipeline_for_plan); with --first, one micro-batch per stage
     engine = AsyncEngine(pipes.open, stages=a.microbatches or (None if plan else len(stages)), kv_tokens=kv,
                          max_running=a.max_running, max_queue=a.max_queue, chunk=a.chunk, busy_chunk=a.busy_chunk,
-                         metrics=metrics)
+                         metrics=metrics, prefix=a.prefix_cache == "on")
     engine.start()
     failover = Failover(stages + (standbys_from_plan(plan) if plan else []), health=client.health,
                         set_next=client.set_next, engine=engine.call, open_pipe=pipes.into, metrics=metrics,

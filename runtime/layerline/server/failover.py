@@ -163,6 +163,8 @@ class Failover:
                     was_up, old_pid = s.up, s.pid
                     s.up, s.pid, s.uptime_s, s.last_ok, s.error = True, pid, h.get("uptime_s"), time.monotonic(), None
                     self._gauge(s, 1)
+                if self.metrics is not None and type(h.get("prefix_bytes")) is int:
+                    self.metrics.prefix_bytes.labels(host=s.host).set(h["prefix_bytes"])
                 if was_up is False:
                     log.info("stage %s at %s is up again (pid %s)", s.host, s.control, pid)
                     self.events.put((UP, s))

@@ -14,6 +14,13 @@ layerline's own (`layerline_*`) and, beside them, the names and meanings vLLM's 
   vllm:request_success_total          counter by finished_reason: stop, length, abort (client gone), error
   vllm:prompt_tokens_total / vllm:generation_tokens_total  counters
   vllm:request_prompt_tokens / vllm:request_generation_tokens  histograms: tokens per finished request
+  vllm:prefix_cache_queries_total / vllm:prefix_cache_hits_total  counters: prompt tokens looked up in
+                                      the prefix cache, and those reused (their ratio: the token hit rate)
+
+The prefix cache's own (layerline.prefix): layerline_prefix_lookups_total, _hits_total, _hit_ratio
+(hits / lookups since the server started), _reused_tokens_total, _lost_total (hits whose entry a stage
+no longer held: recomputed from 0), _entries and _tokens (the engine's index), and _bytes by host
+(the KV bytes each stage's entries hold, from its health answers).
 """
 from __future__ import annotations
 
@@ -59,6 +66,26 @@ class Metrics:
                                       buckets=_TOKENS, registry=r).labels(model_name)
         self.v_req_generation = Histogram("vllm:request_generation_tokens", "tokens generated for each finished "
                                           "request", m, buckets=_TOKENS, registry=r).labels(model_name)
+        self.v_prefix_queries = Counter("vllm:prefix_cache_queries", "prompt tokens looked up in the prefix cache",
+                                        m, registry=r).labels(model_name)
+        self.v_prefix_hits = Counter("vllm:prefix_cache_hits", "prompt tokens the prefix cache answered (reused KV)",
+                                     m, registry=r).labels(model_name)
+        self.prefix_lookups = Counter("layerline_prefix_lookups", "prompts looked up in the prefix cache",
+                                      registry=r)
+        self.prefix_hits = Counter("layerline_prefix_hits", "prompts that started from a prefix entry's KV",
+                                   registry=r)
+        self.prefix_hit_ratio = Gauge("layerline_prefix_hit_ratio", "prefix cache hits / lookups since the "
+                                      "server started", registry=r)
+        self.prefix_reused = Counter("layerline_prefix_reused_tokens", "prompt tokens not computed: their KV came "
+                                     "from a prefix entry", registry=r)
+        self.prefix_lost = Counter("layerline_prefix_lost", "hits whose entry a stage no longer held (evicted, "
+                                   "restarted, a new route): the sequence was computed from 0", registry=r)
+        self.prefix_entries = Gauge("layerline_prefix_entries", "prefix entries the stages keep (the engine's "
+                                    "index)", registry=r)
+        self.prefix_tokens = Gauge("layerline_prefix_tokens", "tokens of the prefix entries the stages keep (the "
+                                   "engine's index; each stage holds them for its layers)", registry=r)
+        self.prefix_bytes = Gauge("layerline_prefix_bytes", "KV bytes the stage's prefix entries hold (its "
+                                  "health answers)", ["host"], registry=r)
         self.requests = Counter("layerline_requests", "HTTP requests by route and status", ["route", "status"],
                                 registry=r)
         self.prompt_tokens = Counter("layerline_prompt_tokens", "prompt tokens of admitted requests", registry=r)

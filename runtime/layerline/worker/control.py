@@ -1,6 +1,6 @@
 """The control protocol: the ops a worker answers on its control socket.
 
-health (name, pid, layers, next hop and its host, uptime, CURVE), stats (counters, sequences held,
+health (name, pid, layers, next hop and its host, uptime, CURVE, bytes its prefix entries hold), stats (counters, sequences held,
 compile and kernel state, the timed step, paged experts), set_next (a new next hop: a host name
 whose key is in the keys dir's peers/), shutdown. Only the controller's key gets in
 (layerline.worker.sockets). A bad op gets an error reply and counts as rejected. Answered on the
@@ -33,12 +33,12 @@ def answer(w: "Worker", h: dict) -> dict:
         return {"op": "ok", "name": w.name, "pid": os.getpid(), "layers": [w.args.start, w.args.end],
                 "next": net.next_addr, "uptime_s": time.time() - c.stats.started,
                 "curve": net.curve_bind, "next_key": net.next_key, "version": version.full(),
-                "protocol": wire.PROTOCOL}
+                "protocol": wire.PROTOCOL, "prefix_bytes": c.kv.entry_bytes}
     if op == "stats":
         s = c.stats
         reply = {"op": "ok", "name": w.name, "requests": s.requests, "errors": s.errors,
                  "rejected": s.rejected, "stale_dropped": s.stale_dropped, "compute_s": s.compute_s,
-                 "sequences": len(c.kv),
+                 "sequences": len(c.kv), "prefix_entries": c.kv.entries, "prefix_bytes": c.kv.entry_bytes,
                  "compile": w.args.compile, "compile_s": c.compile_s,
                  "compiled": c.stage.compiled, "compile_error": c.stage.compile_error,
                  "kernels": cpu_kernels.status(), "step_s": c.step_s}

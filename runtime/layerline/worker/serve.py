@@ -2,7 +2,8 @@
 
 Every data message is validated; any failure becomes an error reply (to the sender, and to the
 driver's reply_to when it names one), never a dead worker. `op: release, seq` frees a sequence's
-KV cache here and on every later stage.
+KV cache (or a prefix entry's) here and on every later stage; with `keep: ENTRY, len: N` its first
+N tokens stay as prefix entry ENTRY (layerline.model.kv.KVPool.keep) for later forks.
 
 Two threads: the compute thread (the process's main thread) reads the data socket and runs each
 forward; the control thread owns the control socket and answers it (layerline.worker.control)
@@ -67,9 +68,16 @@ class Worker:
                 raise wire.WireError(bad)
             if h["op"] == "release":
                 seq = wire.require(h, "seq", str)
-                self.compute.kv.release(seq)
+                kept = wire.keep(h, self.args.kv_context)
+                if kept is None:
+                    self.compute.kv.release(seq)
+                else:
+                    self.compute.kv.keep(seq, *kept)
                 if self.net.next is not None:
-                    self.net.send_next(wire.encode({"op": "release", "seq": seq}))
+                    fwd = {"op": "release", "seq": seq}
+                    if kept is not None:
+                        fwd.update(keep=kept[0], len=kept[1])
+                    self.net.send_next(wire.encode(fwd))
                 return
             if h["op"] != "forward":
                 raise wire.WireError(f"header.op: {h['op']!r} is not a data op here (forward, release)")

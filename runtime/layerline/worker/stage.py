@@ -10,6 +10,10 @@ Data messages (op forward; tensor `input_ids` [B, T] int64 at the first stage, `
   (no top-level seq or pos), one new token per row ([B, 1] ids / [B, 1, hidden], B = len(rows)),
   row i at position pos of its own sequence (prefilled by one-sequence messages with batch 1);
   `logits: "last"` gives [B, 1, vocab].
+- a prefix hit (layerline.prefix): a one-sequence message at `pos` N with `fork: {from: ENTRY, len: N}`
+  starts `seq` anew with a copy of prefix entry ENTRY's first N tokens (kept by an earlier
+  `release` with `keep`), then writes its T tokens after them; a stage that lacks the entry answers
+  seq_unknown naming `seq`, which the sender replays from 0.
 What a cached sequence must hold, and what happens when it holds more, is the KV pool's contract
 (layerline.model.kv.KVPool): a sequence this stage lacks or holds fewer than pos tokens of fails
 the message with code "seq_unknown" and `seqs` in the error header, so the sender replays just
@@ -36,6 +40,7 @@ import torch
 from .. import precision, timing_lock, wire
 from ..errors import LayerlineError
 from ..model.kv import KVPool
+from ..prefix import MAX_ENTRIES
 from ..wire import MAX_BATCH, MAX_SEQS
 
 IDLE_CAP_S = 0.05  # the longest idle measure_step waits before a timed step
@@ -79,7 +84,7 @@ class StageCompute:
         self.kv = KVPool(lambda batch, tokens: self.stage.new_cache(batch, tokens, dtype=self.kv_dtype),
                          bytes_per_token=per_token,
                          budget=args.kv_bytes if args.kv_bytes else args.kv_context * per_token,
-                         max_seqs=MAX_SEQS, context=args.kv_context, name=name)
+                         max_seqs=MAX_SEQS, context=args.kv_context, name=name, max_entries=MAX_ENTRIES)
         self.stats = Stats()
 
     def prepare(self, awake) -> None:
@@ -235,7 +240,15 @@ class StageCompute:
             seq = wire.require(h, "seq", str)
             reserve = wire.require(h, "reserve", int, 1, self.args.kv_context) if "reserve" in h \
                 else self.args.kv_context
-            cache = self.kv.step(seq, pos, x.shape[0], x.shape[1], reserve, epoch)
+            forked = wire.fork(h, pos, self.args.kv_context - 1)
+            if forked is not None:
+                if x.shape[0] != 1:
+                    raise wire.WireError("header.fork: a forked sequence has one row (batch 1)")
+                cache = self.kv.fork(seq, forked[0], forked[1], x.shape[1], reserve, epoch)
+            else:
+                cache = self.kv.step(seq, pos, x.shape[0], x.shape[1], reserve, epoch)
+        elif "fork" in h:
+            raise wire.WireError("header.fork: only with cache true (it starts a cached sequence)")
         elif pos != 0:
             raise wire.WireError("header.pos: must be 0 without cache")
         elif x.shape[0] * x.shape[1] > self.args.kv_context:
@@ -245,7 +258,8 @@ class StageCompute:
             out = self.stage(x.to(self.args.device), start_pos=pos, cache=cache, last_only=last_only)
         else:
             out = self.stage(x.to(self.args.device), start_pos=pos, cache=cache)
-        return self._reply(h, ("id", "seq", "pos", "cache", "reply_to", "deadline", "logits", "reserve", "epoch"),
+        return self._reply(h, ("id", "seq", "pos", "cache", "reply_to", "deadline", "logits", "reserve", "epoch",
+                                     "fork"),
                            timings, out, t0)
 
     def forward_rows(self, h: dict, tensors: dict) -> tuple[dict, dict]:
