@@ -44,10 +44,7 @@ def server(tmp_path_factory):
     srv = None
     try:
         srv = Server(["--first", first, "--first-key", "stage0", "--keys", controller_keys(stage_tmp),
-                      "--checkpoint", str(SMOL), "--log-format", "json",
-                      # one stage holds all 30 layers: on a loaded machine a prefill chunk may outlast the
-                      # default 2 s health deadline, and a failover here would test nothing of this file's
-                      "--health-deadline", "60"], tmp).wait()
+                      "--checkpoint", str(SMOL), "--log-format", "json"], tmp).wait()
         yield srv
     finally:
         if srv is not None:
