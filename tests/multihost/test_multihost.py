@@ -4,12 +4,11 @@ scripts/testhosts.py makes three hosts (own hostname, own /tmp, own address on a
 bridge, own sshd with its own host key; host key checking on). deploy.yml runs against its
 inventory as against any remote machines; the checks are that each worker runs inside its
 host's namespace and binds that host's address, that activations cross from host to host,
-that the drive matches a one-process forward, that a re-run changes nothing, that a drain that
-cannot come up changes nothing, that a drain under load loses no request, and teardown. The checkpoint
-is not shared (layerline_checkpoint_shared false): each host is staged its own layers in its private
-/tmp, in a stage dir of those layers; the drains stage the re-planned hosts' new layers beside the
-stages their running workers opened (the failed one leaves those as they were), and the committed
-one removes the old.
+that the drive matches a one-process forward, that a re-run changes nothing, that a drain under
+load loses no request, and teardown. The checkpoint is not shared (layerline_checkpoint_shared false):
+each host is staged its own layers in its private /tmp, in a stage dir of those layers; the drain
+stages the re-planned hosts' new layers beside the stages their running workers opened, and once it
+committed the old ones are gone.
 Needs root (namespaces, a bridge); installs openssh-server with apt-get when sshd is missing.
 """
 from __future__ import annotations
@@ -229,23 +228,12 @@ def test_deploy_across_hosts_idempotent_teardown(cluster):
     # deploy staged each host its own layers, where its worker loads them
     stages = {h: worker_stage(info, h) for h in HOSTS}
     assert {h: st[1] for h, st in stages.items()} == {s["host"]: s["layers"] for s in actives}, stages
-    reference = undisturbed(extra)
-
-    # a drain whose new route cannot come up (no new-slot worker is ready within 0.01 s), after it staged
-    # h1 and h3 their new layers: the old route serves on, and every running worker's stage is as it was
-    # (its layers, its very files), so a worker of the old slot that restarts loads what it ran
-    r = playbook("drain.yml", "-i", inv, *extra, "-e", "layerline_drain=h2", "-e", "layerline_worker_ready_timeout=0.01",
-                 timeout=900, check=False)
-    out = " ".join(r.stdout.split())
-    assert r.returncode != 0 and "drain of h2 failed" in out and "restored" in out, out[-3000:]
-    assert json.loads((home / "route.json").read_text()) == {"slot": 0, "drained": []}
-    assert {h: worker_stage(info, h) for h in HOSTS} == stages, "a failed drain changed a running worker's stage"
-    assert complete(extra, PROMPTS[0]) == reference[0]
 
     # a drain over ssh, under load: h2 drained, h1 and h3 re-planned in the other slot on their hosts;
-    # every request equals the undisturbed run (tests/deploy/test_deployment.py runs the rest of the operations:
-    # rejoin, standby promotion, SIGSTOP, a dead host re-planned around, on the embedded inventory)
-    drain_under_load(inv, home, extra, reference)
+    # every request equals the undisturbed run (tests/deploy/test_deployment.py runs the rest of the operations,
+    # with the checkpoint not shared as here: a drain that cannot come up, which leaves every running worker's
+    # stage as it was, rejoin, standby promotion, SIGSTOP, a dead host re-planned around, on the embedded inventory)
+    drain_under_load(inv, home, extra, undisturbed(extra))
     slot1 = {h: json.loads((host_root(info, h) / "tmp" / "layerline" / "state.1" / "ready.json").read_text())["pid"]
              for h in ("h1", "h3")}
     # the drain re-planned h1 and h3 onto other layers and staged those before it started their workers;
