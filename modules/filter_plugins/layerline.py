@@ -26,6 +26,8 @@
     {{ hostvars[inventory_hostname] | layerline_state_dir(inventory_hostname, slot) }}
     {{ hostvars | layerline_host_errors(ansible_play_hosts, 'layerline_stage_error') }}
     {{ copied | layerline_stage_copy_error(inventory_hostname, stage_dir, stage_bytes) }}  (layerline.staging)
+    {{ plan | layerline_stage_dir(inventory_hostname, hostvars[inventory_hostname]) }}
+    {{ plan | layerline_stages_kept(inventory_hostname, hostvars[inventory_hostname]) }}
     {{ hostvars | layerline_drain_outcome(ansible_play_hosts_all, layerline_drain) }}    (layerline.operations)
     {{ layerline_route | layerline_drain_stops(inventory_hostname, failed) }}
 """
@@ -46,7 +48,7 @@ try:
     from layerline.settings import ANSIBLE_KEYS, PREFIX, HostSettings, server_host
     from layerline.spec import (demo_checkpoint_argv, drive_argv, health_gate, host_report, index_argv, keys_place_argv,
                                 keys_spec, planned_worker, runtime_install_argv, runtime_spec, server_spec,
-                                ships_stage, stage_checkpoint_argv,
+                                ships_stage, stage_checkpoint_argv, stage_dir, stages_kept,
                                 worker_spec)
     IMPORT_ERROR = None
 except ImportError as e:  # the controller's interpreter lacks the package
@@ -245,6 +247,18 @@ def layerline_stage_argv(plan, host, hvars, python="python3"):
                                                                         python=str(python)))
 
 
+def layerline_stage_dir(plan, host, hvars):
+    """The dir on the host that holds its stage of the plan (layerline.spec.stage_dir: one per layer range)."""
+    _need_runtime()
+    return _adapt("layerline_stage_dir", lambda: stage_dir(_plan(plan), str(host), _vars(hvars)))
+
+
+def layerline_stages_kept(plan, host, hvars):
+    """What the host's stage root keeps once `plan` runs (layerline.spec.stages_kept): {root, keep, sweep}."""
+    _need_runtime()
+    return _adapt("layerline_stages_kept", lambda: stages_kept(_plan(plan), str(host), _vars(hvars)))
+
+
 def layerline_stage_copy_error(copied, host, stage_dir, stage_bytes):
     """The one line for a host whose stage copy failed or was cut off (layerline.staging.copy_failure)."""
     _need_runtime()
@@ -348,7 +362,8 @@ class FilterModule:
             layerline_demo_checkpoint_argv, layerline_index_argv, layerline_keys_spec, layerline_keys_place_argv,
             layerline_wheel_dir, layerline_version, layerline_health_gate, layerline_runtime_spec,
             layerline_runtime_install_argv, layerline_runtime_needs_install,
-            layerline_stage_argv, layerline_stage_copy_error, layerline_state_dir, layerline_saved_plan,
+            layerline_stage_argv, layerline_stage_dir, layerline_stages_kept, layerline_stage_copy_error,
+            layerline_state_dir, layerline_saved_plan,
             layerline_route, layerline_route_begin, layerline_route_commit, layerline_plan_to_keep,
             layerline_host_errors, layerline_drain_outcome, layerline_drain_stops,
             layerline_known_addresses, layerline_peers, layerline_plan_table, layerline_drive_report)}

@@ -6,9 +6,10 @@ from __future__ import annotations
 DOCUMENTATION = r"""
 ---
 module: layerline_stage
-short_description: Make a host's stage dir hold only what its current stage lists
+short_description: Make a host's stage dir hold only what its current stage lists, its stage root only the stages that run
 description:
-  - Runs on the host around the copy of its stage's files (playbooks/tasks/stage.yml).
+  - Runs on the host around the copy of its stage's files (playbooks/tasks/stage.yml), and once a deploy
+    or drain committed to a plan (O(state=swept)).
   - O(state=pruned), before the copy, makes the stage dir (mode 0700) and removes from it everything
     the stage's manifest does not list - the files of a stage it held before, or of another model (a
     Hugging Face stage's config.json and *.safetensors where a GGUF stage's model.gguf now goes), and
@@ -17,7 +18,11 @@ description:
   - O(state=complete), after the copy, checks that every listed file is there at its size and writes
     the manifest; the checkpoint opener reads the stage's format and files from it, so a dir whose
     staging did not finish is refused, never opened as the model it held before.
-  - The dir belongs to layerline (C(layerline_stage_dir)); nothing else should be kept in it.
+  - O(state=swept) takes O(path) as the host's stage root (C(layerline_stage_dir), which holds one dir
+    per stage, named by its layers) and removes everything there but the stage dirs named in O(keep) -
+    the stages of the slot a committed drain left, a drained host's, what an older layerline kept in the
+    root itself (C(layerline.staging.sweep_stages)).
+  - The dirs belong to layerline (C(layerline_stage_dir)); nothing else should be kept in them.
   - What is listed and what is removed is decided by C(layerline.staging.prune_stage); the host's
     Python interpreter must import layerline (the layerline_runtime role installs it).
 version_added: "0.1.0"
@@ -25,31 +30,43 @@ author:
   - layerline contributors
 options:
   path:
-    description: The host's stage dir.
+    description: The host's stage dir; with O(state=swept), its stage root.
     type: path
     required: true
   manifest:
-    description: The stage's manifest, as C(layerline stage-checkpoint --json) prints it (its C(files) are kept).
+    description:
+      - The stage's manifest, as C(layerline stage-checkpoint --json) prints it (its C(files) are kept).
+      - Required unless O(state=swept).
     type: dict
-    required: true
+  keep:
+    description: With O(state=swept), the names of the stage dirs the root keeps (the C(layerline_stages_kept) filter's).
+    type: list
+    elements: str
+    default: []
   state:
-    description: C(pruned) before the copy, C(complete) after it.
+    description: C(pruned) before the copy, C(complete) after it, C(swept) once a plan committed.
     type: str
     default: pruned
-    choices: [pruned, complete]
+    choices: [pruned, complete, swept]
 """
 
 EXAMPLES = r"""
 - name: Make the stage dir hold only this stage's files
   layerline_stage:
-    path: /tmp/layerline-w2/checkpoint
+    path: /tmp/layerline-w2/checkpoint/layers-2-4-of-6
     manifest: "{{ layerline_stage_made.stdout | from_json }}"
 
 - name: Mark the stage whole once its files are copied
   layerline_stage:
-    path: /tmp/layerline-w2/checkpoint
+    path: /tmp/layerline-w2/checkpoint/layers-2-4-of-6
     manifest: "{{ layerline_stage_made.stdout | from_json }}"
     state: complete
+
+- name: Keep only the stage the committed plan runs here
+  layerline_stage:
+    path: /tmp/layerline-w2/checkpoint
+    keep: [layers-2-4-of-6]
+    state: swept
 """
 
 RETURN = r"""
@@ -60,7 +77,7 @@ removed:
   elements: str
   sample: [config.json, model.safetensors]
 path:
-  description: The stage dir.
+  description: The stage dir (the stage root, swept).
   returned: always
   type: str
   sample: /tmp/layerline-w2/checkpoint
@@ -74,15 +91,18 @@ from ansible.module_utils.basic import AnsibleModule
 LAYERLINE_IMPORT_ERROR = None
 try:
     from layerline.errors import LayerlineError
-    from layerline.staging import finish_stage, has_manifest, prune_stage
+    from layerline.staging import finish_stage, has_manifest, prune_stage, sweep_stages
 except ImportError:
     LAYERLINE_IMPORT_ERROR = traceback.format_exc()
 
 
 def main():
     module = AnsibleModule(argument_spec=dict(path=dict(type="path", required=True),
-                                              manifest=dict(type="dict", required=True),
-                                              state=dict(type="str", default="pruned", choices=["pruned", "complete"])),
+                                              manifest=dict(type="dict"),
+                                              keep=dict(type="list", elements="str", default=[]),
+                                              state=dict(type="str", default="pruned",
+                                                         choices=["pruned", "complete", "swept"])),
+                           required_if=[("state", "pruned", ["manifest"]), ("state", "complete", ["manifest"])],
                            supports_check_mode=True)
     p = module.params
     path = os.path.abspath(p["path"])
@@ -92,11 +112,14 @@ def main():
                          exception=LAYERLINE_IMPORT_ERROR, path=path)
     changed, removed = False, []
     try:
-        if p["state"] == "complete":
+        if p["state"] == "swept":
+            removed = sweep_stages(path, p["keep"], dry_run=module.check_mode)
+        elif p["state"] == "complete":
             changed = not has_manifest(path, p["manifest"]) if module.check_mode else finish_stage(path, p["manifest"])
         else:
             changed = not os.path.isdir(path) or os.stat(path).st_mode & 0o777 != 0o700
             if changed and not module.check_mode:
+                os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)   # the stage root, made by the first
                 os.makedirs(path, mode=0o700, exist_ok=True)
                 os.chmod(path, 0o700)
             removed = prune_stage(path, p["manifest"], dry_run=module.check_mode)

@@ -331,9 +331,14 @@ class HostSettings:
         return os.path.join(self.home_state_dir, "caps.json")
 
     @property
-    def staged_checkpoint_dir(self) -> str:
-        """Where the host keeps its staged checkpoint when the model's path is not shared."""
+    def stage_root(self) -> str:
+        """Where the host keeps its staged checkpoints when the model's path is not shared: one dir per stage
+        (stage_dir_for), layerline's own (a deploy or drain that committed removes what its plan does not run)."""
         return self.stage_dir or os.path.join(self.home_state_dir, "checkpoint")
+
+    def stage_dir_for(self, layers: "tuple[int, int] | list[int]", num_layers: int) -> str:
+        """The staged checkpoint of layers [start, end) of a num_layers model on this host (stage_name)."""
+        return os.path.join(self.stage_root, stage_name(layers, num_layers))
 
     @property
     def checkpoint_path(self) -> str:
@@ -347,15 +352,16 @@ class HostSettings:
         """layerline_home: the controller's files (plan, route, keys, server state); one line when unset."""
         return ControllerHome.of(self.home)
 
-    @property
-    def worker_checkpoint(self) -> str:
-        """The checkpoint path the worker opens on its host."""
-        return self.checkpoint_path if self.checkpoint_shared else self.staged_checkpoint_dir
+    def worker_checkpoint(self, layers: "tuple[int, int] | list[int]", num_layers: int) -> str:
+        """The checkpoint path a worker of these layers opens on its host: the model's own when it is shared,
+        else the stage of these layers (staged by playbooks/tasks/stage.yml)."""
+        return self.checkpoint_path if self.checkpoint_shared else self.stage_dir_for(layers, num_layers)
 
     @property
     def probe_checkpoint(self) -> str:
-        """What the probe times the disk of: where this host's weights will land."""
-        return str(self.checkpoint) if self.checkpoint_shared else self.staged_checkpoint_dir
+        """What the probe times the disk of: where this host's weights will land (its stages' root: one
+        path whatever the layers, so the probe's cache holds across drains)."""
+        return str(self.checkpoint) if self.checkpoint_shared else self.stage_root
 
     @property
     def demo_checkpoint_stamp(self) -> str:
@@ -417,7 +423,7 @@ class HostSettings:
         out = {f.name: getattr(self, f.name) for f in variables()}
         out.update(address=self.address, endpoint=self.endpoint, state_dir=self.state_dir_in(),
                    state_dirs=[self.state_dir_in(k) for k in SLOTS], other_state_dir=self.state_dir_in(1 - self.slot),
-                   home_state_dir=self.home_state_dir, caps_file=self.caps_file, stage_dir=self.staged_checkpoint_dir,
+                   home_state_dir=self.home_state_dir, caps_file=self.caps_file, stage_root=self.stage_root,
                    keys_dir=self.worker_keys_dir, probe_checkpoint=self.probe_checkpoint,
                    probe_device=self.probe_device, serve_port=self.serve_port_resolved,
                    demo_checkpoint_stamp=self.demo_checkpoint_stamp, host_python=self.host_python,
@@ -452,6 +458,17 @@ def variables():
 
 def variable_names() -> list[str]:
     return [PREFIX + f.name for f in variables()]
+
+
+def stage_name(layers: "tuple[int, int] | list[int]", num_layers: int) -> str:
+    """A staged checkpoint's dir name under a host's stage root: what it holds, layers [start, end) of a
+    num_layers model (so whether it has the embedding and the head), not the slot or the precision (a stage
+    holds the file's own bytes whatever precision its worker loads it at). A drain that keeps a host's layers
+    opens the stage it runs already, one that moves them stages beside it, never over it."""
+    start, end = (int(x) for x in layers)
+    if not 0 <= start < end <= int(num_layers):
+        raise SettingsError(f"stage layers {start}:{end} are not within the model's {num_layers} layers; re-plan")
+    return f"layers-{start}-{end}-of-{int(num_layers)}"
 
 
 SERVER_GROUP = "layerline_server"

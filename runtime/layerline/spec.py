@@ -20,7 +20,7 @@ from .errors import LayerlineError
 from .keys import secret_file
 from .planner import Plan
 from .version import INSTALLED, source_root
-from .settings import COMPILE_READY_TIMEOUT_S, READY_TIMEOUT_S, HostSettings  # noqa: F401 - re-exported
+from .settings import COMPILE_READY_TIMEOUT_S, READY_TIMEOUT_S, HostSettings, stage_name  # noqa: F401 - re-exported
 
 SettingsLike = HostSettings | dict
 
@@ -60,8 +60,28 @@ def planned_worker(plan: Plan, host: str, hvars: SettingsLike, python: str | Non
 
 def ships_stage(plan: Plan, host: str, hvars: SettingsLike) -> bool:
     """Whether staging ships this host its own tensors: it runs a stage of the plan and does not share
-    the controller's checkpoint path (its worker then opens HostSettings.worker_checkpoint's staged dir)."""
+    the controller's checkpoint path (its worker then opens stage_dir's staged checkpoint)."""
     return not HostSettings.of(host, hvars).checkpoint_shared and plan.stage(host) is not None
+
+
+def stage_dir(plan: Plan, host: str, hvars: SettingsLike) -> str:
+    """The dir on the host that holds its stage of the plan (HostSettings.stage_dir_for: one per layer range
+    under its stage root), where playbooks/tasks/stage.yml ships it and its worker opens it."""
+    s = plan.stage(host)
+    if s is None:
+        raise LayerlineError(f"{host}: not in the plan; nothing to stage")
+    return HostSettings.of(host, hvars).stage_dir_for(s.layers, plan.num_layers)
+
+
+def stages_kept(plan: Plan | None, host: str, hvars: SettingsLike) -> dict:
+    """What the host's stage root keeps once `plan` is the one that runs (a deploy's served plan, a drain's
+    committed one): {"root", "keep": the stage dir names its workers open, "sweep": whether to remove the
+    rest}. Only an unshared checkpoint stages, so only then is the root swept; until a change commits, the
+    stages of the plan that runs stay where they are (a drain stages the new layers beside them)."""
+    hs = HostSettings.of(host, hvars)
+    s = plan.stage(host) if plan is not None else None
+    keep = [stage_name(s.layers, plan.num_layers)] if s is not None else []
+    return {"root": hs.stage_root, "keep": keep, "sweep": not hs.checkpoint_shared}
 
 
 def worker_spec(plan: Plan, host: str, hvars: SettingsLike, python: str | None = None) -> WorkerSpec:
@@ -72,7 +92,8 @@ def worker_spec(plan: Plan, host: str, hvars: SettingsLike, python: str | None =
     s = plan.stage(host)
     if s is None:
         raise LayerlineError(f"{host}: not in the plan (role {hs.role}); only planned hosts start workers")
-    ckpt = hs.worker_checkpoint   # a staged checkpoint holds only this stage's tensors (playbooks/stage.yml)
+    # a staged checkpoint holds only this stage's tensors (playbooks/tasks/stage.yml), in a dir of its layers
+    ckpt = hs.worker_checkpoint(s.layers, plan.num_layers)
     if not s.endpoint:
         raise LayerlineError(f"{host}: the plan has no endpoint for this stage; re-plan")
     state = hs.state_dir_in()

@@ -10,6 +10,13 @@ manifest records where it came from and each file's SHA-1 (what Ansible's copy c
 transfer); a stage already made from the same source and range is reused. The controller's
 memory grows by a chunk, not by the stage.
 
+A host keeps each stage in a dir of its own under its stage root, named by the layers it holds
+(layerline.settings.stage_name): a drain that gives a host new layers stages them beside the ones its
+running worker opened, never over them, so a drain that fails leaves that worker's files as they were
+(and one of its restarts loads what it ran), and a host whose layers stay opens the stage it has (nothing
+is copied twice). Once a change commits (a deploy's server routes through its plan, a drain's switch is
+kept), `sweep_stages` removes from the root every stage that plan does not run there.
+
 On the host (the layerline_stage module, before the copy) `prune_stage` makes the stage dir hold
 nothing but what the current stage lists: a dir that once held another stage, or another model (a
 Hugging Face stage's config.json and *.safetensors, then a GGUF's model.gguf), keeps none of it,
@@ -128,6 +135,28 @@ def prune_stage(dest: str | os.PathLike, manifest: dict, dry_run: bool = False) 
     if not dry_run:
         for name in gone:
             p = root / name
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p)
+            else:
+                p.unlink(missing_ok=True)
+    return gone
+
+
+def sweep_stages(root: str | os.PathLike, keep: list[str], dry_run: bool = False) -> list[str]:
+    """Remove from a host's stage root `root` (layerline.settings.HostSettings.stage_root) everything but the
+    stage dirs named in `keep` (layerline.settings.stage_name): the stages of layers the plan that now runs
+    does not hold there (the slot a committed drain left, a drained host's), and what an older layerline kept
+    in the root itself. Returns the names removed (that would be, with dry_run), sorted."""
+    bad = [k for k in keep if not isinstance(k, str) or k in ("", ".", "..") or "/" in k]
+    if bad:
+        raise LayerlineError(f"stage root {root}: {bad[0]!r} is not a stage dir name (layerline.settings.stage_name)")
+    base = Path(root)
+    if not base.is_dir():
+        return []
+    gone = sorted(e.name for e in base.iterdir() if e.name not in keep)
+    if not dry_run:
+        for name in gone:
+            p = base / name
             if p.is_dir() and not p.is_symlink():
                 shutil.rmtree(p)
             else:

@@ -122,12 +122,13 @@ def test_a_disk_that_fills_while_staging(home, tmp_path):
                      "-i", "inventory", "-i", inv, check=False)
         out = " ".join(r.stdout.split())
         assert r.returncode != 0 and "Traceback" not in r.stdout + r.stderr, out[-3000:]
-        assert f"w2: could not write its stage to {small} ([Errno 28] No space left on device" in out, out[-3000:]
+        [stage] = list(small.iterdir())   # the stage dir of w2's layers, under its stage root
+        assert f"w2: could not write its stage to {stage} ([Errno 28] No space left on device" in out, out[-3000:]
         assert out.count("could not write its stage") <= 2, "one line, for w2 only"   # the task and its recap
         needs = int(out.split("the stage needs ")[1].split()[0])
         assert needs > 32 * 1024 and "set layerline_stage_dir to a disk with room" in out
         # what was copied whole stays (the next run's SHA-1 check keeps it); nothing partial does
-        left = sorted(p.name for p in small.iterdir())
+        left = sorted(p.name for p in stage.iterdir())
         assert "model.safetensors" not in left and not [n for n in left if n.startswith(".")], left
         assert not list((home / "state").glob("*/ready.json")), "no worker starts"
     finally:

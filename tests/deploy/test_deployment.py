@@ -7,9 +7,10 @@ SIGSTOPped worker waited for, a rejoin, a drain that promotes the standby in pla
 dead host; drains refused with one line; teardown; a bf16 deploy of one host and a drive whose check
 fails.
 
-layerline_checkpoint_shared is false for the deploys here, so they prove weight staging too: each host
-gets only its own layers' tensors, once, and a staged file corrupted after shipping is shipped again
-(the operations under load read the checkpoint shared: see SHARED).
+layerline_checkpoint_shared is false here, so the deploys and operations prove weight staging too: each
+host gets only its own layers' tensors, once, in a stage dir of those layers, and a staged file corrupted
+after shipping is shipped again; a drain that moves a host's layers stages them beside the stage its
+running worker opened (a failed drain leaves that one as it was), and a committed one removes the old.
 The deployment runs fp32 (a replayed prefix, one batched prefill, gives the very logits its
 token-by-token steps gave, so every request under load equals the undisturbed run); the last deploy,
 of w1 alone (one worker: what it proves does not need more, and each host costs every play's tasks),
@@ -29,6 +30,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
@@ -43,12 +45,6 @@ HOSTS = ("w1", "w2", "w3", "w4")
 # when a load stops end soon; more clients or tokens only add steps the CPU must run beside the plays
 N_TOKENS = 16
 PROMPTS = [[5 + i, 17, 3 + 2 * i, 99 - i] for i in range(2)]
-# The operations under load (drains, the rejoin, the server's own drain of a dead host) read the
-# checkpoint where it lies, as they did on a deployment of their own: with layerline_checkpoint_shared
-# false, a drain that re-plans a standby (w4 to layers 3:6 in slot 1) starts it on the stage it got
-# in slot 0 (layers 4:6), which lacks layer 3, and the drain is rolled back (a gap in staging, not
-# in what these tests prove; reported with this change).
-SHARED = {"layerline_checkpoint_shared": True}
 # set by the last test once teardown.yml stopped what its deploy started: the fixture need not run it again
 TORN_DOWN = {"last deploy": False}
 
@@ -84,13 +80,13 @@ def deployed(tmp_path_factory):
           "layerline_serve_health_deadline": 4,
           # the workers yield the CPU to the plays beside them; the load takes what is left
           "layerline_nice": 10}
-    (home / "vars.json").write_text(json.dumps({**ev, **SHARED}))
+    (home / "vars.json").write_text(json.dumps(ev))
     extra = ["-i", str(inv), "-e", json.dumps(ev)]
     try:
         # the first deploy.yml dies (SIGKILL, its whole process group) while the workers start, after
         # staging; then a staged file is corrupted after shipping; the next deploy.yml must converge
         killed = killed_while_workers_start(extra)
-        corrupted = home / "state" / "w2" / "checkpoint" / "model.safetensors"
+        corrupted = home / "state" / "w2" / "checkpoint" / "layers-2-4-of-6" / "model.safetensors"
         size = corrupted.stat().st_size
         with open(corrupted, "r+b") as f:
             f.seek(size // 2)
@@ -279,19 +275,24 @@ def supervisor_pid(home, host: str, slot: int = 0) -> int:
     return json.loads((d / "supervisor.json").read_text())["pid"]
 
 
-def operations(extra: list[str]) -> list[str]:
-    """The deployment's arguments for drain.yml and a rejoin (SHARED)."""
-    return [*extra, "-e", json.dumps(SHARED)]
+def opened_stage(home, host: str, slot: int = 0) -> tuple[str, list[int], dict]:
+    """The stage dir the host's worker in `slot` was started on (its argv's --checkpoint), the layers its
+    manifest lists, and its files: name -> (inode, mtime_ns)."""
+    from layerline.checkpoint import STAGE_MANIFEST
+    argv = json.loads((home / "state" / (host if slot == 0 else f"{host}.{slot}") / "argv.json").read_text())
+    d = Path(argv[argv.index("--checkpoint") + 1])
+    files = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in sorted(d.iterdir())}
+    return str(d), json.loads((d / STAGE_MANIFEST).read_text())["layers"], files
 
 
 def test_drain_and_rejoin_under_load_lose_nothing(deployed):
     home, extra, _, reference, *_ = deployed
-    extravars = {**json.loads(extra[3]), **SHARED}
-    extra = operations(extra)
+    extravars = json.loads(extra[3])
     phase = Phases("drain")
     before = actives(home)
     assert [h for h, _, _ in before] == ["w1", "w2", "w3"]
     assert ready(home, "w4"), "the standby runs"
+    stages = {h: opened_stage(home, h) for h in ("w1", "w2", "w3", "w4")}
     assert {os.getpriority(os.PRIO_PROCESS, ready(home, h)["pid"]) for h in ("w1", "w2", "w3", "w4")} == {10}
 
     # a drain whose new route cannot come up (w1's new port is taken) changes nothing
@@ -306,6 +307,9 @@ def test_drain_and_rejoin_under_load_lose_nothing(deployed):
     assert actives(home) == before
     assert json.loads((home / "route.json").read_text()) == {"slot": 0, "drained": []}
     assert not any(ready(home, h, 1) for h in ("w1", "w2", "w3", "w4"))
+    # it had staged w1, w3 and w4 their new layers: beside the stages their running workers opened, which
+    # are as they were (a worker of the old slot that restarts loads what it ran)
+    assert {h: opened_stage(home, h) for h in stages} == stages
     assert complete(PROMPTS[0]) == reference[0]
     phase("a drain that cannot come up")
 
@@ -324,6 +328,9 @@ def test_drain_and_rejoin_under_load_lose_nothing(deployed):
     assert all(e.endswith(str(PORT_BASE + 50 + 10 * (int(h[1]) - 1))) for h, _, e in after), after
     assert json.loads((home / "route.json").read_text()) == {"slot": 1, "drained": ["w2"]}
     assert not any(ready(home, h) for h in ("w1", "w2", "w3", "w4")), "old slot stopped"
+    # each worker of the new slot opened the stage of its new layers; the old slot's stages are gone
+    assert [opened_stage(home, h, 1)[1] for h, _, _ in after] == [ls for _, ls, _ in after]
+    assert not any(Path(d).exists() for d, _, _ in stages.values()), "the old slot's stages were left"
     n = load.check(reference)
     # the sequences the switch carried over (running at that moment: on a busy machine both clients may
     # be between requests) replay on the new stages, which lack them
@@ -419,7 +426,6 @@ def test_drain_and_rejoin_under_load_lose_nothing(deployed):
 
 def test_bad_drains_are_one_line_and_touch_nothing(deployed):
     home, extra, *_ = deployed
-    extra = operations(extra)
     plan = (home / "plan.json").read_text()
     for arg, says in (("layerline_drain=w9", "layerline_drain: w9 is not a host of group layerline"),
                       ("layerline_drain=w2,w4", "would leave no host to serve"),
@@ -436,11 +442,12 @@ def staged_only_own_layers(home, plan: dict, out: str) -> None:
     """Each host holds only its own layers' tensors (the first the embedding, the last the head),
     its worker loads them, and the run reports the bytes shipped against the whole model."""
     from layerline.checkpoint import STAGE_MANIFEST, read_index
+    from layerline.settings import stage_name
     # probed before staging, each host timed the disk its stage lands on (not "not measured")
     assert all(s["disk_read_bytes_per_s"] for s in plan["stages"]), plan["stages"]
     shipped = 0
     for s in plan["stages"]:
-        staged = home / "state" / s["host"] / "checkpoint"
+        staged = home / "state" / s["host"] / "checkpoint" / stage_name(s["layers"], plan["num_layers"])
         idx = read_index(staged, check=False)  # one stage's tensors, not a whole model
         assert {t.layer for t in idx.tensors.values() if t.layer is not None} == set(range(*s["layers"]))
         assert ("model.embed_tokens.weight" in idx.tensors) == (s["layers"][0] == 0)

@@ -32,12 +32,13 @@ def models(tmp_path_factory) -> dict[str, Path]:
 
 
 def _stage(root: Path, ckpt: Path) -> tuple[dict, Path]:
-    stage_dir = root / "host-w1-checkpoint"
+    """stage.yml for w1's one stage (layers 0:2 of 2); the host's stage dir of those layers."""
+    stage_root = root / "host-w1-checkpoint"
     extra = {"layerline_home": str(root / "home"), "layerline_checkpoint": str(ckpt),
              "layerline_checkpoint_shared": False, "layerline_demo_checkpoint": False,
-             "layerline_stage_dir": str(stage_dir), "layerline_plan": _plan(2)}
+             "layerline_stage_dir": str(stage_root), "layerline_plan": _plan(2)}
     r = playbook("playbooks/stage.yml", "-l", "w1", "-e", json.dumps(extra))
-    return recap(r.stdout)["w1"], stage_dir
+    return recap(r.stdout)["w1"], stage_root / "layers-0-2-of-2"
 
 
 def test_staging_another_model_leaves_nothing_of_the_old_one(models):

@@ -320,12 +320,12 @@ def big():
 
 
 def staged_files(big: dict, host: str) -> dict[str, tuple[int, int, int]]:
-    """The host's staged files: name -> (bytes, inode, mtime_ns); not the stage's manifest, which the
-    host writes once its files are in (it is not shipped)."""
+    """The host's staged files (in the stage dirs under its stage root): name -> (bytes, inode, mtime_ns); not
+    the stage's manifest, which the host writes once its files are in (it is not shipped)."""
     from layerline.checkpoint import STAGE_MANIFEST
     d = big["work"] / f"stage-{host}"
     return {p.name: (p.stat().st_size, p.stat().st_ino, p.stat().st_mtime_ns)
-            for p in sorted(d.iterdir()) if p.is_file() and p.name != STAGE_MANIFEST} if d.is_dir() else {}
+            for p in sorted(d.glob("*/*")) if p.is_file() and p.name != STAGE_MANIFEST} if d.is_dir() else {}
 
 
 def test_too_small_caps_fail_at_the_plan_before_anything_is_staged(big):

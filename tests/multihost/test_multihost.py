@@ -6,8 +6,9 @@ inventory as against any remote machines; the checks are that each worker runs i
 host's namespace and binds that host's address, that activations cross from host to host,
 that the drive matches a one-process forward, that a re-run changes nothing, that a drain under
 load loses no request, and teardown. The checkpoint is not shared (layerline_checkpoint_shared false):
-each host is staged its own layers in its private /tmp, and the drain stages the re-planned hosts'
-new layers before it starts their workers.
+each host is staged its own layers in its private /tmp, in a stage dir of those layers; the drain
+stages the re-planned hosts' new layers beside the stages their running workers opened, and once it
+committed the old ones are gone.
 Needs root (namespaces, a bridge); installs openssh-server with apt-get when sshd is missing.
 """
 from __future__ import annotations
@@ -238,18 +239,23 @@ def test_deploy_across_hosts_idempotent_teardown(cluster):
         assert ready["pid"] == pid, f"{h}: worker restarted on a re-run with nothing changed"
     print(f"\n[multihost] deploy.yml over ssh, 3 hosts: first {first_s:.1f} s, re-run {again_s:.1f} s")
 
+    # deploy staged each host its own layers, where its worker loads them
+    stages = {h: worker_stage(info, h) for h in HOSTS}
+    assert {h: st[1] for h, st in stages.items()} == {s["host"]: s["layers"] for s in actives}, stages
+
     # a drain over ssh, under load: h2 drained, h1 and h3 re-planned in the other slot on their hosts;
-    # every request equals the undisturbed run (tests/deploy/test_deployment.py runs the rest of the operations:
-    # rejoin, standby promotion, SIGSTOP, a dead host re-planned around, on the embedded inventory)
-    for s in actives:   # deploy staged each host its own layers
-        assert staged_layers(info, s["host"]) == s["layers"], s["host"]
-    drain_under_load(inv, home, extra)
+    # every request equals the undisturbed run (tests/deploy/test_deployment.py runs the rest of the operations,
+    # with the checkpoint not shared as here: a drain that cannot come up, which leaves every running worker's
+    # stage as it was, rejoin, standby promotion, SIGSTOP, a dead host re-planned around, on the embedded inventory)
+    drain_under_load(inv, home, extra, undisturbed(extra))
     slot1 = {h: json.loads((host_root(info, h) / "tmp" / "layerline" / "state.1" / "ready.json").read_text())["pid"]
              for h in ("h1", "h3")}
-    # the drain re-planned h1 and h3 onto other layers and staged those before it started their workers
+    # the drain re-planned h1 and h3 onto other layers and staged those before it started their workers;
+    # once the route committed to them, the stages of the slot it left are gone (h2's with it)
     for s in json.loads((home / "plan.json").read_text())["stages"]:
         ready = json.loads((host_root(info, s["host"]) / "tmp" / "layerline" / "state.1" / "ready.json").read_text())
-        assert ready["layers"] == s["layers"] == staged_layers(info, s["host"]), (s, ready)
+        assert ready["layers"] == s["layers"] == worker_stage(info, s["host"], slot=1)[1], (s, ready)
+    assert not any(d.exists() for d, _, _ in stages.values()), "the old slot's stages were left"
 
     # teardown stops every worker, in every namespace and slot
     playbook("teardown.yml", "-i", inv, *extra, timeout=300)
@@ -262,10 +268,15 @@ def test_deploy_across_hosts_idempotent_teardown(cluster):
             os.kill(pid, 0)
 
 
-def staged_layers(info: dict, host: str) -> list[int]:
-    """The layers the host's stage dir holds (its stage manifest, in the host's private /tmp)."""
-    d = host_root(info, host) / "tmp" / "layerline" / "state" / "checkpoint"
-    return json.loads((d / "layerline-stage.json").read_text())["layers"]
+def worker_stage(info: dict, host: str, slot: int = 0) -> tuple[Path, list[int], dict]:
+    """The stage dir the host's worker in `slot` was started on (its argv's --checkpoint, seen through the
+    host's root), the layers its manifest lists, and its files: name -> (inode, mtime_ns)."""
+    from layerline.checkpoint import STAGE_MANIFEST
+    root = host_root(info, host)
+    argv = json.loads((root / "tmp" / "layerline" / ("state" if slot == 0 else f"state.{slot}") / "argv.json").read_text())
+    d = root / argv[argv.index("--checkpoint") + 1].lstrip("/")
+    files = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in sorted(d.iterdir())}
+    return d, json.loads((d / STAGE_MANIFEST).read_text())["layers"], files
 
 
 def strangers_refused(home: Path, actives: list[dict], pids: dict) -> None:
@@ -341,32 +352,39 @@ def server_needs_a_key(info: dict, home: Path, cluster: dict) -> None:
         p.wait(30)
 
 
-def drain_under_load(inv: str, home: Path, extra: list[str]) -> None:
-    import threading
+# two clients of 16 tokens, each sending its next request as soon as one ends (as test_deployment's
+# load): requests always running while the route switches; more only add steps beside the plays
+PROMPTS = [[5 + i, 17, 3 + 2 * i, 99 - i] for i in range(2)]
 
+
+def complete(extra: list[str], prompt: list[int]) -> list[int]:
+    """One greedy completion of 16 tokens through the deployed server: its token ids."""
     import httpx
     url = f"http://127.0.0.1:{json.loads(extra[1])['layerline_serve_port']}/v1/completions"
-    # two clients of 16 tokens, each sending its next request as soon as one ends (as test_deployment's
-    # load): requests always running while the route switches; more only add steps beside the plays
-    prompts = [[5 + i, 17, 3 + 2 * i, 99 - i] for i in range(2)]
+    r = httpx.post(url, json={"model": "ckpt", "prompt": prompt, "max_tokens": 16, "temperature": 0,
+                              "ignore_eos": True}, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["token_ids"]
 
-    def complete(p):
-        r = httpx.post(url, json={"model": "ckpt", "prompt": p, "max_tokens": 16, "temperature": 0,
-                                  "ignore_eos": True}, timeout=120)
-        assert r.status_code == 200, r.text
-        return r.json()["choices"][0]["token_ids"]
+
+def undisturbed(extra: list[str]) -> list[list[int]]:
+    """The undisturbed run: PROMPTS' completions, sent at once as the load sends them."""
     from concurrent.futures import ThreadPoolExecutor
-    with ThreadPoolExecutor(len(prompts)) as ex:  # the undisturbed run: the requests at once, as the load sends them
-        reference = list(ex.map(complete, prompts))
+    with ThreadPoolExecutor(len(PROMPTS)) as ex:
+        return list(ex.map(lambda p: complete(extra, p), PROMPTS))
+
+
+def drain_under_load(inv: str, home: Path, extra: list[str], reference: list[list[int]]) -> None:
+    import threading
     results, stop = [], threading.Event()
 
     def client(i):
         while not stop.is_set():
             try:
-                results.append((i, complete(prompts[i])))
+                results.append((i, complete(extra, PROMPTS[i])))
             except Exception as e:  # noqa: BLE001 - reported below
                 results.append((i, repr(e)))
-    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(len(prompts))]
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(len(PROMPTS))]
     for t in threads:
         t.start()
     try:

@@ -93,3 +93,74 @@ def test_a_manifest_with_a_path_for_a_name_is_refused(tmp_path):
     with pytest.raises(LayerlineError, match="not a plain file name"):
         prune_stage(tmp_path, {"files": {"../etc/passwd": {"bytes": 1}}})
     assert (tmp_path / "keep").exists()
+
+
+# -- one stage dir per layer range (layerline.settings.stage_name), swept once a plan commits -------------------
+
+
+def _plan(stages: list[tuple[str, str, list[int], str | None]], slot: int = 0) -> "Plan":
+    """A 6-layer plan of (host, role, layers, standby_for) stages, on the ports of `slot`."""
+    from layerline.planner import Plan
+    return Plan.from_dict({
+        "precision": "fp32", "objective": "throughput", "policy": "uniform", "num_layers": 6,
+        "kv": {"context": 64, "dtype": "fp32", "bytes_per_token": 0}, "predicted_token_s": 0.0, "bottleneck_s": 0.0,
+        "stages": [{"host": h, "role": role, "layers": ls, "device": "cpu", "precision": "fp32", "weight_bytes": 0,
+                    "kv_bytes": 0, "kv_dtype": "fp32", "mem_budget_bytes": 0, "predicted_s": 0.0, "standby_for": sb,
+                    "endpoint": f"tcp://127.0.0.1:{29800 + 10 * i + 50 * slot}"}
+                   for i, (h, role, ls, sb) in enumerate(stages)]})
+
+
+def _hvars(slot: int, shared: bool = False) -> dict:
+    return {"ansible_connection": "local", "layerline_checkpoint": "/srv/ckpt", "layerline_state_dir": "/s/w4",
+            "layerline_checkpoint_shared": shared, "layerline_slot": slot}
+
+
+def _opens(plan, host: str, slot: int, shared: bool = False) -> str:
+    from layerline.spec import worker_spec
+    argv = list(worker_spec(plan, host, _hvars(slot, shared)).argv)
+    return argv[argv.index("--checkpoint") + 1]
+
+
+def test_a_drain_that_moves_a_hosts_layers_stages_them_beside_the_ones_its_worker_opened():
+    """The bug: a drain that gave a host (a standby among them) new layers in slot 1 staged them into the one
+    stage dir its slot-0 worker had opened, so a failed drain left that worker's stage holding the new layers
+    (one of its restarts then could not load what it ran). Now each layer range has its own dir: the two
+    slots' workers of a re-planned host open different dirs, and a host whose layers stay opens the one it has
+    (a drain copies nothing to it)."""
+    from layerline.spec import stage_dir, stages_kept
+    before = _plan([("w1", "active", [0, 2], None), ("w2", "active", [2, 4], None), ("w3", "active", [4, 6], None),
+                    ("w4", "standby", [4, 6], "w3")])
+    after = _plan([("w1", "active", [0, 3], None), ("w3", "active", [3, 6], None), ("w4", "standby", [3, 6], "w3")],
+                  slot=1)
+    old, new = _opens(before, "w4", 0), _opens(after, "w4", 1)
+    assert old == "/s/w4/checkpoint/layers-4-6-of-6" and new == "/s/w4/checkpoint/layers-3-6-of-6"
+    assert stage_dir(after, "w4", _hvars(1)) == new, "staging ships where the worker opens"
+    kept = _plan([("w1", "active", [0, 3], None), ("w4", "active", [3, 6], None)], slot=1)
+    assert _opens(kept, "w4", 1) == new, "the same layers in the other slot: the same stage"
+    # once the drain committed, the root keeps the new stage alone; a host out of the plan keeps none
+    assert stages_kept(after, "w4", _hvars(1)) == {"root": "/s/w4/checkpoint", "keep": ["layers-3-6-of-6"],
+                                                    "sweep": True}
+    assert stages_kept(after, "w2", _hvars(1))["keep"] == []
+    # a shared checkpoint: every worker opens the model itself, and no stage root is swept
+    assert _opens(after, "w4", 1, shared=True) == "/srv/ckpt"
+    assert stages_kept(after, "w4", _hvars(1, shared=True))["sweep"] is False
+
+
+def test_sweeping_a_stage_root_keeps_only_the_stages_named(tmp_path):
+    from layerline.staging import sweep_stages
+    root = tmp_path / "checkpoint"
+    for name in ("layers-4-6-of-6", "layers-3-6-of-6"):
+        (root / name).mkdir(parents=True)
+        (root / name / "model.safetensors").write_bytes(b"x")
+    for name in ("model.safetensors", STAGE_MANIFEST):   # an older layerline's stage, in the root itself
+        (root / name).write_bytes(b"{}")
+    gone = ["layers-4-6-of-6", STAGE_MANIFEST, "model.safetensors"]
+    assert sweep_stages(root, ["layers-3-6-of-6"], dry_run=True) == sorted(gone)
+    assert len(list(root.iterdir())) == 4, "a dry run removes nothing"
+    assert sweep_stages(root, ["layers-3-6-of-6"]) == sorted(gone)
+    assert [p.name for p in root.iterdir()] == ["layers-3-6-of-6"]
+    assert (root / "layers-3-6-of-6" / "model.safetensors").read_bytes() == b"x"
+    assert sweep_stages(root, ["layers-3-6-of-6"]) == [], "swept already: nothing to do"
+    assert sweep_stages(tmp_path / "none", []) == []
+    with pytest.raises(LayerlineError, match="'../x' is not a stage dir name"):
+        sweep_stages(root, ["../x"])
