@@ -15,6 +15,7 @@ from layerline.checkpoint import (STAGE_MANIFEST, CheckpointError, GGUFCheckpoin
                                   write_demo_checkpoint)
 from layerline.errors import LayerlineError
 from layerline.staging import finish_stage, prune_stage, stage_checkpoint
+from layerline.planner import Plan
 
 
 @pytest.fixture(scope="module")
@@ -98,9 +99,8 @@ def test_a_manifest_with_a_path_for_a_name_is_refused(tmp_path):
 # -- one stage dir per layer range (layerline.settings.stage_name), swept once a plan commits -------------------
 
 
-def _plan(stages: list[tuple[str, str, list[int], str | None]], slot: int = 0) -> "Plan":
+def _plan(stages: list[tuple[str, str, list[int], str | None]], slot: int = 0) -> Plan:
     """A 6-layer plan of (host, role, layers, standby_for) stages, on the ports of `slot`."""
-    from layerline.planner import Plan
     return Plan.from_dict({
         "precision": "fp32", "objective": "throughput", "policy": "uniform", "num_layers": 6,
         "kv": {"context": 64, "dtype": "fp32", "bytes_per_token": 0}, "predicted_token_s": 0.0, "bottleneck_s": 0.0,
