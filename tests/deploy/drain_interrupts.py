@@ -1,21 +1,16 @@
-"""A drain (or a rejoin) whose controller is stopped partway, for tests/deploy/test_deployment.py's shared
-deployment to call right before the drain.yml run it makes anyway: that run is then the run again, and its
+"""A drain (or a rejoin) whose controller is stopped partway. tests/deploy/test_deployment.py's shared
+deployment calls it right before a drain.yml run it makes anyway: that run is then the run again, and its
 own checks (the route, route.json, the old slot stopped, every request under load equal to the undisturbed
 tokens) are what "it ends in the intended state with nothing lost" means. No deployment of its own.
 
-    from drain_interrupts import stop_partway
-    stop_partway(home, ["drain.yml", *extra, "-e", "layerline_drain=w2"], drained=["w2"],
-                 at=AFTER_SWITCH, sig=signal.SIGKILL)
+    stop_partway(home, ["drain.yml", *extra, "-e", "layerline_drain=w2"], ["w2"], BEFORE_SWITCH, signal.SIGKILL)
     r = playbook("drain.yml", *extra, "-e", "layerline_drain=w2")      # the run again, checked as before
+    run_again_resumed(r.stdout)
 
-Where: in test_drain_and_rejoin_under_load_lose_nothing, (1) right before the "drain w2 under load" run,
-`stop_partway(home, ["drain.yml", *extra, "-e", "layerline_drain=w2"], ["w2"], BEFORE_SWITCH, signal.SIGKILL)`
-(12 s on the 2-core machine; the run again then finds its new-slot workers started) and after that run
-`run_again_resumed(r.stdout)`; every assertion after it holds as it is. (2) right before the "drain w3 under
-load" run (the standby promoted in place), `stop_partway(..., "layerline_drain=w3"], ["w3"], AFTER_SWITCH,
-signal.SIGINT)` (29 s) and `run_again_resumed(r.stdout)`; that run's switch is then `route unchanged`, so its
-assertion reads `("through w1, w2, w4" in out or "route unchanged" in out)`. Both passed in one run of the
-file (7 passed, 743 s, beside four other helpers' work).
+Where: the drain of w2 under load is first SIGKILLed as its new slot's workers start (BEFORE_SWITCH);
+the drain of w3 (the standby promoted in place) first gets a Ctrl-C as the server's switch starts
+(AT_SWITCH: it may or may not have switched, so the run again says "through w1, w2, w4" or
+"route unchanged"). tests/unit/test_route_transactions.py stops a drain after each of its steps.
 
 Points (each the start of a task, as ansible-playbook prints it): BEFORE_SWITCH (the new slot's workers
 start), AT_SWITCH (the server's POST /admin/route), AFTER_SWITCH (the server routes through the new stages,
