@@ -68,7 +68,9 @@ class Container:
         raise AssertionError(f"the container did not boot (state {state!r}): {out[-3000:]}")
 
     def run(self, argv: list[str], check: bool = True, timeout: float = 60, **kw) -> subprocess.CompletedProcess:
-        r = subprocess.run(["nsenter", "-t", str(self.leader), "-m", "-u", "-i", "-n", "-p", f"--wd={ROOT}", *argv],
+        # env -C: the working dir as the container sees it (nsenter --wd would keep this side's, unreachable there)
+        r = subprocess.run(["nsenter", "-t", str(self.leader), "-m", "-u", "-i", "-n", "-p", "env", "-C", str(ROOT),
+                            *argv],
                            capture_output=True, text=True, timeout=timeout, **kw)
         assert not check or r.returncode == 0, f"{argv}: rc {r.returncode}\n{r.stdout[-4000:]}\n{r.stderr[-2000:]}"
         return r
