@@ -177,8 +177,13 @@ for top in sorted(ask["inputs"]):
                 h.update(hashlib.sha256(f.read()).digest())
         except OSError:
             h.update(b"missing")
+def same_ns():
+    try:
+        return all(os.readlink("/proc/1/ns/" + n) == os.readlink("/proc/self/ns/" + n) for n in ("net", "mnt"))
+    except OSError:
+        return False
 units = [{"name": u, "path": os.path.join(ask["dir"], u)} for u in ask["units"]]
-print(json.dumps({"pid1": pid1, "booted": os.path.isdir("/run/systemd/system"),
+print(json.dumps({"pid1": pid1, "booted": os.path.isdir("/run/systemd/system"), "pid1_ns": same_ns(),
                   "systemctl": shutil.which("systemctl") is not None, "root": os.geteuid() == 0,
                   "units": [u for u in units if os.path.exists(u["path"])], "inputs": h.hexdigest()}))
 """.strip()
@@ -187,10 +192,12 @@ print(json.dumps({"pid1": pid1, "booted": os.path.isdir("/run/systemd/system"),
 @dataclass(frozen=True)
 class HostFacts:
     """What HOST_CODE reports of a host: PID 1's name, whether systemd booted it (/run/systemd/system, as
-    sd_booted(3) asks), whether systemctl is there, whether the play runs as root, which of the asked layerline
-    units it holds ({"name", "path"}), and the digest of the asked inputs."""
+    sd_booted(3) asks), whether the play runs in PID 1's network and mount namespaces (a unit runs in those: a
+    namespace test host on a systemd machine is not what PID 1 manages), whether systemctl is there, whether the
+    play runs as root, which of the asked layerline units it holds ({"name", "path"}), the digest of the inputs."""
     pid1: str | None = None
     booted: bool = False
+    pid1_ns: bool = False
     systemctl: bool = False
     root: bool = False
     units: tuple = ()
@@ -200,7 +207,8 @@ class HostFacts:
     def parse(cls, text: str, host: str) -> "HostFacts":
         try:
             d = json.loads(str(text).strip().splitlines()[-1])
-            return cls(pid1=d.get("pid1"), booted=bool(d.get("booted")), systemctl=bool(d.get("systemctl")),
+            return cls(pid1=d.get("pid1"), booted=bool(d.get("booted")), pid1_ns=bool(d.get("pid1_ns")),
+                       systemctl=bool(d.get("systemctl")),
                        root=bool(d.get("root")), units=tuple(d.get("units") or ()), inputs=str(d.get("inputs") or ""))
         except (ValueError, IndexError, AttributeError, TypeError):
             raise LayerlineError(f"{host}: the host's service facts are not what layerline.units.HOST_CODE prints "
@@ -212,6 +220,9 @@ class HostFacts:
             return f"its PID 1 is {self.pid1 or 'unknown'!r}, not systemd (a container or a namespace host)"
         if not self.booted or not self.systemctl:
             return "systemd did not boot it or systemctl is missing"
+        if not self.pid1_ns:
+            return ("the play runs in other network or mount namespaces than PID 1 (a namespace host), where "
+                    "systemd's units would not run")
         if not self.root:
             return "the play does not run as root, so it cannot write units to " + UNIT_DIR
         return None
@@ -219,7 +230,8 @@ class HostFacts:
 
 def resolve(setting: str, facts: HostFacts, host: str) -> str:
     """systemd or supervisor for this host: layerline_service_manager, where auto means systemd exactly when the
-    host's PID 1 is systemd and systemctl is usable (systemd booted it, the play runs as root)."""
+    host's PID 1 is systemd and systemctl is usable (systemd booted it, the play runs in PID 1's namespaces and as
+    root)."""
     why = facts.why_not_systemd()
     chosen = service_manager(setting, facts.pid1 if why is None else None)
     if chosen == "systemd" and why is not None:

@@ -104,7 +104,8 @@ def test_service_manager_refuses_an_unknown_setting():
 # -- layerline_service_manager: what the roles decide and write (layerline.units.worker_launch / server_launch) ---
 
 ROOT = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").is_file())
-SYSTEMD_HOST = {"pid1": "systemd", "booted": True, "systemctl": True, "root": True, "units": [], "inputs": "d1"}
+SYSTEMD_HOST = {"pid1": "systemd", "booted": True, "pid1_ns": True, "systemctl": True, "root": True, "units": [],
+                "inputs": "d1"}
 
 
 def _load(name: str, path: Path):
@@ -202,10 +203,11 @@ def test_this_machine_and_the_test_hosts_resolve_to_the_supervisor(plan, filters
 
 
 @pytest.mark.parametrize("change, why", [({"root": False}, "root"), ({"booted": False}, "did not boot"),
-                                         ({"systemctl": False}, "systemctl")])
+                                         ({"systemctl": False}, "systemctl"), ({"pid1_ns": False}, "namespace host")])
 def test_auto_needs_a_usable_systemctl(change, why, plan, filters):
-    """A systemd host the play cannot drive (not root, not booted by systemd, no systemctl): auto is the
-    supervisor, and a leftover unit of this slot is handed to the role to stop; `systemd` says why not."""
+    """A systemd host the play cannot drive (not root, not booted by systemd, no systemctl, or a namespace host
+    on a systemd machine): auto is the supervisor, and a leftover unit of this slot is handed to the role to stop;
+    `systemd` says why not."""
     from layerline.units import HostFacts, resolve
     p, hv, _ = plan
     facts = {**SYSTEMD_HOST, **change, "units": [{"name": "layerline-worker-w1.service", "path": "/x"}]}
