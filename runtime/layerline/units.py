@@ -256,9 +256,11 @@ def worker_probe_argv(host: str, hvars: SettingsLike, slots: list[int] | None = 
 JOURNAL_LINES = 30   # what a role shows of a unit's journal when it did not become ready
 
 
-def _unit_dict(unit: Unit, enabled: bool) -> dict:
-    """What a role needs of a unit: where it is written, its text, whether it is enabled, how to read its journal."""
+def _unit_dict(unit: Unit, enabled: bool, facts: HostFacts) -> dict:
+    """What a role needs of a unit: where it is written, its text, whether it is enabled, whether the host holds it
+    already (check mode asks systemd about it only then), how to read its journal."""
     return {"name": unit.name, "path": os.path.join(UNIT_DIR, unit.name), "text": unit.text, "enabled": enabled,
+            "exists": any(u.get("name") == unit.name for u in facts.units if isinstance(u, dict)),
             "journal_argv": ["journalctl", "--no-pager", "-n", str(JOURNAL_LINES), "-u", unit.name]}
 
 
@@ -274,7 +276,7 @@ def worker_launch(plan: Plan, host: str, hvars: SettingsLike, facts_text: str) -
     out |= {"manager": manager, "unit": None, "stop_units": [] if systemd else list(facts.units)}
     if systemd:
         out["unit"] = _unit_dict(worker_unit(plan, host, hs, python=out["python"], inputs=facts.inputs, install=True),
-                                 hs.start_at_boot)
+                                 hs.start_at_boot, facts)
     return out
 
 
@@ -298,5 +300,5 @@ def server_launch(hvars: SettingsLike, python: str, server_host: str, facts_text
                             "stop_units": [] if manager == "systemd" else list(facts.units)}
     if manager == "systemd":
         out["unit"] = _unit_dict(server_unit(hs, python, server_host, inputs=facts.inputs, install=True),
-                                 hs.start_at_boot)
+                                 hs.start_at_boot, facts)
     return out

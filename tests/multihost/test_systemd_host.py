@@ -3,9 +3,10 @@
 The host is this machine's own tree booted by systemd in a container (systemd-nspawn from Debian's
 systemd-container package: a tmpfs root with the host's /usr, /etc as an overlay on a tmpfs, the checkout and
 its interpreter bound in; the network is the host's). ansible-playbook runs inside it (nsenter), local
-connection, on the embedded inventory's three workers and a small random-init checkpoint: the workers and the
-server become units (`systemctl is-active`), each answers through the server, a second deploy leaves them as
-they run, and teardown.yml stops and removes every unit.
+connection, on the embedded inventory's three workers and a small random-init checkpoint: check mode from
+nothing passes and starts nothing; the workers and the server become units (`systemctl is-active`), each
+answers through the server, a second deploy leaves them as they run, and teardown.yml stops and removes every
+unit.
 
 Opt-in (`make test-systemd`, LAYERLINE_SYSTEMD=1): it needs root and systemd-nspawn; `make test` skips it.
 """
@@ -101,6 +102,10 @@ def test_deploy_on_a_systemd_host_runs_units(tmp_path):
            "PATH": f"{BIN}:/usr/local/bin:/usr/bin:/bin"}
     play = ["env", *[f"{k}={v}" for k, v in env.items()], str(BIN / "ansible-playbook")]
     try:
+        # check mode from nothing: it predicts the units and starts nothing (systemd is asked about no unit yet)
+        check = box.run([*play, "deploy.yml", "--check", "-e", ev], timeout=600)
+        assert "Write the worker's systemd unit" in check.stdout
+        assert box.run(["systemctl", "is-active", UNITS[0]], check=False).stdout.strip() != "active"
         first = box.run([*play, "deploy.yml", "-e", ev], timeout=900)
         for unit in UNITS:
             assert box.run(["systemctl", "is-active", unit], check=False).stdout.strip() == "active", unit

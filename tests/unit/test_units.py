@@ -152,7 +152,7 @@ def test_a_systemd_host_gets_the_unit_the_role_writes_and_systemd_accepts_it(pla
     assert launch["manager"] == "systemd" and launch["planned"] and launch["stop_units"] == []
     unit = launch["unit"]
     assert unit["name"] == "layerline-worker-w1.service" and unit["path"] == "/etc/systemd/system/" + unit["name"]
-    assert unit["enabled"] is True
+    assert unit["enabled"] is True and unit["exists"] is False
     text = role_writes("layerline_worker", launch)
     assert text == unit["text"]
     from layerline.units import Unit
@@ -167,6 +167,8 @@ def test_a_systemd_host_gets_the_unit_the_role_writes_and_systemd_accepts_it(pla
     again = filters["layerline_worker_launch"](p.to_dict(), "w1", {**forced, "layerline_start_at_boot": False},
                                                json.dumps({**SYSTEMD_HOST, "inputs": "d2"}))
     assert again["unit"]["text"] == text.replace("digest d1", "digest d2") and again["unit"]["enabled"] is False
+    held = {**SYSTEMD_HOST, "units": [{"name": unit["name"], "path": unit["path"]}]}
+    assert filters["layerline_worker_launch"](p.to_dict(), "w1", forced, json.dumps(held))["unit"]["exists"] is True
 
 
 def test_the_other_slot_has_its_own_unit(plan, filters, tmp_path):
