@@ -224,7 +224,7 @@ class HostFacts:
             return ("the play runs in other network or mount namespaces than PID 1 (a namespace host), where "
                     "systemd's units would not run")
         if not self.root:
-            return "the play does not run as root, so it cannot write units to " + UNIT_DIR
+            return f"the play does not run as root (become: true), so it cannot write units to {UNIT_DIR}"
         return None
 
 
@@ -235,8 +235,8 @@ def resolve(setting: str, facts: HostFacts, host: str) -> str:
     why = facts.why_not_systemd()
     chosen = service_manager(setting, facts.pid1 if why is None else None)
     if chosen == "systemd" and why is not None:
-        raise LayerlineError(f"{host}: layerline_service_manager is systemd, but {why}; set it to auto or supervisor "
-                             "(or run the play as root: become: true)")
+        raise LayerlineError(f"{host}: layerline_service_manager is systemd, but {why}; set it to auto or "
+                             "supervisor in the inventory")
     return chosen
 
 
