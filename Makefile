@@ -41,6 +41,12 @@ test: setup
 test-big: setup
 	LAYERLINE_BIG=1 $(BIN)/python -m pytest -q -s -m big tests/multihost/test_big_model.py
 
+# layerline_service_manager's systemd path end to end: deploy.yml inside this machine's tree booted by systemd
+# (systemd-nspawn, Debian's systemd-container), workers and server as units, teardown removes them; needs root
+.PHONY: test-systemd
+test-systemd: setup
+	LAYERLINE_SYSTEMD=1 $(BIN)/python -m pytest -q -s -m systemd tests/multihost/test_systemd_host.py
+
 # the fast tier: in-process checks only, no worker processes, no Ansible runs (under a minute)
 test-unit: setup
 	$(BIN)/python -m pytest -q tests/unit

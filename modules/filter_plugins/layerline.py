@@ -9,6 +9,10 @@
     {{ plan | layerline_worker_spec(inventory_hostname, hostvars[inventory_hostname]) }}
     {{ plan | layerline_argv(inventory_hostname, hostvars[inventory_hostname]) }}
     {{ hostvars[inventory_hostname] | layerline_server_spec(ansible_playbook_python) }}
+    {{ hostvars[inventory_hostname] | layerline_worker_probe(inventory_hostname, slots) }}          (layerline.units)
+    {{ plan | layerline_worker_launch(inventory_hostname, hostvars[inventory_hostname], probe.stdout) }}
+    {{ hostvars[inventory_hostname] | layerline_server_probe(ansible_playbook_python, server_host) }}
+    {{ hostvars[inventory_hostname] | layerline_server_launch(ansible_playbook_python, server_host, probe.stdout) }}
     {{ hostvars[inventory_hostname] | layerline_host_report(inventory_hostname, plan) }}
     {{ hostvars[inventory_hostname] | layerline_demo_checkpoint_argv(ansible_playbook_python) }}
     {{ hostvars[inventory_hostname] | layerline_index_argv(ansible_playbook_python) }}
@@ -46,6 +50,7 @@ try:
     from layerline.planner import Plan, plan_table
     from layerline.routes import begin, commit, decide, load_pending, load_route, plan_to_keep
     from layerline.settings import ANSIBLE_KEYS, PREFIX, HostSettings, server_host
+    from layerline.units import server_launch, server_probe_argv, worker_launch, worker_probe_argv
     from layerline.spec import (demo_checkpoint_argv, drive_argv, health_gate, host_report, index_argv, keys_place_argv,
                                 keys_spec, planned_worker, runtime_install_argv, runtime_spec, server_spec,
                                 ships_stage, stage_checkpoint_argv, stage_dir, stages_kept,
@@ -142,6 +147,36 @@ def layerline_worker_spec(plan, host, hvars, python=None):
     _need_runtime()
     return _adapt("layerline_worker_spec", lambda: planned_worker(_plan(plan), str(host), _vars(hvars),
                                                                   python=None if python is None else str(python)))
+
+
+def layerline_worker_probe(hvars, host, slots=None):
+    """The host's command that reports what runs its processes and which of the worker units of `slots` (default:
+    the route's slot) it holds (layerline.units.worker_probe_argv)."""
+    _need_runtime()
+    return _adapt("layerline_worker_probe", lambda: worker_probe_argv(
+        str(host), _vars(hvars), None if slots is None else [int(x) for x in _plain(slots)]))
+
+
+def layerline_worker_launch(plan, host, hvars, facts):
+    """layerline_worker_spec plus the service manager the host resolves to and, with systemd, its unit
+    (layerline.units.worker_launch); facts: what layerline_worker_probe's command printed."""
+    _need_runtime()
+    return _adapt("layerline_worker_launch", lambda: worker_launch(_plan(plan), str(host), _vars(hvars), str(facts)))
+
+
+def layerline_server_probe(hvars, python, server_host, stop=False):
+    """The serving host's command that reports what runs its processes and whether it holds the server's unit
+    (layerline.units.server_probe_argv; stop: the unit only)."""
+    _need_runtime()
+    return _adapt("layerline_server_probe", lambda: server_probe_argv(_vars(hvars), str(python), str(server_host),
+                                                                      stop=bool(stop)))
+
+
+def layerline_server_launch(hvars, python, server_host, facts):
+    """layerline_server_spec plus the service manager and, with systemd, the server's unit (layerline.units)."""
+    _need_runtime()
+    return _adapt("layerline_server_launch", lambda: server_launch(_vars(hvars), str(python), str(server_host),
+                                                                   str(facts)))
 
 
 def layerline_ships_stage(plan, host, hvars):
@@ -358,7 +393,8 @@ class FilterModule:
         return {f.__name__: f for f in (
             layerline_plan, layerline_route_plan, layerline_check_vars, layerline_settings, layerline_server_host, layerline_home_paths,
             layerline_worker_spec, layerline_ships_stage, layerline_argv, layerline_host_report, layerline_server_spec,
-            layerline_drive_argv,
+            layerline_drive_argv, layerline_worker_probe, layerline_worker_launch, layerline_server_probe,
+            layerline_server_launch,
             layerline_demo_checkpoint_argv, layerline_index_argv, layerline_keys_spec, layerline_keys_place_argv,
             layerline_wheel_dir, layerline_version, layerline_health_gate, layerline_runtime_spec,
             layerline_runtime_install_argv, layerline_runtime_needs_install,

@@ -26,11 +26,12 @@ DEFAULT_SERVE_PORT = 8000
 SERVE_PORT_FROM_BASE = 90       # with layerline_port_base set, the server listens at base + 90 (the demo: 29190)
 READY_TIMEOUT_S = 300.0         # load the checkpoint, bind, answer: minutes at most
 COMPILE_READY_TIMEOUT_S = 1800.0  # a compiling worker is ready only after its warm-up compile
+SERVICE_MANAGERS = ("auto", "systemd", "supervisor")  # layerline_service_manager (layerline.units decides auto)
 DEFAULT_PYTHON = "/usr/bin/python3"  # a host's interpreter when the inventory names none (ansible_python_interpreter)
 # What each role is handed by the plays that are not inventory variables: computed values (a plan,
 # the controller's interpreter, the hosts of a group), never set by hand.
 ROLE_INPUTS = {
-    "layerline_worker": ("layerline_worker_plan",),
+    "layerline_worker": ("layerline_worker_plan", "layerline_worker_stop_slots"),
     "layerline_server": ("layerline_server_plan", "layerline_server_gate_may_be_down"),
     "layerline_keys": ("layerline_keys_hosts", "layerline_keys_python"),
     "layerline_runtime": ("layerline_runtime_version", "layerline_runtime_source", "layerline_runtime_wheel_dir",
@@ -226,6 +227,10 @@ class HostSettings:
     runtime_install: bool = _var(True, _bool, roles=("layerline_runtime",))
     runtime_python: str | None = _var(None, _str, roles=("layerline_runtime",))
     runtime_connect_timeout: int = _var(15, _int(1), roles=("layerline_runtime",))
+    # what runs the worker (and, on the serving host, the server): auto = a systemd unit where the host's PID 1 is
+    # systemd and the play may use systemctl, else layerline's supervisor (layerline.units.resolve)
+    service_manager: str = _var("auto", _choice(SERVICE_MANAGERS))
+    start_at_boot: bool = _var(False, _bool)   # systemd units only: enabled, so they start at boot
     worker_python: str | None = _var(None, _str, roles=("layerline_worker",))
     worker_ready_timeout: float = _var(READY_TIMEOUT_S, _number(positive=True, what="number of seconds"),
                                        roles=("layerline_worker",))
@@ -423,6 +428,7 @@ class HostSettings:
         out = {f.name: getattr(self, f.name) for f in variables()}
         out.update(address=self.address, endpoint=self.endpoint, state_dir=self.state_dir_in(),
                    state_dirs=[self.state_dir_in(k) for k in SLOTS], other_state_dir=self.state_dir_in(1 - self.slot),
+                   slots=list(SLOTS), other_slot=1 - self.slot,
                    home_state_dir=self.home_state_dir, caps_file=self.caps_file, stage_root=self.stage_root,
                    keys_dir=self.worker_keys_dir, probe_checkpoint=self.probe_checkpoint,
                    probe_device=self.probe_device, serve_port=self.serve_port_resolved,

@@ -1,7 +1,8 @@
 """Process lifecycle for one layerline worker: a small supervisor with a JSON interface.
 
     python -m layerline.supervise start --state-dir D [--name N] [--ready-timeout S]
-        [--max-restarts K] [--ready-file R] [--env K=V ...] [--restart] -- ARGV...
+        [--max-restarts K] [--ready-file R] [--env K=V ...] [--restart]
+        [--log-max-bytes B] [--log-keep K] -- ARGV...
     python -m layerline.supervise stop --state-dir D
     python -m layerline.supervise status --state-dir D
 
@@ -29,6 +30,10 @@ up to 10 s, SIGKILLs it if still there, and exits 0. It removes the ready file b
 Files in D (all written atomically): ``supervisor.json`` (the facts: pid and its start time,
 boot id, name, argv, ready_file, started_at, restarts, worker_pid and its start time, state),
 ``worker.pid`` (the supervisor's pid), ``argv.json`` (the argv last started), ``worker.log``.
+The worker's output reaches the log through the supervisor (a pipe), which rotates it: once the
+next write would take it past ``--log-max-bytes`` (LOG_MAX_BYTES, 16 MiB) worker.log becomes
+worker.log.1 (.1 becomes .2, ...; ``--log-keep`` LOG_KEEP = 3 old files are kept), so a worker
+that runs for months holds at most (keep + 1) x the limit of disk.
 A recorded pid is trusted only while /proc shows a live process with the recorded start time
 on the same boot, so a reused pid is never signalled. Only the standard library (and
 layerline.files) is used here.
@@ -43,6 +48,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 from .files import atomic_write, atomic_write_json
@@ -55,6 +61,9 @@ STOP_TIMEOUT_S = 15.0  # `stop`'s wait for the supervisor before SIGKILL of the 
 KILL_TIMEOUT_S = 5.0
 POLL_S = 0.05
 LOG_TAIL_LINES = 20
+LOG_MAX_BYTES = 16 * 2**20   # worker.log rotates before it grows past this
+LOG_KEEP = 3                 # rotated logs kept: worker.log.1 (newest) .. worker.log.3
+PIPE_CHUNK = 65536
 
 STATE_FILE = "supervisor.json"
 PIDFILE = "worker.pid"
@@ -165,10 +174,10 @@ def log_size(path: str) -> int:
 
 
 def log_tail(path: str, offset: int = 0, lines: int = LOG_TAIL_LINES) -> list[str]:
-    """The last lines of the log written since offset."""
+    """The last lines of the log written since offset (all of it when it rotated since)."""
     try:
         with open(path, "rb") as fh:
-            fh.seek(offset)
+            fh.seek(offset if offset <= os.fstat(fh.fileno()).st_size else 0)
             data = fh.read()
     except OSError:
         return []
@@ -201,8 +210,83 @@ def ready_file_of(argv: list[str], given: str | None, paths: Paths) -> str:
 # -- the supervisor (the `run` command) -----------------------------------------------------
 
 
+class RotatingLog:
+    """The log the supervisor writes, its own lines and its worker's output: appended to `path`; a write that would
+    take it past max_bytes first moves it to path.1 (path.1 to path.2, ..., path.KEEP dropped). Thread-safe."""
+
+    def __init__(self, path: str, max_bytes: int = LOG_MAX_BYTES, keep: int = LOG_KEEP):
+        self.path, self.max_bytes, self.keep = path, max(1, int(max_bytes)), max(0, int(keep))
+        self._lock = threading.Lock()
+        self._open()
+
+    def _open(self) -> None:
+        self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        self.size = os.fstat(self.fd).st_size
+
+    def _rotate(self) -> None:
+        os.close(self.fd)
+        try:
+            if self.keep:
+                for i in range(self.keep - 1, 0, -1):
+                    if os.path.exists(f"{self.path}.{i}"):
+                        os.replace(f"{self.path}.{i}", f"{self.path}.{i + 1}")
+                os.replace(self.path, f"{self.path}.1")
+            else:
+                os.unlink(self.path)
+        except OSError:
+            pass  # a log that cannot rotate keeps growing rather than losing the worker's output
+        self._open()
+
+    def write(self, data: bytes) -> None:
+        """Append data; what does not fit goes to a fresh file, cut after the last whole line that fits (a line
+        longer than a whole file is cut at the limit)."""
+        with self._lock:
+            while data:
+                room = self.max_bytes - self.size
+                if len(data) <= room:
+                    part, data = data, b""
+                else:
+                    cut = data.rfind(b"\n", 0, room) + 1 if room > 0 else 0
+                    if cut == 0 and self.size:
+                        self._rotate()
+                        continue
+                    cut = cut or room
+                    part, data = data[:cut], data[cut:]
+                try:
+                    os.write(self.fd, part)
+                except OSError:
+                    return
+                self.size += len(part)
+                if data:
+                    self._rotate()
+
+    def pump(self, pipe) -> threading.Thread:
+        """Copy everything read from `pipe` (a child's stdout) into the log, on a thread, until EOF."""
+        def run():
+            fd = pipe.fileno()
+            try:
+                while True:
+                    data = os.read(fd, PIPE_CHUNK)
+                    if not data:
+                        break
+                    self.write(data)
+            except OSError:
+                pass
+            finally:
+                pipe.close()
+        t = threading.Thread(target=run, name="log-pump", daemon=True)
+        t.start()
+        return t
+
+    def close(self) -> None:
+        with self._lock:
+            os.close(self.fd)
+
+
+
 class Supervisor:
-    def __init__(self, paths: Paths, name: str, argv: list[str], ready_file: str, max_restarts: int):
+    def __init__(self, paths: Paths, name: str, argv: list[str], ready_file: str, max_restarts: int,
+                 log_max_bytes: int = LOG_MAX_BYTES, log_keep: int = LOG_KEEP):
         self.paths = paths
         self.argv = argv
         self.ready_file = ready_file
@@ -210,7 +294,8 @@ class Supervisor:
         self.child: subprocess.Popen | None = None
         self.stopping = False
         self._termed: subprocess.Popen | None = None
-        self._log_fd = os.open(paths.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        self._log = RotatingLog(paths.log, log_max_bytes, log_keep)
+        self._pump: threading.Thread | None = None
         self.record = {
             "pid": os.getpid(), "pid_start": proc_start(os.getpid()), "boot_id": boot_id(),
             "name": name, "argv": argv, "ready_file": ready_file, "log": paths.log,
@@ -220,10 +305,7 @@ class Supervisor:
 
     def log(self, message: str) -> None:
         stamp = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-        try:
-            os.write(self._log_fd, f"{stamp} supervise: {message}\n".encode("utf-8", "replace"))
-        except OSError:
-            pass
+        self._log.write(f"{stamp} supervise: {message}\n".encode("utf-8", "replace"))
 
     def save(self, **changes) -> None:
         self.record.update(changes)
@@ -255,16 +337,25 @@ class Supervisor:
         except OSError as exc:
             self.log(f"could not remove ready file {self.ready_file}: {exc}")
         try:
-            child = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=self._log_fd,
+            # its output through a pipe into the rotating log (a file the worker held open could not rotate)
+            child = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, close_fds=True)
         except OSError as exc:
             reason = f"cannot start {self.argv[0]!r}: {exc}; check the worker argv"
             self.log(reason)
             self.save(state="failed", reason=reason, exit_status=127, worker_pid=None, worker_start=None)
             return None
+        self._pump = self._log.pump(child.stdout)
         self.save(worker_pid=child.pid, worker_start=proc_start(child.pid))
         self.log(f"started child pid {child.pid}: {shlex.join(self.argv)}")
         return child
+
+    def drain_output(self) -> None:
+        """Let the exited child's last output reach the log before the supervisor's line about its exit (not
+        for ever: a process it left behind may hold the pipe open)."""
+        if self._pump is not None:
+            self._pump.join(timeout=2.0)
+            self._pump = None
 
     def stop_child(self) -> None:
         child = self.child
@@ -278,6 +369,7 @@ class Supervisor:
                 self.log(f"child pid {child.pid} still running {STOP_GRACE_S:g}s after SIGTERM; sending SIGKILL")
                 child.kill()
                 child.wait()
+        self.drain_output()
         self.log(f"child pid {child.pid} {describe(child.returncode)}")
 
     def sleep(self, seconds: float) -> None:
@@ -296,7 +388,7 @@ class Supervisor:
         finally:
             if read_json(self.paths.pidfile) == os.getpid():
                 remove(self.paths.pidfile)
-            os.close(self._log_fd)
+            self._log.close()
 
     def _loop(self) -> int:
         backoff, in_row = BACKOFF_START_S, 0
@@ -313,6 +405,7 @@ class Supervisor:
             if self.stopping:
                 break
             rc, uptime = self.child.returncode, time.monotonic() - started
+            self.drain_output()
             # The supervisor owns the stop decision: any exit it did not ask for is a failure.
             self.log(f"child pid {self.child.pid} {describe(rc)} after {uptime:.1f}s without being asked to stop")
             self.child = None
@@ -521,7 +614,8 @@ def _start(paths: Paths, ns, argv, name, ready_file, out) -> tuple[int, dict]:
     env = dict(os.environ)
     env.update(ns.env)
     cmd = [sys.executable, "-m", "layerline.supervise", "run", "--state-dir", paths.state_dir,
-           "--name", name, "--max-restarts", str(ns.max_restarts), "--ready-file", ready_file, "--", *argv]
+           "--name", name, "--max-restarts", str(ns.max_restarts), "--ready-file", ready_file,
+           "--log-max-bytes", str(ns.log_max_bytes), "--log-keep", str(ns.log_keep), "--", *argv]
     log_fd = os.open(paths.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     try:
         # Its own session: the supervisor outlives this command and the caller's connection;
@@ -622,6 +716,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="restarts in a row, each with under 30 s of uptime, before giving up (default 5)")
         p.add_argument("--ready-file", default=None,
                        help="the worker's ready file (default: --ready-file in ARGV, else STATE_DIR/ready.json)")
+        p.add_argument("--log-max-bytes", type=_count, default=LOG_MAX_BYTES,
+                       help=f"rotate worker.log before it grows past this (default {LOG_MAX_BYTES})")
+        p.add_argument("--log-keep", type=_count, default=LOG_KEEP,
+                       help=f"rotated logs kept, worker.log.1 the newest (default {LOG_KEEP})")
     start.add_argument("--ready-timeout", type=_positive, default=120.0,
                        help="seconds to wait for the ready file (default 120)")
     start.add_argument("--env", type=_env_pair, action="append", default=[], metavar="K=V",
@@ -656,7 +754,8 @@ def main(args: list[str] | None = None) -> int:
     paths = Paths(ns.state_dir)
     if ns.command == "run":
         supervisor = Supervisor(paths, ns.name or os.path.basename(paths.state_dir), argv,
-                                ready_file_of(argv, ns.ready_file, paths), ns.max_restarts)
+                                ready_file_of(argv, ns.ready_file, paths), ns.max_restarts,
+                                ns.log_max_bytes, ns.log_keep)
         signal.signal(signal.SIGTERM, supervisor.on_signal)
         signal.signal(signal.SIGINT, supervisor.on_signal)
         return supervisor.run()

@@ -24,6 +24,9 @@ def test_deploy_in_check_mode_changes_nothing(tmp_path):
     assert not re.search(r"\bchanged=0\b", recap["w1"]), recap
     assert re.search(r"TASK \[Write the demo checkpoint when it is missing\][^\n]*\nchanged:", out)
     assert re.search(r"layerline_worker : Start the worker[^\n]*\n(changed: \[w\d\]\n){3}", out), out[-4000:]
+    # the test hosts' PID 1 is not systemd: layerline_service_manager auto resolves to the supervisor on each
+    assert re.search(r"layerline_worker : Run the worker as a systemd unit[^\n]*\n(skipping: \[w\d\]\n){3}", out), \
+        out[-4000:]
     # --diff: the route state and the plan a real run would keep
     assert f"+++ after: {home}/route.json" in out and f"+++ after: {home}/plan.json" in out
     assert "check mode: the pipeline not driven" in out

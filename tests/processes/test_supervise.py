@@ -48,6 +48,20 @@ print("fake worker: cannot open checkpoint /nonexistent: no such directory", fil
 sys.exit(1)
 """
 
+# Prints argv[2] numbered lines of 40 bytes (its output goes through the supervisor's rotating log), then serves
+FAKE_CHATTY = """\
+import json, os, signal, sys, time
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+for i in range(int(sys.argv[2])):
+    sys.stdout.write("chatty line %06d %s\\n" % (i, "x" * 21))
+sys.stdout.flush()
+with open(sys.argv[1] + ".tmp", "w") as fh:
+    json.dump({"pid": os.getpid()}, fh)
+os.replace(sys.argv[1] + ".tmp", sys.argv[1])
+while True:
+    time.sleep(1)
+"""
+
 FAKE_SLOW = """\
 import time
 while True:
@@ -61,7 +75,8 @@ class Rig:
         self.state_dir = root / "state"
         self.ready = self.state_dir / "ready.json"
         self.log = self.state_dir / "worker.log"
-        for name, text in (("worker", FAKE_WORKER), ("crash", FAKE_CRASH), ("slow", FAKE_SLOW)):
+        for name, text in (("worker", FAKE_WORKER), ("crash", FAKE_CRASH), ("slow", FAKE_SLOW),
+                           ("chatty", FAKE_CHATTY)):
             (root / f"fake_{name}.py").write_text(text)
 
     def argv(self, *extra: str, kind: str = "worker") -> list[str]:
@@ -130,6 +145,25 @@ def test_start_is_idempotent_on_argv_and_restarts_on_change(rig):
     assert rc == 0 and again["changed"] is False and again["supervisor_pid"] is None, again
     rc, status = rig.sv("status")
     assert rc == 0 and status["running"] is False and status["supervisor_pid"] is None, status
+
+
+def test_the_log_rotates_at_its_size_and_keeps_the_newest_lines(rig):
+    """The worker's output goes through the supervisor, which moves worker.log to worker.log.1 (.1 to .2, ...)
+    before a write would take it past --log-max-bytes, keeping --log-keep old files: here 4,000 lines of 40 bytes
+    into 4 KiB files, 2 kept. The kept files hold the newest lines in order, none lost; older ones are gone."""
+    rc, out = rig.sv("start", "--name", "stage0", "--ready-timeout", "20", "--log-max-bytes", "4096",
+                     "--log-keep", "2", argv=rig.argv("4000", kind="chatty"))
+    assert rc == 0, out
+    logs = [rig.state_dir / n for n in ("worker.log.2", "worker.log.1", "worker.log")]
+    assert all(p.exists() for p in logs) and not (rig.state_dir / "worker.log.3").exists()
+    assert all(p.stat().st_size <= 4096 for p in logs), [p.stat().st_size for p in logs]
+    lines = [ln for p in logs for ln in p.read_text().splitlines() if ln.startswith("chatty line")]
+    numbers = [int(ln.split()[2]) for ln in lines]
+    assert numbers[-1] == 3999 and numbers == list(range(numbers[0], 4000)), numbers[:3]
+    assert numbers[0] > 0   # the oldest lines rotated away
+    rc, stopped = rig.sv("stop")
+    assert rc == 0 and stopped["changed"] is True, stopped
+    assert "supervise: stopped" in rig.log.read_text()
 
 
 def test_worker_exiting_zero_on_its_own_is_restarted(rig):
