@@ -45,6 +45,7 @@ test-big: setup
 # (systemd-nspawn, Debian's systemd-container), workers and server as units, teardown removes them; needs root
 .PHONY: test-systemd
 test-systemd: setup
+	$(BIN)/python scripts/testhosts.py install
 	LAYERLINE_SYSTEMD=1 $(BIN)/python -m pytest -q -s -m systemd tests/multihost/test_systemd_host.py
 
 # the fast tier: in-process checks only, no worker processes, no Ansible runs (under a minute)

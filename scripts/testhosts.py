@@ -192,11 +192,14 @@ def remove_caps(lay: "Layout") -> None:
 # --- sshd -----------------------------------------------------------------------------------
 
 def ensure_sshd() -> None:
-    """openssh-server for the hosts' sshd, and systemd for `systemd-analyze verify` (the unit tests of
-    layerline.units), installed with apt-get where missing."""
+    """openssh-server for the hosts' sshd, systemd for `systemd-analyze verify` (the unit tests of
+    layerline.units) and systemd-container for `make test-systemd`'s systemd-nspawn host, installed with
+    apt-get where missing."""
     packages = [] if os.access(SSHD, os.X_OK) else ["openssh-server", "openssh-client"]
     if not shutil.which("systemd-analyze"):
         packages.append("systemd")
+    if not shutil.which("systemd-nspawn"):
+        packages.append("systemd-container")
     if not packages:
         return
     if not shutil.which("apt-get"):
@@ -493,7 +496,7 @@ def main(argv: list[str] | None = None) -> int:
     u.add_argument("n", type=int)
     d = sub.add_parser("down", help="remove the prefix's hosts, bridge and processes")
     pg = sub.add_parser("ping", help="ansible -m ping over the hosts; prints seconds")
-    sub.add_parser("install", help="install openssh-server when sshd is missing (CI calls this)")
+    sub.add_parser("install", help="install openssh-server, systemd and systemd-container where missing (CI calls this)")
     for s in (u, d, pg):
         s.add_argument("--prefix", default="llt")
         s.add_argument("--out", default=None, help="dir for keys, known_hosts, ssh_config, inventory.yml "

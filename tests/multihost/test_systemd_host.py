@@ -29,9 +29,16 @@ pytestmark = [
     pytest.mark.systemd,
     pytest.mark.skipif(os.environ.get("LAYERLINE_SYSTEMD") != "1",
                        reason="the systemd host runs under `make test-systemd` (LAYERLINE_SYSTEMD=1)"),
-    pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("systemd-nspawn") or not shutil.which("nsenter"),
-                       reason="a systemd container needs root, systemd-nspawn (systemd-container) and nsenter"),
 ]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _can_boot():
+    """Asked for (LAYERLINE_SYSTEMD=1), a missing piece fails in one line rather than skipping."""
+    missing = [t for t in ("systemd-nspawn", "nsenter") if not shutil.which(t)]
+    if os.geteuid() != 0 or missing:
+        pytest.fail(f"a systemd container needs root and {', '.join(missing) or 'nothing else'}: run "
+                    "`sudo python3 scripts/testhosts.py install` (Debian's systemd-container), as `make test-systemd` does")
 
 PORT_BASE = 29400   # clear of the demo (29100), test_deployment (29300), test_cluster (29500), molecule (29600)
 UNITS = ("layerline-worker-w1.service", "layerline-worker-w2.service", "layerline-worker-w3.service",
