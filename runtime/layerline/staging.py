@@ -131,15 +131,7 @@ def prune_stage(dest: str | os.PathLike, manifest: dict, dry_run: bool = False) 
         return []
     if has_manifest(root, manifest):
         keep.add(MANIFEST)
-    gone = sorted(e.name for e in root.iterdir() if e.name not in keep)
-    if not dry_run:
-        for name in gone:
-            p = root / name
-            if p.is_dir() and not p.is_symlink():
-                shutil.rmtree(p)
-            else:
-                p.unlink(missing_ok=True)
-    return gone
+    return _remove_all_but(root, keep, dry_run)
 
 
 def sweep_stages(root: str | os.PathLike, keep: list[str], dry_run: bool = False) -> list[str]:
@@ -153,10 +145,16 @@ def sweep_stages(root: str | os.PathLike, keep: list[str], dry_run: bool = False
     base = Path(root)
     if not base.is_dir():
         return []
-    gone = sorted(e.name for e in base.iterdir() if e.name not in keep)
+    return _remove_all_but(base, set(keep), dry_run)
+
+
+def _remove_all_but(root: Path, keep: set[str], dry_run: bool) -> list[str]:
+    """Remove every entry of dir `root` whose name is not in `keep` (a dir with what it holds, a link as a
+    link); the names removed (that would be, with dry_run), sorted."""
+    gone = sorted(e.name for e in root.iterdir() if e.name not in keep)
     if not dry_run:
         for name in gone:
-            p = base / name
+            p = root / name
             if p.is_dir() and not p.is_symlink():
                 shutil.rmtree(p)
             else:
