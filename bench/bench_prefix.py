@@ -22,7 +22,6 @@ import json
 import os
 import random
 import re
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -106,21 +105,10 @@ def prefix_metrics(url: str) -> dict:
 
 
 def layerline_run(gguf: str, convs, new: int, prefix_cache: str) -> tuple[list[float], dict]:
-    from layerline.local import local_server, local_stages, stop_local, stop_server
-    procs, first, tmp, depth = local_stages(gguf, 3, "gguf")
-    server = None
-    try:
-        server, url = local_server(["--first", first, "--first-key", "stage0", "--keys",
-                                    os.path.join(tmp, "keys", "controller"), "--checkpoint", gguf,
-                                    "--model-name", "bench", "--microbatches", str(depth),
-                                    "--prefix-cache", prefix_cache,
-                                    "--log-file", os.path.join(tmp, "server.log")], tmp)
+    from layerline.local import served_stages
+    with served_stages(gguf, 3, "gguf", ["--prefix-cache", prefix_cache]) as url:
         times = scenario(f"layerline (prefix {prefix_cache})", url, "bench", convs, new)
         return times, prefix_metrics(url)
-    finally:
-        stop_server(server)
-        stop_local(procs)
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:

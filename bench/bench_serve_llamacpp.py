@@ -23,7 +23,6 @@ import asyncio
 import json
 import os
 import platform
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -116,19 +115,9 @@ def llama_levels(name: str, gguf: str, log: Path, slots: int, threads: int, ctx:
 
 
 def layerline_levels(gguf: str, threads: int, levels, requests, prompts, new) -> dict:
-    from layerline.local import local_server, local_stages, stop_local, stop_server
-    procs, first, tmp, depth = local_stages(gguf, 3, "gguf", threads=threads)
-    server = None
-    try:
-        server, url = local_server(["--first", first, "--first-key", "stage0", "--keys",
-                                    os.path.join(tmp, "keys", "controller"), "--checkpoint", gguf,
-                                    "--model-name", "bench", "--microbatches", str(depth),
-                                    "--log-file", os.path.join(tmp, "server.log")], tmp)
+    from layerline.local import served_stages
+    with served_stages(gguf, 3, "gguf", threads=threads) as url:
         return run_levels("layerline (3 workers, gguf)", url, "bench", levels, requests, prompts, new)
-    finally:
-        stop_server(server)
-        stop_local(procs)
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:

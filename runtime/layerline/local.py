@@ -14,6 +14,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import NamedTuple
 
 from .endpoints import control_port
@@ -227,3 +229,22 @@ def stop_server(proc: subprocess.Popen | None) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(15)
+
+
+@contextmanager
+def served_stages(checkpoint: str, n: int, precision: str, server_args: list[str] = (), *,
+                  model_name: str = "bench", threads: int | None = None) -> Iterator[str]:
+    """N local stages and a server over them (the benchmarks' setup), as the url of the server;
+    everything stopped and removed on exit. SERVER_ARGS go to layerline.server after the wiring."""
+    procs, first, tmp, depth = local_stages(checkpoint, n, precision, threads=threads)
+    server = None
+    try:
+        server, url = local_server(["--first", first, "--first-key", "stage0", "--keys", controller_keys(tmp),
+                                    "--checkpoint", checkpoint, "--model-name", model_name,
+                                    "--microbatches", str(depth), "--log-file", os.path.join(tmp, "server.log"),
+                                    *server_args], tmp)
+        yield url
+    finally:
+        stop_server(server)
+        stop_local(procs)
+        shutil.rmtree(tmp, ignore_errors=True)
