@@ -75,7 +75,7 @@ collection: setup
 	$(BIN)/python scripts/collection.py build
 
 # the molecule scenarios (default: the embedded inventory; multihost: namespace hosts, needs root);
-# tests/deploy/test_deployment.py and tests/multihost/test_multihost.py run the same deploys in `make test`
+# tests/deploy/test_collection.py and tests/multihost/test_deployment.py run the same deploys in `make test`
 molecule: setup
 	PATH=$(CURDIR)/$(BIN):$$PATH molecule test -s default
 	PATH=$(CURDIR)/$(BIN):$$PATH molecule test -s multihost

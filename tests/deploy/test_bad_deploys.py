@@ -12,7 +12,7 @@ import pytest
 
 from helpers import playbook
 
-PORT_BASE = 29700  # clear of the demo (29100), test_deployment (29300), test_cluster (29500), molecule (29600)
+PORT_BASE = 29700  # clear of the demo (29100), test_cluster (29500), molecule (29600)
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """layerline.Cluster over ansible-runner: the default inventory's three local workers, end to end.
 
 The end-to-end flow runs real ansible-runner with a small checkpoint, a private
-layerline_home and ports clear of the demo (29100), test_deployment (29300) and molecule (29600).
+layerline_home and ports clear of the demo (29100) and molecule (29600).
 The rest are fast checks of the parts that need no Ansible.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from helpers import ROOT
 from layerline import Cluster, LayerlineError
 from layerline.cluster import ClusterError, _failure_msg, _Run
 
-PORT_BASE = 29500  # the demo 29100, test_deployment 29300, molecule default 29600
+PORT_BASE = 29500  # the demo 29100, molecule default 29600
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ checkout: no ANSIBLE_* variable, no path; only the controller's interpreter (whi
 layerline installed, as a user's would) is this venv's.
 
 Cheap on purpose: two local workers at layerline_nice, a 2-layer random-init model, ports 29800-29899
-(clear of the demo 29100, test_deployment 29300, test_cluster 29500, molecule 29600, test_bad_deploys 29700).
+(clear of the demo 29100, test_cluster 29500, molecule 29600, test_bad_deploys 29700).
 """
 from __future__ import annotations
 

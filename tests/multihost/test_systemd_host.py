@@ -40,7 +40,7 @@ def _can_boot():
         pytest.fail(f"a systemd container needs root and {', '.join(missing) or 'nothing else'}: run "
                     "`sudo python3 scripts/testhosts.py install` (Debian's systemd-container), as `make test-systemd` does")
 
-PORT_BASE = 29400   # clear of the demo (29100), test_deployment (29300), test_cluster (29500), molecule (29600)
+PORT_BASE = 29400   # clear of the demo (29100), test_cluster (29500), molecule (29600)
 UNITS = ("layerline-worker-w1.service", "layerline-worker-w2.service", "layerline-worker-w3.service",
          "layerline-server-localhost.service")
 

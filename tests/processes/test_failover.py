@@ -3,7 +3,7 @@ four clients streaming greedy tokens while a stage's worker is SIGKILLed or SIGS
 request completes with 200 and exactly the tokens of an undisturbed run, at bf16 and at a GGUF
 file's own bits (Q8_0 blocks, precision gguf), where a replay of a sequence's history as one
 batched prefill gives other last bits than the steps that made it (the engine replays through the
-same computations; tests/deploy/test_deployment.py proves fp32)."""
+same computations; tests/multihost/test_deployment.py proves fp32)."""
 from __future__ import annotations
 
 import json

@@ -1,15 +1,15 @@
-"""A drain (or a rejoin) whose controller is stopped partway. tests/deploy/test_deployment.py's shared
+"""A drain (or a rejoin) whose controller is stopped partway. tests/multihost/test_deployment.py's shared
 deployment calls it right before a drain.yml run it makes anyway: that run is then the run again, and its
 own checks (the route, route.json, the old slot stopped, every request under load equal to the undisturbed
 tokens) are what "it ends in the intended state with nothing lost" means. No deployment of its own.
 
-    stop_partway(home, ["drain.yml", *extra, "-e", "layerline_drain=w2"], ["w2"], BEFORE_SWITCH, signal.SIGKILL)
-    r = playbook("drain.yml", *extra, "-e", "layerline_drain=w2")      # the run again, checked as before
+    stop_partway(home, ["drain.yml", *extra, "-e", "layerline_drain=h2"], ["h2"], BEFORE_SWITCH, signal.SIGKILL)
+    r = playbook("drain.yml", *extra, "-e", "layerline_drain=h2")      # the run again, checked as before
     run_again_resumed(r.stdout)
 
-Where: the drain of w2 under load is first SIGKILLed as its new slot's workers start (BEFORE_SWITCH);
-the drain of w3 (the standby promoted in place) first gets a Ctrl-C as the server's switch starts
-(AT_SWITCH: it may or may not have switched, so the run again says "through w1, w2, w4" or
+Where: the drain of h2 under load is first SIGKILLed as its new slot's workers start (BEFORE_SWITCH);
+the drain of h3 (the standby promoted in place) first gets a Ctrl-C as the server's switch starts
+(AT_SWITCH: it may or may not have switched, so the run again says "through h1, h2, h4" or
 "route unchanged"). tests/unit/test_route_transactions.py stops a drain after each of its steps.
 
 Points (each the start of a task, as ansible-playbook prints it): BEFORE_SWITCH (the new slot's workers
