@@ -31,6 +31,7 @@
     {{ hostvars | layerline_host_errors(ansible_play_hosts, 'layerline_stage_error') }}
     {{ copied | layerline_stage_copy_error(inventory_hostname, stage_dir, stage_bytes) }}  (layerline.staging)
     {{ plan | layerline_stage_dir(inventory_hostname, hostvars[inventory_hostname]) }}
+    {{ (unit_file is changed) | layerline_service_state(layerline_stage_shipped) }}   (layerline.units)
     {{ plan | layerline_stages_kept(inventory_hostname, hostvars[inventory_hostname]) }}
     {{ hostvars | layerline_drain_outcome(ansible_play_hosts_all, layerline_drain) }}    (layerline.operations)
     {{ layerline_route | layerline_drain_stops(inventory_hostname, failed) }}
@@ -50,7 +51,7 @@ try:
     from layerline.planner import Plan, plan_table
     from layerline.routes import begin, commit, decide, load_pending, load_route, plan_to_keep
     from layerline.settings import ANSIBLE_KEYS, PREFIX, HostSettings, server_host
-    from layerline.units import server_launch, server_probe_argv, worker_launch, worker_probe_argv
+    from layerline.units import server_launch, server_probe_argv, service_state, worker_launch, worker_probe_argv
     from layerline.spec import (demo_checkpoint_argv, drive_argv, health_gate, host_report, index_argv, keys_place_argv,
                                 keys_spec, planned_worker, runtime_install_argv, runtime_spec, server_spec,
                                 ships_stage, stage_checkpoint_argv, stage_dir, stages_kept,
@@ -177,6 +178,13 @@ def layerline_server_launch(hvars, python, server_host, facts):
     _need_runtime()
     return _adapt("layerline_server_launch", lambda: server_launch(_vars(hvars), str(python), str(server_host),
                                                                    str(facts)))
+
+
+def layerline_service_state(unit_changed, shipped_bytes=0):
+    """restarted or started: what starting a worker or the server asks, given whether its unit changed and
+    the bytes staged for it this run (layerline.units.service_state)."""
+    _need_runtime()
+    return _adapt("layerline_service_state", lambda: service_state(bool(unit_changed), int(shipped_bytes or 0)))
 
 
 def layerline_ships_stage(plan, host, hvars):
@@ -394,7 +402,7 @@ class FilterModule:
             layerline_plan, layerline_route_plan, layerline_check_vars, layerline_settings, layerline_server_host, layerline_home_paths,
             layerline_worker_spec, layerline_ships_stage, layerline_argv, layerline_host_report, layerline_server_spec,
             layerline_drive_argv, layerline_worker_probe, layerline_worker_launch, layerline_server_probe,
-            layerline_server_launch,
+            layerline_server_launch, layerline_service_state,
             layerline_demo_checkpoint_argv, layerline_index_argv, layerline_keys_spec, layerline_keys_place_argv,
             layerline_wheel_dir, layerline_version, layerline_health_gate, layerline_runtime_spec,
             layerline_runtime_install_argv, layerline_runtime_needs_install,

@@ -52,6 +52,13 @@ def service_manager(setting: str, pid1_comm: str | None) -> str:
     return "systemd" if (pid1_comm or "").strip() == "systemd" else "supervisor"
 
 
+def service_state(unit_changed: bool, shipped_bytes: int = 0) -> str:
+    """What a start asks of a worker or server, supervised or a unit: a process reads its unit (argv, the
+    keys' digest) and maps the weights it loaded at start, so a changed unit or newly staged weights need a
+    new process ("restarted"); else "started" (a running one is left alone)."""
+    return "restarted" if unit_changed or int(shipped_bytes or 0) > 0 else "started"
+
+
 def quote_arg(arg: str) -> str:
     """One argument of an Exec line: specifiers (%) and variable expansion ($) escaped, quoted when it
     holds whitespace, quotes or backslashes (systemd's C-style escapes inside double quotes)."""

@@ -204,6 +204,8 @@ def test_cluster_discover_is_idempotent(ssh_port, tmp_path):
     assert int(c.discovered["127.0.0.3"]["ansible_port"]) == ssh_port
     assert int(c.discovered["127.0.0.3"]["layerline_port"]) == 9300
     assert c.discovered["127.0.0.3"]["layerline_device"] == "cpu"
+    # added hosts share the play's host's layerline_home (here localhost's: the Cluster's DATA_DIR/home)
+    assert {h["layerline_home"] for h in c.discovered.values()} == {str(tmp_path / "data" / "home")}
     # the second run sees them in the inventory (by address) and adds nothing
     assert c.discover() == (0, [("127.0.0.4", failures[0][1])])
     assert sorted(c.discovered) == ["127.0.0.2", "127.0.0.3"]

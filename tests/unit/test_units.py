@@ -241,3 +241,19 @@ def test_the_server_role_writes_a_unit_systemd_accepts(plan, filters, tmp_path):
     facts = json.loads(subprocess.run(probe, capture_output=True, text=True, timeout=60, check=True).stdout)
     assert filters["layerline_server_launch"](forced | {"layerline_service_manager": "auto"}, sys.executable,
                                               "localhost", json.dumps(facts))["manager"] == "supervisor"
+
+
+def test_a_changed_unit_or_new_weights_restart_and_nothing_else_does():
+    """The roles' start task asks what this decides (supervised workers pass unit_changed false: the module
+    compares argv and inputs itself); the filter the roles call gives the same."""
+    from layerline.units import service_state
+    import importlib.util
+    from helpers import ROOT
+    assert service_state(False, 0) == service_state(False) == "started"
+    assert service_state(True, 0) == service_state(False, 1) == service_state(True, 10) == "restarted"
+    spec = importlib.util.spec_from_file_location("_filters", ROOT / "modules" / "filter_plugins" / "layerline.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    f = mod.FilterModule().filters()["layerline_service_state"]
+    assert [f(c, s) for c, s in ((False, 0), (True, 0), (False, "4096"), (False, None))] == \
+        ["started", "restarted", "restarted", "started"]
