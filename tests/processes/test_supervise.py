@@ -154,6 +154,14 @@ def test_the_log_rotates_at_its_size_and_keeps_the_newest_lines(rig):
     rc, out = rig.sv("start", "--name", "stage0", "--ready-timeout", "20", "--log-max-bytes", "4096",
                      "--log-keep", "2", argv=rig.argv("4000", kind="chatty"))
     assert rc == 0, out
+    # the worker is ready once it wrote its lines into the pipe; the supervisor may still be copying the last
+    # ones (up to a pipe's 64 KiB) into the files: wait for the last line
+    def last_line_written() -> bool:
+        try:
+            return "chatty line 003999" in (rig.state_dir / "worker.log").read_text()
+        except FileNotFoundError:   # between a rotation's rename and the new file
+            return False
+    wait_for(last_line_written, timeout=30, what="the supervisor to write the worker's last line")
     logs = [rig.state_dir / n for n in ("worker.log.2", "worker.log.1", "worker.log")]
     assert all(p.exists() for p in logs) and not (rig.state_dir / "worker.log.3").exists()
     assert all(p.stat().st_size <= 4096 for p in logs), [p.stat().st_size for p in logs]
