@@ -14,7 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import NamedTuple
 
@@ -232,7 +232,7 @@ def stop_server(proc: subprocess.Popen | None) -> None:
 
 
 @contextmanager
-def served_stages(checkpoint: str, n: int, precision: str, server_args: list[str] = (), *,
+def served_stages(checkpoint: str, n: int, precision: str, server_args: Sequence[str] = (), *,
                   model_name: str = "bench", threads: int | None = None) -> Iterator[str]:
     """N local stages and a server over them (the benchmarks' setup), as the url of the server;
     everything stopped and removed on exit. SERVER_ARGS go to layerline.server after the wiring."""
