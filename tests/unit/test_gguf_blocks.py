@@ -10,7 +10,10 @@ float32 summation's error over a few thousand terms. Against unquantized x the r
 Weights: random float matrices quantized by gguf.quants where it quantizes the type (q4_0, q4_1, q5_0,
 q5_1, q8_0) and by ggml's reference quantizer for the K types (gguf.quants only dequantizes those),
 plus blocks of random bytes (every code pattern). Q4_0 / Q4_K are also checked repacked: the file's
-bytes come back exactly and the products agree with the same reference.
+bytes come back exactly and the products agree with the same reference. Q4_0 / Q4_1 in layerline's int4
+layout (its own kernel, where it loads): the file's bytes come back exactly, and the products are checked
+against the float64 product of x quantized as that kernel does (int8 a group of 32, fp32 scale) and W
+decoded exactly from the blocks.
 """
 from __future__ import annotations
 
@@ -80,9 +83,32 @@ def decode_x(xq: np.ndarray, dot_with: str, k: int) -> tuple[np.ndarray, np.ndar
     return (d * q).reshape(xq.shape[0], k), s
 
 
+def int4_reference(raw: np.ndarray, name: str, x: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """The float64 product layerline's int4 kernel computes: x quantized a group of 32 to int8 (scale
+    amax / 127 in fp32, codes rounded to nearest even from x * (127 / amax)), W = d * code + m from the
+    blocks (Q4_0: m = -8 d), each term exact; and its magnitude."""
+    k = x.shape[-1]
+    b = raw.reshape(raw.shape[0], k // 32, -1)
+    head = 4 if name == "q4_1" else 2
+    d = b[..., :2].copy().view(np.float16).astype(np.float64)
+    m = b[..., 2:4].copy().view(np.float16).astype(np.float64) if name == "q4_1" else -8 * d
+    qs = b[..., head:]
+    codes = np.concatenate([qs & 15, qs >> 4], axis=-1).astype(np.float64)  # [n, groups, 32]
+    w = (codes * d + m).reshape(raw.shape[0], k)
+    xg = x.float().numpy().reshape(x.shape[0], k // 32, 32)
+    amax = np.abs(xg).max(-1, keepdims=True).astype(np.float32)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    xq = np.clip(np.rint(xg * inv), -127, 127)
+    xd = (xq * (amax / np.float32(127)).astype(np.float64)).reshape(x.shape[0], k)
+    return xd @ w.T, np.abs(xd) @ np.abs(w).T
+
+
 def reference(bl: gguf_blocks.BlockLinear, raw: np.ndarray, x: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-    """The float64 product ggml computes (its quantized x, gguf's dequantized W) and its magnitude."""
+    """The float64 product the kernel computes (ggml's: its quantized x, gguf's dequantized W) and its
+    magnitude."""
     name, k = bl.type.name, bl.in_features
+    if bl.layout == "int4":
+        return int4_reference(raw, name, x)
     w = quants.dequantize(raw, qtype(name)).astype(np.float64)
     xd, s = decode_x(bl.quantize_activations(x).numpy(), bl.type.dot_with, k)
     ref = xd @ w.T
@@ -124,7 +150,7 @@ def test_linear_equals_product_of_blocks(name: str, rows: int) -> None:
     assert (np.abs(y.numpy() - exact) <= 0.02 * mag + 1e-4).all()
 
 
-@pytest.mark.parametrize("name", ["q4_K", "q6_K", "q8_0"])
+@pytest.mark.parametrize("name", ["q4_K", "q6_K", "q8_0", "q4_0", "q4_1"])
 def test_rows_independent_of_batch_bf16_and_threads(name: str) -> None:
     rng = np.random.default_rng(3)
     n, k = 40, 512
@@ -166,13 +192,13 @@ def test_repack_is_lossless_and_computes_the_same(name: str) -> None:
     rng = np.random.default_rng(5)
     n, k = 32, 512
     for raw in (make_blocks(name, rng.standard_normal((n, k)).astype(np.float32)), random_blocks(name, n, k, rng)):
-        packed = gguf_blocks.BlockLinear(torch.from_numpy(raw.copy()), name, n, k, repack=True)
+        packed = gguf_blocks.BlockLinear(torch.from_numpy(raw.copy()), name, n, k, layout="x8")
         assert packed.repacked and packed.stored_bytes == raw.size
         assert not np.array_equal(packed.raw.numpy(), raw)
         assert np.array_equal(packed.stored().numpy(), raw), "repacking lost or moved bits"
         assert np.array_equal(packed.dequantize().numpy(), quants.dequantize(raw, qtype(name)))
         for invariant in (True, False):
-            bl = gguf_blocks.BlockLinear(torch.from_numpy(raw.copy()), name, n, k, repack=True,
+            bl = gguf_blocks.BlockLinear(torch.from_numpy(raw.copy()), name, n, k, layout="x8",
                                          batch_invariant=invariant)
             for rows in (1, 4, 7):
                 x = torch.from_numpy(rng.standard_normal((rows, k)).astype(np.float32))
@@ -182,7 +208,41 @@ def test_repack_is_lossless_and_computes_the_same(name: str) -> None:
             if invariant:
                 assert torch.equal(bl(x)[3:4], bl(x[3:4]))
     with pytest.raises(ValueError, match="no repacked kernel"):
-        gguf_blocks.BlockLinear(torch.zeros(12 * 144, dtype=torch.uint8), "q4_K", 12, 256, repack=True)
+        gguf_blocks.BlockLinear(torch.zeros(12 * 144, dtype=torch.uint8), "q4_K", 12, 256, layout="x8")
+
+
+int4_here = pytest.mark.skipif(not gguf_blocks.int4_works("q4_0", 64),
+                               reason="layerline's int4 kernel does not load here (AVX2 or AVX-512 VNNI)")
+
+
+@int4_here
+@pytest.mark.parametrize("name", gguf_blocks.INT4_TYPES)
+def test_int4_layout_is_lossless_and_computes_the_product(name: str) -> None:
+    rng = np.random.default_rng(8)
+    n, k = 24, 640
+    for raw in (make_blocks(name, rng.standard_normal((n, k)).astype(np.float32)), random_blocks(name, n, k, rng)):
+        bl = gguf_blocks.BlockLinear(torch.from_numpy(raw.copy()), name, n, k)
+        assert bl.layout == "int4" and bl.stored_bytes == n * k // 32 * 20
+        assert np.array_equal(bl.stored().numpy(), raw), "the int4 layout lost or moved bits"
+        assert np.array_equal(bl.dequantize().numpy(), quants.dequantize(raw, qtype(name)))
+        ids = torch.tensor([[5, 0], [23, 5]])
+        assert np.array_equal(bl.rows(ids).numpy(), quants.dequantize(raw, qtype(name))[ids.numpy()])
+        plain = gguf_blocks.BlockLinear(torch.from_numpy(raw.copy()), name, n, k, layout="file")
+        for rows in (1, 4, 9, 130):  # decode steps and a prefill chunk
+            x = torch.from_numpy(rng.standard_normal((rows, k)).astype(np.float32))
+            y = bl(x)
+            assert y.dtype == torch.float32 and y.shape == (rows, n)
+            ref, mag = int4_reference(raw, name, x)
+            err = np.abs(y.numpy().astype(np.float64) - ref)
+            assert (err <= 1e-5 * mag + 1e-6).all(), f"{name} rows {rows}: worst {err.max()}"
+            # ggml's vec_dot over the file's blocks: the same products but for x's fp16 scales
+            assert (np.abs(y.numpy() - plain(x).numpy()) <= 2e-3 * mag + 1e-5).all()
+    # a Q4_0 scale whose -8 d overflows fp16 stays with ggml's kernel, in the file's layout
+    raw = make_blocks("q4_0", rng.standard_normal((8, 64)).astype(np.float32))
+    raw.reshape(-1, 18)[0, :2] = np.array([30000], dtype=np.float16).view(np.uint8)
+    assert gguf_blocks.BlockLinear(torch.from_numpy(raw.copy()), "q4_0", 8, 64).layout == "file"
+    with pytest.raises(ValueError, match="no int4 kernel for q4_1 rows of 96"):
+        gguf_blocks.BlockLinear(torch.zeros(8 * 60, dtype=torch.uint8), "q4_1", 8, 96, layout="int4")
 
 
 @pytest.mark.parametrize("name", ["q4_0", "q6_K"])
@@ -200,7 +260,7 @@ def test_rows_are_the_dequantized_rows(name: str) -> None:
     raw = make_blocks(name, rng.standard_normal((n, k)).astype(np.float32))
     want = quants.dequantize(raw, qtype(name))
     ids = torch.tensor([[3, 31, 0], [9, 9, 16]])
-    for repack in ((False, True) if name in gguf_blocks.REPACKED else (False,)):
-        bl = gguf_blocks.BlockLinear(torch.from_numpy(raw.copy()), name, n, k, repack=repack)
+    for layout in ("file", "x8") if name in gguf_blocks.REPACKED else ("file",):
+        bl = gguf_blocks.BlockLinear(torch.from_numpy(raw.copy()), name, n, k, layout=layout)
         got = bl.rows(ids)
         assert got.shape == (2, 3, k) and np.array_equal(got.numpy(), want[ids.numpy()])

@@ -1,8 +1,9 @@
 """Modules that hold a matrix as its GGUF file stores it (precision gguf) and run it by ggml's kernels.
 
 `BlockLinearModule` is a linear layer over one matrix's blocks (`gguf_blocks.BlockLinear`): its
-`weight` is a uint8 buffer of the blocks (in the kernel's layout: Q4_0 / Q4_K repacked without loss
-into ggml's 8-row groups where that runs, `stored()` gives the file's bytes back), so state_dict,
+`weight` is a uint8 buffer of the blocks (in the kernel's layout, `gguf_blocks.LAYOUTS`: Q4_0 / Q4_1
+in layerline's int4 rows, Q4_K in ggml's 8-row groups, each without loss; `stored()` gives the file's
+bytes back), so state_dict,
 load_state_dict(assign=True) and moving between CPU tensors see the bytes the stage holds, and
 nothing else. Its block type is the file's for that matrix, so a stage's modules are made at load
 (`of_blocks`), not by the stage's constructor: a Q4_K_M file mixes Q4_K, Q6_K, Q5_0 and Q8_0.
@@ -46,20 +47,21 @@ class BlockLinearModule(nn.Module):
     def repacked(self) -> bool:
         return self.kernel.repacked
 
+    @property
+    def layout(self) -> str:
+        return self.kernel.layout
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.kernel.run(x, self.weight, self.bias)
         return y if y.dtype == x.dtype else y.to(x.dtype)
 
     def stored(self) -> torch.Tensor:
         """The blocks as the file stores them (uint8 [out, row_bytes])."""
-        if not self.repacked:
-            return self.weight
-        from .gguf_blocks import unrepack_x8
-        return torch.from_numpy(unrepack_x8(self.weight.numpy(), self.block, self.out_features, self.in_features))
+        return torch.from_numpy(self.kernel.file_rows(self.weight.numpy(), self.out_features))
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, {self.block} blocks"
-                f"{' (repacked)' if self.repacked else ''}")
+                f"{f' ({self.layout})' if self.repacked else ''}")
 
 
 class BlockEmbedding(nn.Module):
@@ -90,7 +92,7 @@ class BlockEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         k = self.kernel
-        return f"{k.out_features}, {k.in_features}, {k.type.name} blocks{' (repacked)' if k.repacked else ''}"
+        return f"{k.out_features}, {k.in_features}, {k.type.name} blocks{f' ({k.layout})' if k.repacked else ''}"
 
 
 def is_block_module(m: nn.Module) -> bool:
@@ -102,13 +104,13 @@ def fuse_blocks(parts: list[BlockLinearModule]) -> BlockLinear | None:
     share a block type and layout (exact: each row's blocks are its own; repacked parts keep whole
     8-row groups), else None. Returns the kernel; its `raw` is the fused weight."""
     first = parts[0]
-    if any(m.block != first.block or m.repacked != first.repacked or m.in_features != first.in_features
+    if any(m.block != first.block or m.layout != first.layout or m.in_features != first.in_features
            or m.weight.is_meta for m in parts):
         return None
     sizes = [m.out_features for m in parts]
     with torch.no_grad():
         w = torch.cat([m.weight.reshape(m.out_features, -1) for m in parts])
-    k = BlockLinear(w, first.block, sum(sizes), first.in_features, repack=first.repacked, packed=True)
+    k = BlockLinear(w, first.block, sum(sizes), first.in_features, layout=first.layout, packed=True)
     for m, wi in zip(parts, k.raw.split(sizes)):
         # views into the fused blocks, in the module and its kernel alike: no part keeps its own copy
         m.weight = m.kernel.raw = wi

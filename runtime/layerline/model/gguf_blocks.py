@@ -5,10 +5,17 @@ of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K blocks, uint8) and computes 
 for a few rows of x without ever making W in floats. The arithmetic is ggml's, as llama.cpp's CPU
 backend runs it for the same file: each x row is quantized to 8 bits by ggml's
 `quantize_row_q8_{0,1,K}` (the type's `vec_dot_type`), and each (weight row, x row) product is
-`ggml_vec_dot_<type>_q8_<...>`, integer sums a block, then scaled. Q4_0 and Q4_K (most of a
-Q4_K_M file) are repacked at construction, without loss and in place of the stored bytes, into
-ggml's 8-row interleaved layout for its x86 GEMV (`repack_x8`; `stored()` gives the file's blocks
-back). A row's result has the same bits whatever rows it is called with.
+`ggml_vec_dot_<type>_q8_<...>`, integer sums a block, then scaled. A matrix is held in one of three
+layouts (`LAYOUTS`), each the file's bits (`stored()` gives its blocks back):
+- "int4": Q4_0 and Q4_1 (SmolLM2's file, most of a Q4_0 one) where layerline's own int4 kernel loads
+  (csrc/int4.h: AVX-512 VNNI or AVX2): each row's code bytes as the blocks hold them, then an fp16
+  (d, m) pair a 32-weight group (Q4_0's d (code - 8) as (d, -8 d), exact), run by that kernel; x is
+  quantized to int8 a group of 32 as for q8_0, with an fp32 scale (ggml's is fp16). It streams the
+  weights faster than ggml's vec_dot (docs/kernels.md);
+- "x8": Q4_K (most of a Q4_K_M file), and Q4_0 where the int4 kernel does not load, repacked into
+  ggml's 8-row interleaved layout for its x86 GEMV (`repack_x8`);
+- "file": the blocks as stored, run by ggml's vec_dot.
+A row's result has the same bits whatever rows it is called with.
 
 ggml's functions come from a shared library: `LAYERLINE_GGML_LIB` (a directory holding
 libggml-base.so and libggml-cpu.so, e.g. a `GGML_NATIVE=ON` build of the ggml in llama-cpp-python's
@@ -153,6 +160,52 @@ def _fn(name: str) -> int:
 REPACKED = {"q4_0": ("ggml_gemv_q4_0_8x8_q8_0", "ggml_gemm_q4_0_8x8_q8_0", "ggml_quantize_mat_q8_0_4x8"),
             "q4_K": ("ggml_gemv_q4_K_8x8_q8_K", "ggml_gemm_q4_K_8x8_q8_K", "ggml_quantize_mat_q8_K_4x8")}
 _repack_ok: dict[str, bool] = {}
+LAYOUTS = ("file", "x8", "int4")
+INT4_TYPES = ("q4_0", "q4_1")  # blocks of 32 four-bit codes and fp16 scales: layerline's int4 kernel's groups
+
+
+def int4_row_bytes(k: int) -> int:
+    """Bytes a row of k weights takes in the int4 layout: 16 code bytes and an fp16 pair a group of 32."""
+    return k // 32 * 20
+
+
+def to_int4(raw: np.ndarray, name: str, n: int, k: int) -> np.ndarray:
+    """Q4_0 / Q4_1 blocks (uint8 [n, row_bytes]) in the int4 layout, uint8 [n, int4_row_bytes(k)]: each
+    row's code bytes, then its (d, m) pairs (Q4_0: m = -8 d, exact in fp16 short of overflow, which raises
+    FloatingPointError)."""
+    bt, nb = BLOCK_TYPES[name], k // 32
+    b = raw.reshape(n, nb, bt.block_bytes)
+    out = np.empty((n, 20 * nb), dtype=np.uint8)
+    if name == "q4_1":
+        out[:, :16 * nb] = b[:, :, 4:].reshape(n, 16 * nb)
+        out[:, 16 * nb:] = b[:, :, :4].reshape(n, 4 * nb)
+        return out
+    d = np.ascontiguousarray(b[:, :, :2]).view(np.float16)  # [n, nb, 1]
+    with np.errstate(over="raise", invalid="ignore"):
+        m = d * np.float16(-8)
+    out[:, :16 * nb] = b[:, :, 2:].reshape(n, 16 * nb)
+    out[:, 16 * nb:] = np.concatenate([d, m], axis=2).view(np.uint8).reshape(n, 4 * nb)
+    return out
+
+
+def from_int4(held: np.ndarray, name: str, n: int, k: int) -> np.ndarray:
+    """The stored blocks back from `to_int4`'s layout: its exact inverse."""
+    bt, nb = BLOCK_TYPES[name], k // 32
+    h = held.reshape(n, 20 * nb)
+    out = np.empty((n, nb, bt.block_bytes), dtype=np.uint8)
+    codes, pairs = h[:, :16 * nb].reshape(n, nb, 16), h[:, 16 * nb:].reshape(n, nb, 4)
+    if name == "q4_1":
+        out[:, :, :4], out[:, :, 4:] = pairs, codes
+    else:
+        out[:, :, :2], out[:, :, 2:] = pairs[:, :, :2], codes
+    return out.reshape(n, nb * bt.block_bytes)
+
+
+def int4_works(name: str, k: int) -> bool:
+    """Whether layerline's int4 kernel runs `name` blocks in rows of k weights here
+    (LAYERLINE_GGUF_INT4=off in the environment: never, ggml's kernels instead)."""
+    return (name in INT4_TYPES and k % 64 == 0 and cpu_kernels.int4_ready()
+            and os.environ.get("LAYERLINE_GGUF_INT4", "on").strip().lower() != "off")
 
 
 def unrepack_x8(packed: np.ndarray, name: str, n: int, k: int) -> np.ndarray:
@@ -202,8 +255,8 @@ def repack_works(name: str) -> bool:
             scales = (torch.rand(n, k // bt.block, 2, generator=g) * 0.02).half().view(torch.uint8)
             raw[..., :4] = scales.reshape(n, k // bt.block, 4)
             x = torch.randn(5, k, generator=g)
-            plain = BlockLinear(raw, name, n, k, repack=False)
-            packed = BlockLinear(raw, name, n, k, repack=True)
+            plain = BlockLinear(raw, name, n, k, layout="file")
+            packed = BlockLinear(raw, name, n, k, layout="x8")
             ok = bool(torch.allclose(plain(x), packed(x), rtol=1e-4, atol=1e-3)) and np.array_equal(
                 unrepack_x8(packed.raw.numpy(), name, n, k), plain.raw.numpy())
         _repack_ok[name] = ok
@@ -214,28 +267,34 @@ class BlockLinear:
     """x @ W.T over W's stored GGUF blocks: raw uint8 [out_features * row_bytes] (any shape with
     that many bytes, rows in file order), computed in float32 by ggml's kernels.
 
-    repack: None (default) repacks q4_0 / q4_K into ggml's 8-row layout for its x86 GEMV where that
-    passes `repack_works`; True / False force it. batch_invariant (default): each row's result has the
-    same bits whatever rows it is called with (False lets 4-row groups go through ggml's GEMM)."""
+    layout: None (default) picks "int4" for q4_0 / q4_1 where `int4_works`, else "x8" for q4_0 / q4_K
+    where ggml's 8-row kernels pass `repack_works`, else "file"; a name forces it. batch_invariant
+    (default): each row's result has the same bits whatever rows it is called with (False lets 4-row
+    groups of "x8" go through ggml's GEMM)."""
 
     def __init__(self, raw: torch.Tensor, ggml_type: object, out_features: int, in_features: int,
-                 bias: torch.Tensor | None = None, repack: bool | None = None, batch_invariant: bool = True,
+                 bias: torch.Tensor | None = None, layout: str | None = None, batch_invariant: bool = True,
                  packed: bool = False):
-        """packed: `raw` is already in the layout `repack` (a bool then) names, e.g. another
-        BlockLinear's `.raw` or rows of several concatenated: it is taken as is, not repacked."""
+        """packed: `raw` is already in `layout` (given then), e.g. another BlockLinear's `.raw` or rows
+        of several concatenated: it is taken as is."""
         bt = block_type(ggml_type)
         if in_features % bt.block:
             raise ValueError(f"BlockLinear: in_features {in_features} is not a multiple of {bt.name}'s "
                              f"block of {bt.block} weights")
         self.type, self.out_features, self.in_features = bt, out_features, in_features
         self.row_bytes = in_features // bt.block * bt.block_bytes
-        if raw.dtype != torch.uint8 or raw.numel() != out_features * self.row_bytes:
-            raise ValueError(f"BlockLinear: raw must be uint8 with {out_features * self.row_bytes} bytes "
-                             f"({out_features} rows of {self.row_bytes} {bt.name} bytes), got "
+        if layout is not None and layout not in LAYOUTS:
+            raise ValueError(f"BlockLinear: layout {layout!r}; one of {', '.join(LAYOUTS)}")
+        if packed and layout is None:
+            raise ValueError("BlockLinear: packed=True needs the layout raw is in")
+        held_row = int4_row_bytes(in_features) if packed and layout == "int4" else self.row_bytes
+        if raw.dtype != torch.uint8 or raw.numel() != out_features * held_row:
+            raise ValueError(f"BlockLinear: raw must be uint8 with {out_features * held_row} bytes "
+                             f"({out_features} rows of {held_row} {bt.name} bytes), got "
                              f"{raw.dtype} with {raw.numel()}")
         if not load():
             raise RuntimeError(f"GGUF block kernels unavailable ({_S.why_off})")
-        raw = raw.reshape(out_features, self.row_bytes).contiguous()
+        raw = raw.reshape(out_features, held_row).contiguous()
         self.bias = bias
         dot_block, dot_bytes = DOT_BLOCK[bt.dot_with]
         self.xrow_bytes = in_features // dot_block * dot_bytes
@@ -243,14 +302,27 @@ class BlockLinear:
         self._from_float = _fn(f"quantize_row_{bt.dot_with}")
         self._dequant = getattr(_S.cpu, f"dequantize_row_{bt.name}")
         can = bt.name in REPACKED and out_features % 8 == 0
-        if repack and not can:
+        if layout == "x8" and not can:
             raise ValueError(f"BlockLinear: no repacked kernel for {bt.name} with {out_features} rows "
                              f"(types {', '.join(REPACKED)}, rows a multiple of 8)")
-        if packed and repack is None:
-            raise ValueError("BlockLinear: packed=True needs repack=True or False (the layout raw is in)")
-        # repack=None: where ggml has x86 GEMV/GEMM for the type and they pass repack_works's check
-        self.repacked = bool(repack) if repack is not None else can and repack_works(bt.name)
-        if self.repacked:
+        if layout == "int4" and not (bt.name in INT4_TYPES and in_features % 64 == 0 and cpu_kernels.int4_ready()):
+            raise ValueError(f"BlockLinear: no int4 kernel for {bt.name} rows of {in_features} weights here "
+                             f"(types {', '.join(INT4_TYPES)}, a multiple of 64 weights, layerline's CPU kernels "
+                             f"{cpu_kernels.status()})")
+        if layout is None:  # where layerline's int4 kernel, else ggml's x86 GEMV / GEMM pass their checks
+            layout = ("int4" if int4_works(bt.name, in_features) else
+                      "x8" if can and repack_works(bt.name) else "file")
+        if layout == "int4" and not packed:
+            try:
+                raw = torch.from_numpy(to_int4(raw.numpy(), bt.name, out_features, in_features))
+            except FloatingPointError:  # a Q4_0 scale too large for -8 d in fp16: ggml's vec_dot then
+                layout = "file"
+        self.layout = layout
+        if layout == "int4":
+            self.raw = raw
+            self._args = (out_features, in_features)
+            self._op = torch.ops.layerline_cpu.gguf_linear_q4
+        elif layout == "x8":
             gemv, gemm, quant4 = (_fn(f) for f in REPACKED[bt.name])
             self.raw = raw if packed else torch.ops.layerline_cpu.gguf_repack_x8(raw, bt.id, out_features,
                                                                                  in_features)
@@ -266,7 +338,13 @@ class BlockLinear:
             self._op = torch.ops.layerline_cpu.gguf_linear
 
     @property
+    def repacked(self) -> bool:
+        """Held in a layout of a kernel's, not the file's (`stored()` converts back)."""
+        return self.layout != "file"
+
+    @property
     def stored_bytes(self) -> int:
+        """Bytes held (Q4_0 in the int4 layout: 20 a group of 32 against the file's 18)."""
         return self.raw.numel()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -279,7 +357,8 @@ class BlockLinear:
 
     def quantize_activations(self, x: torch.Tensor) -> torch.Tensor:
         """x [rows, in_features] as the call quantizes it: uint8 [rows, xrow_bytes] of `type.dot_with`
-        blocks (ggml's quantize_row_q8_*), for tests that check the products exactly."""
+        blocks (ggml's quantize_row_q8_*), for tests that check the products exactly (layouts "file"
+        and "x8"; "int4" quantizes x as csrc/int4.h does)."""
         xf = x.reshape(-1, self.in_features).float().contiguous()
         out = torch.empty(xf.shape[0], self.xrow_bytes, dtype=torch.uint8)
         ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)(self._from_float)(
@@ -288,9 +367,15 @@ class BlockLinear:
 
     def stored(self) -> torch.Tensor:
         """The blocks as the file stores them, uint8 [out_features, row_bytes] (un-repacked if need be)."""
-        if not self.repacked:
-            return self.raw
-        return torch.from_numpy(unrepack_x8(self.raw.numpy(), self.type.name, self.out_features, self.in_features))
+        return torch.from_numpy(self.file_rows(self.raw.numpy(), self.out_features))
+
+    def file_rows(self, held: np.ndarray, n: int) -> np.ndarray:
+        """n rows held in this one's layout (whole 8-row groups for "x8") as the file's blocks."""
+        if self.layout == "x8":
+            return unrepack_x8(held, self.type.name, n, self.in_features)
+        if self.layout == "int4":
+            return from_int4(held, self.type.name, n, self.in_features)
+        return held
 
     def dequantize(self) -> torch.Tensor:
         """W as float32 [out_features, in_features], by ggml's dequantize_row_<type> (tests, fallbacks)."""
@@ -300,8 +385,10 @@ class BlockLinear:
         """Rows `ids` of W as float32 [*ids.shape, in_features] (an embedding lookup over a tied
         LM head's blocks), dequantized from those rows' blocks alone."""
         flat = ids.reshape(-1).long()
-        if not self.repacked:
-            return self._dequantize(self.raw.index_select(0, flat)).view(*ids.shape, self.in_features)
+        if self.layout != "x8":  # each row's bits are its own row of raw
+            picked = self.raw.index_select(0, flat).numpy()
+            return self._dequantize(torch.from_numpy(self.file_rows(picked, len(flat)))).view(
+                *ids.shape, self.in_features)
         groups, inner = torch.unique(flat // 8, return_inverse=True)
         packed = self.raw.view(self.out_features // 8, -1).index_select(0, groups).numpy()
         blocks = torch.from_numpy(unrepack_x8(packed, self.type.name, 8 * len(groups), self.in_features))
@@ -316,4 +403,4 @@ class BlockLinear:
 
     def __repr__(self) -> str:
         return (f"BlockLinear({self.type.name}, out={self.out_features}, in={self.in_features}"
-                f"{', repacked' if self.repacked else ''})")
+                f"{', ' + self.layout if self.repacked else ''})")

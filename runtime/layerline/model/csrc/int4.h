@@ -5,6 +5,11 @@
 // sum of code * x is exact in int32 (vpdpbusd); it is scaled by s * dx in fp32, and the zeros add
 // (z - 8 s) * (the group's sum of x). The x codes are laid out per pair of groups as two groups'
 // nibbles unpack into one vector: [g0 0..15, g1 0..15, g0 16..31, g1 16..31].
+//
+// The same tiles run GGUF's Q4_0 / Q4_1 blocks without loss (`gguf_linear_q4`): each row holds its
+// groups' code bytes as above (the blocks' own 16 bytes), then a pair of fp16 (d, m) a group, as
+// Q4_1 stores them: w = code * d + m (Q4_0's d (code - 8) is (d, -8 d), exact in fp16). F16 selects
+// that reading of a pair; rows are `ws` bytes of codes and `ss` pairs apart.
 #pragma once
 
 #include "common.h"
@@ -36,11 +41,11 @@ LL_VNNI void quantize_groups_x(const T* x, int64_t M, int64_t K, int8_t* xq, flo
 // R rows of W against MB rows of x, 16 groups at a time: their (s, z) in one load, then each pair
 // of groups' 32 code bytes as one vector. The scale rows are a stream of their own, asked for early
 // as the codes are (without it the kernel read memory slower than torch's int4 kernel).
-template <int R, int MB>
+template <int R, int MB, bool F16>
 struct Int4Tile {
-  LL_VNNI static void run(const uint8_t* w, const uint32_t* sz, const int8_t* xq, const float* dx,
-                          const float* xsum, int64_t K, int64_t N, float* y) {
-    const int64_t G = K / 32, KB = K / 2;
+  LL_VNNI static void run(const uint8_t* w, int64_t ws, const uint32_t* sz, int64_t ss, const int8_t* xq,
+                          const float* dx, const float* xsum, int64_t K, int64_t N, float* y) {
+    const int64_t G = K / 32;
     __m512 acc[R][MB];
     for (int r = 0; r < R; ++r)
       for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_setzero_ps();
@@ -52,10 +57,16 @@ struct Int4Tile {
       const __mmask16 mk = (__mmask16)(ng == 16 ? 0xFFFFu : (1u << ng) - 1);
       __m512 C[R][MB];  // s * dx of each of the 16 groups
       for (int r = 0; r < R; ++r) {
-        _mm_prefetch((const char*)(sz + r * G + g0) + PF4 / 4, _MM_HINT_T0);
-        const __m512i v = _mm512_maskz_loadu_epi32(mk, sz + r * G + g0);
-        const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-        const __m512 z8 = _mm512_fmadd_ps(s, _mm512_set1_ps(-8.f), _mm512_castsi512_ps(_mm512_and_si512(v, zmask)));
+        _mm_prefetch((const char*)(sz + r * ss + g0) + PF4 / 4, _MM_HINT_T0);
+        const __m512i v = _mm512_maskz_loadu_epi32(mk, sz + r * ss + g0);
+        __m512 s, z8;  // each group's weight is code * s + z8
+        if constexpr (F16) {
+          s = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v));
+          z8 = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(v, 16)));
+        } else {
+          s = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+          z8 = _mm512_fmadd_ps(s, _mm512_set1_ps(-8.f), _mm512_castsi512_ps(_mm512_and_si512(v, zmask)));
+        }
         for (int m = 0; m < MB; ++m) {
           C[r][m] = _mm512_mul_ps(s, _mm512_maskz_loadu_ps(mk, dx + m * G + g0));
           acc[r][m] = _mm512_fmadd_ps(z8, _mm512_maskz_loadu_ps(mk, xsum + m * G + g0), acc[r][m]);
@@ -66,8 +77,8 @@ struct Int4Tile {
         const int64_t off = (g0 + 2 * p) * 16;
         __m512i wv[R];
         for (int r = 0; r < R; ++r) {
-          if ((off & 63) == 0) _mm_prefetch((const char*)(w + r * KB + off) + PF4, _MM_HINT_T0);
-          const __m256i v = _mm256_loadu_si256((const __m256i*)(w + r * KB + off));
+          if ((off & 63) == 0) _mm_prefetch((const char*)(w + r * ws + off) + PF4, _MM_HINT_T0);
+          const __m256i v = _mm256_loadu_si256((const __m256i*)(w + r * ws + off));
           wv[r] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, lo4)),
                                      _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4), 1);
         }
@@ -116,12 +127,12 @@ void quantize_groups_x_avx2(const T* x, int64_t M, int64_t K, int8_t* xq, float*
     }
 }
 
-template <int R, int MB>
+template <int R, int MB, bool F16>
 struct Int4Avx2Tile {
-  __attribute__((target("avx2,fma")))
-  static void run(const uint8_t* w, const uint32_t* sz, const int8_t* xq, const float* dx,
-                  const float* xsum, int64_t K, int64_t N, float* y) {
-    const int64_t G = K / 32, KB = K / 2;
+  __attribute__((target("avx2,fma,f16c")))
+  static void run(const uint8_t* w, int64_t ws, const uint32_t* sz, int64_t ss, const int8_t* xq,
+                  const float* dx, const float* xsum, int64_t K, int64_t N, float* y) {
+    const int64_t G = K / 32;
     __m256 acc[R][MB];
     for (int r = 0; r < R; ++r)
       for (int m = 0; m < MB; ++m) acc[r][m] = _mm256_setzero_ps();
@@ -132,10 +143,19 @@ struct Int4Avx2Tile {
       const __m256i mk = _mm256_cmpgt_epi32(_mm256_set1_epi32(ng), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
       __m256 C[R][MB];  // s * dx of each of the 8 groups
       for (int r = 0; r < R; ++r) {
-        _mm_prefetch((const char*)(sz + r * G + g0) + PF4 / 4, _MM_HINT_T0);
-        const __m256i v = _mm256_maskload_epi32((const int*)(sz + r * G + g0), mk);
-        const __m256 s = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-        const __m256 z8 = _mm256_fmadd_ps(s, _mm256_set1_ps(-8.f), _mm256_castsi256_ps(_mm256_and_si256(v, zmask)));
+        _mm_prefetch((const char*)(sz + r * ss + g0) + PF4 / 4, _MM_HINT_T0);
+        const __m256i v = _mm256_maskload_epi32((const int*)(sz + r * ss + g0), mk);
+        __m256 s, z8;  // each group's weight is code * s + z8
+        if constexpr (F16) {
+          // [d0..3, m0..3 | d4..7, m4..7] as 16-bit halves, then the 64-bit quarters in order: d0..7, m0..7
+          const __m256i p = _mm256_permute4x64_epi64(
+              _mm256_packus_epi32(_mm256_and_si256(v, _mm256_set1_epi32(0xFFFF)), _mm256_srli_epi32(v, 16)), 0xD8);
+          s = _mm256_cvtph_ps(_mm256_castsi256_si128(p));
+          z8 = _mm256_cvtph_ps(_mm256_extracti128_si256(p, 1));
+        } else {
+          s = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+          z8 = _mm256_fmadd_ps(s, _mm256_set1_ps(-8.f), _mm256_castsi256_ps(_mm256_and_si256(v, zmask)));
+        }
         for (int m = 0; m < MB; ++m) {
           C[r][m] = _mm256_mul_ps(s, _mm256_maskload_ps(dx + m * G + g0, mk));
           acc[r][m] = _mm256_fmadd_ps(z8, _mm256_maskload_ps(xsum + m * G + g0, mk), acc[r][m]);
@@ -146,8 +166,8 @@ struct Int4Avx2Tile {
         const int64_t off = (g0 + 2 * p) * 16;
         __m256i wl[R], wh[R];
         for (int r = 0; r < R; ++r) {
-          if ((off & 63) == 0) _mm_prefetch((const char*)(w + r * KB + off) + PF4, _MM_HINT_T0);
-          const __m256i v = _mm256_loadu_si256((const __m256i*)(w + r * KB + off));
+          if ((off & 63) == 0) _mm_prefetch((const char*)(w + r * ws + off) + PF4, _MM_HINT_T0);
+          const __m256i v = _mm256_loadu_si256((const __m256i*)(w + r * ws + off));
           wl[r] = _mm256_and_si256(v, lo4);
           wh[r] = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
         }
@@ -171,27 +191,22 @@ struct Int4Avx2Tile {
   }
 };
 
-template <template <int, int> class Tile, int R, int MB>
-void int4_rows(const uint8_t* w, const uint32_t* sz, const int8_t* xq, const float* dx, const float* xs,
-               int64_t K, int64_t N, int64_t n0, int64_t n1, float* y) {
-  const int64_t G = K / 32;
+template <template <int, int, bool> class Tile, int R, int MB, bool F16>
+void int4_rows(const uint8_t* w, int64_t ws, const uint32_t* sz, int64_t ss, const int8_t* xq, const float* dx,
+               const float* xs, int64_t K, int64_t N, int64_t n0, int64_t n1, float* y) {
   int64_t n = n0;
-  for (; n + R <= n1; n += R) Tile<R, MB>::run(w + n * (K / 2), sz + n * G, xq, dx, xs, K, N, y + n);
-  for (; n < n1; ++n) Tile<1, MB>::run(w + n * (K / 2), sz + n * G, xq, dx, xs, K, N, y + n);
+  for (; n + R <= n1; n += R) Tile<R, MB, F16>::run(w + n * ws, ws, sz + n * ss, ss, xq, dx, xs, K, N, y + n);
+  for (; n < n1; ++n) Tile<1, MB, F16>::run(w + n * ws, ws, sz + n * ss, ss, xq, dx, xs, K, N, y + n);
 }
 
-at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sz,
-                       const c10::optional<at::Tensor>& bias) {
-  const int64_t N = codes.size(0), K = codes.size(1) * 2, G = K / 32;
-  check(x, codes, x.size(-1), bias);
-  TORCH_CHECK(codes.scalar_type() == at::kByte && x.size(-1) == K && K % 64 == 0,
-              "linear_int4: uint8 codes [N, K / 2] for x [..., K], K a multiple of 64");
-  TORCH_CHECK(sz.scalar_type() == at::kBFloat16 && sz.dim() == 3 && sz.size(0) == N && sz.size(1) == G && sz.size(2) == 2,
-              "linear_int4: bf16 scales and zeros [N, K / 32, 2]");
+// x [..., K] (fp32, bf16 or fp16) against N rows of int4 groups: codes at W (rows ws bytes apart), their
+// pairs at SZ (rows ss pairs apart); y in x's dtype
+template <bool F16>
+at::Tensor int4_matmul(const at::Tensor& x, const uint8_t* W, int64_t ws, const uint32_t* SZ, int64_t ss,
+                       int64_t N, int64_t K, const c10::optional<at::Tensor>& bias) {
+  const int64_t G = K / 32;
   const auto st = x.scalar_type();
   TORCH_CHECK(st == at::kFloat || st == at::kBFloat16 || st == at::kHalf, "linear_int4: x fp32, bf16 or fp16");
-  auto cc = codes.contiguous();
-  auto szc = sz.contiguous();
   auto x2 = x.reshape({-1, K}).contiguous();
   const int64_t M = x2.size(0);
   std::vector<int8_t> xq(M * K);
@@ -204,8 +219,6 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& codes, const at::T
   else if (st == at::kHalf) quantize(x2.data_ptr<at::Half>());
   else quantize(x2.data_ptr<float>());
   Out out(x, M, N, at::kFloat, bias);
-  const uint8_t* W = cc.data_ptr<uint8_t>();
-  const uint32_t* SZ = reinterpret_cast<const uint32_t*>(szc.data_ptr<at::BFloat16>());
   float* Y = out.sums.data_ptr<float>();
   over_rows(N, K, [&](int64_t n0, int64_t n1) {
     for (int64_t m0 = 0; m0 < M; m0 += 4) {  // x in chunks of up to 4 rows
@@ -214,20 +227,49 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& codes, const at::T
       float* ym = Y + m0 * N;
       const int64_t mb = std::min<int64_t>(4, M - m0);
       if (g_isa == 2) switch (mb) {
-        case 1: int4_rows<Int4Tile, 4, 1>(W, SZ, xm, dm, sm, K, N, n0, n1, ym); break;
-        case 2: int4_rows<Int4Tile, 4, 2>(W, SZ, xm, dm, sm, K, N, n0, n1, ym); break;
-        case 3: int4_rows<Int4Tile, 2, 3>(W, SZ, xm, dm, sm, K, N, n0, n1, ym); break;
-        default: int4_rows<Int4Tile, 2, 4>(W, SZ, xm, dm, sm, K, N, n0, n1, ym);
+        case 1: int4_rows<Int4Tile, 4, 1, F16>(W, ws, SZ, ss, xm, dm, sm, K, N, n0, n1, ym); break;
+        case 2: int4_rows<Int4Tile, 4, 2, F16>(W, ws, SZ, ss, xm, dm, sm, K, N, n0, n1, ym); break;
+        case 3: int4_rows<Int4Tile, 2, 3, F16>(W, ws, SZ, ss, xm, dm, sm, K, N, n0, n1, ym); break;
+        default: int4_rows<Int4Tile, 2, 4, F16>(W, ws, SZ, ss, xm, dm, sm, K, N, n0, n1, ym);
       } else switch (mb) {  // AVX2's 16 registers: fewer sums a tile
-        case 1: int4_rows<Int4Avx2Tile, 2, 1>(W, SZ, xm, dm, sm, K, N, n0, n1, ym); break;
-        case 2: int4_rows<Int4Avx2Tile, 2, 2>(W, SZ, xm, dm, sm, K, N, n0, n1, ym); break;
-        case 3: int4_rows<Int4Avx2Tile, 1, 3>(W, SZ, xm, dm, sm, K, N, n0, n1, ym); break;
-        default: int4_rows<Int4Avx2Tile, 1, 4>(W, SZ, xm, dm, sm, K, N, n0, n1, ym);
+        case 1: int4_rows<Int4Avx2Tile, 2, 1, F16>(W, ws, SZ, ss, xm, dm, sm, K, N, n0, n1, ym); break;
+        case 2: int4_rows<Int4Avx2Tile, 2, 2, F16>(W, ws, SZ, ss, xm, dm, sm, K, N, n0, n1, ym); break;
+        case 3: int4_rows<Int4Avx2Tile, 1, 3, F16>(W, ws, SZ, ss, xm, dm, sm, K, N, n0, n1, ym); break;
+        default: int4_rows<Int4Avx2Tile, 1, 4, F16>(W, ws, SZ, ss, xm, dm, sm, K, N, n0, n1, ym);
       }
     }
     out.store_rows<float>(M, N, n0, n1, nullptr, nullptr);
   });
   return out.y;
+}
+
+at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sz,
+                       const c10::optional<at::Tensor>& bias) {
+  const int64_t N = codes.size(0), K = codes.size(1) * 2, G = K / 32;
+  check(x, codes, x.size(-1), bias);
+  TORCH_CHECK(codes.scalar_type() == at::kByte && x.size(-1) == K && K % 64 == 0,
+              "linear_int4: uint8 codes [N, K / 2] for x [..., K], K a multiple of 64");
+  TORCH_CHECK(sz.scalar_type() == at::kBFloat16 && sz.dim() == 3 && sz.size(0) == N && sz.size(1) == G && sz.size(2) == 2,
+              "linear_int4: bf16 scales and zeros [N, K / 32, 2]");
+  auto cc = codes.contiguous();
+  auto szc = sz.contiguous();
+  return int4_matmul<false>(x, cc.data_ptr<uint8_t>(), K / 2, reinterpret_cast<const uint32_t*>(szc.data_ptr<at::BFloat16>()),
+                            G, N, K, bias);
+}
+
+// GGUF Q4_0 / Q4_1 rows held as uint8 [N, 20 * K / 32]: each row its groups' 16 code bytes, then their
+// fp16 (d, m) pairs (`gguf_blocks`' int4 layout); y in fp32, as ggml's ops give it
+at::Tensor gguf_linear_q4(const at::Tensor& x, const at::Tensor& w, int64_t N, int64_t K,
+                          const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(g_isa > 0, "layerline_cpu: no kernel for this CPU (AVX2 + FMA or AVX-512 BF16 needed)");
+  TORCH_CHECK(x.device().is_cpu() && x.size(-1) == K && K % 64 == 0,
+              "gguf_linear_q4: x must be a CPU tensor [..., K], K a multiple of 64");
+  const int64_t G = K / 32, row = 20 * G;
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.numel() == N * row,
+              "gguf_linear_q4: w must be contiguous uint8 [N, 20 * K / 32]");
+  TORCH_CHECK(!bias.has_value() || !bias->defined() || bias->numel() == N, "gguf_linear_q4: one bias per row");
+  const uint8_t* W = w.data_ptr<uint8_t>();
+  return int4_matmul<true>(x.to(at::kFloat), W, row, reinterpret_cast<const uint32_t*>(W + 16 * G), row / 4, N, K, bias);
 }
 
 }  // namespace
