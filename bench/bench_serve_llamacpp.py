@@ -23,6 +23,7 @@ import asyncio
 import json
 import os
 import platform
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -114,9 +115,9 @@ def llama_levels(name: str, gguf: str, log: Path, slots: int, threads: int, ctx:
     raise AssertionError("unreachable")
 
 
-def layerline_levels(gguf: str, threads: int, levels, requests, prompts, new) -> dict:
+def layerline_levels(gguf: str, threads: int, levels, requests, prompts, new, server_args=()) -> dict:
     from layerline.local import served_stages
-    with served_stages(gguf, 3, "gguf", threads=threads) as url:
+    with served_stages(gguf, 3, "gguf", server_args, threads=threads) as url:
         return run_levels("layerline (3 workers, gguf)", url, "bench", levels, requests, prompts, new)
 
 
@@ -128,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--new", type=int, default=64)
     p.add_argument("--threads", type=int, default=2, help="llama.cpp's threads (each rpc-server's too)")
+    p.add_argument("--server-args", default="", help="more flags for layerline's server (e.g. \"--busy-chunk 32\"); "
+                   "default: none, a deploy's settings")
     a = p.parse_args(argv)
     from layerline.checkpoint import open_checkpoint
     from layerline.cli import packaged_smollm2
@@ -144,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     logs.mkdir(parents=True, exist_ok=True)
     print(f"CPU: {cpu_name()}, {os.cpu_count()} logical cores; file {Path(gguf).name}; prompt {a.prompt}, "
           f"new {a.new}", file=sys.stderr)
-    results = {"layerline": layerline_levels(gguf, None, levels, a.requests, prompts, a.new)}
+    results = {"layerline": layerline_levels(gguf, None, levels, a.requests, prompts, a.new,
+                                                     shlex.split(a.server_args))}
     slots, ctx = max(levels), a.prompt + a.new + 64
     results["llama-server"] = llama_levels("llama-server -np 16", gguf, logs / "llama-server.log", slots, a.threads,
                                            ctx, None, levels, a.requests, prompts, a.new)

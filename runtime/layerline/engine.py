@@ -58,6 +58,7 @@ from .errors import LayerlineError
 from .model.sampling import adjust_logits, logprobs, mask_logits, sample
 from .pipeline import Answer, DriveError, Pipeline, StepResult
 from .prefix import PrefixIndex
+from .prefill import BUSY_CHUNK, CHUNK
 from .wire import MAX_BATCH, MAX_SEQS
 
 
@@ -208,8 +209,8 @@ class Engine:
     (prefix_tokens when kv_tokens is None).
     """
 
-    def __init__(self, pipe: Pipeline, *, stages: int | None = None, chunk: int = 128,
-                 busy_chunk: int = 64, kv_tokens: int | None = None, max_running: int = MAX_SEQS, max_replays: int = 2,
+    def __init__(self, pipe: Pipeline, *, stages: int | None = None, chunk: int = CHUNK,
+                 busy_chunk: int = BUSY_CHUNK, kv_tokens: int | None = None, max_running: int = MAX_SEQS, max_replays: int = 2,
                  rows: bool | None = None, record: bool = False, raise_errors: bool = False,
                  on_step: Callable[[StepResult, str, int], None] | None = None, prefix: bool = False,
                  prefix_tokens: int = 1 << 16):

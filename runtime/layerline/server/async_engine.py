@@ -19,6 +19,7 @@ from .. import wire
 from ..pipeline import Pipeline
 from ..errors import LayerlineError
 from ..engine import Engine, Sampling, Sequence
+from ..prefill import BUSY_CHUNK, CHUNK
 from .metrics import Metrics
 
 
@@ -63,7 +64,7 @@ class AsyncEngine:
     `call`), each request's events out to its asyncio loop, the engine's gauges into metrics."""
 
     def __init__(self, open_pipe: Callable[[], Pipeline], *, stages: int | None, kv_tokens: int | None,
-                 max_running: int, max_queue: int, chunk: int = 128, busy_chunk: int = 64,
+                 max_running: int, max_queue: int, chunk: int = CHUNK, busy_chunk: int = BUSY_CHUNK,
                  metrics: Metrics | None = None,
                  rows: bool | None = None, prefix: bool = True):
         self.open_pipe = open_pipe

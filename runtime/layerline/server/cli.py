@@ -15,6 +15,7 @@ import time
 
 from ..endpoints import LOOPBACK
 from ..errors import LayerlineError
+from ..prefill import BUSY_CHUNK, CHUNK
 
 PROG = "layerline serve"
 
@@ -50,8 +51,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="KV tokens each stage holds across sequences (default: from the plan, else --context)")
     p.add_argument("--context", type=int, default=None,
                    help="tokens a sequence may reach (default: the plan's KV context, else the model's, else 4096)")
-    p.add_argument("--chunk", type=int, default=128, help="prompt tokens per prefill message")
-    p.add_argument("--busy-chunk", type=int, default=64,
+    p.add_argument("--chunk", type=int, default=CHUNK, help="prompt tokens per prefill message")
+    p.add_argument("--busy-chunk", type=int, default=BUSY_CHUNK,
                    help="prompt tokens per prefill message while other sequences decode")
     p.add_argument("--prefix-cache", default="on", choices=["on", "off"],
                    help="on: a prompt that starts with tokens an earlier request computed reuses their KV at every "
