@@ -119,6 +119,16 @@ def reference(bl: gguf_blocks.BlockLinear, raw: np.ndarray, x: torch.Tensor) -> 
     return ref, np.abs(xd) @ np.abs(w).T
 
 
+def checked_product(bl: gguf_blocks.BlockLinear, raw: np.ndarray, x: torch.Tensor, what: str):
+    """bl(x), checked: float32 [rows, out], within a float32 summation's error of `reference`; (y, magnitude)."""
+    y = bl(x)
+    assert y.dtype == torch.float32 and y.shape == (x.shape[0], bl.out_features)
+    ref, mag = reference(bl, raw, x)
+    err = np.abs(y.numpy().astype(np.float64) - ref)
+    assert (err <= 1e-5 * mag + 1e-6).all(), f"{what}: worst {err.max()} at magnitude {mag.max()}"
+    return y, mag
+
+
 @pytest.mark.parametrize("name", TYPES)
 def test_dequantize_equals_gguf(name: str) -> None:
     rng = np.random.default_rng(1)
@@ -140,11 +150,7 @@ def test_linear_equals_product_of_blocks(name: str, rows: int) -> None:
     raw = make_blocks(name, rng.standard_normal((n, k)).astype(np.float32))
     bl = gguf_blocks.BlockLinear(torch.from_numpy(raw.copy()), qtype(name), n, k)
     x = torch.from_numpy(rng.standard_normal((rows, k)).astype(np.float32))
-    y = bl(x)
-    assert y.dtype == torch.float32 and y.shape == (rows, n)
-    ref, mag = reference(bl, raw, x)
-    err = np.abs(y.numpy().astype(np.float64) - ref)
-    assert (err <= 1e-5 * mag + 1e-6).all(), f"{name}: worst {err.max()} at magnitude {mag.max()}"
+    y, mag = checked_product(bl, raw, x, name)
     # against x itself: within x's 8-bit rounding
     exact = x.double().numpy() @ bl.dequantize().double().numpy().T
     assert (np.abs(y.numpy() - exact) <= 0.02 * mag + 1e-4).all()
@@ -230,11 +236,7 @@ def test_int4_layout_is_lossless_and_computes_the_product(name: str) -> None:
         plain = gguf_blocks.BlockLinear(torch.from_numpy(raw.copy()), name, n, k, layout="file")
         for rows in (1, 4, 9, 130):  # decode steps and a prefill chunk
             x = torch.from_numpy(rng.standard_normal((rows, k)).astype(np.float32))
-            y = bl(x)
-            assert y.dtype == torch.float32 and y.shape == (rows, n)
-            ref, mag = int4_reference(raw, name, x)
-            err = np.abs(y.numpy().astype(np.float64) - ref)
-            assert (err <= 1e-5 * mag + 1e-6).all(), f"{name} rows {rows}: worst {err.max()}"
+            y, mag = checked_product(bl, raw, x, f"{name} rows {rows}")
             # ggml's vec_dot over the file's blocks: the same products but for x's fp16 scales
             assert (np.abs(y.numpy() - plain(x).numpy()) <= 2e-3 * mag + 1e-5).all()
     # a Q4_0 scale whose -8 d overflows fp16 stays with ggml's kernel, in the file's layout
