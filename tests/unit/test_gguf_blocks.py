@@ -228,7 +228,8 @@ def test_int4_layout_is_lossless_and_computes_the_product(name: str) -> None:
     n, k = 24, 640
     for raw in (make_blocks(name, rng.standard_normal((n, k)).astype(np.float32)), random_blocks(name, n, k, rng)):
         bl = gguf_blocks.BlockLinear(torch.from_numpy(raw.copy()), name, n, k)
-        assert bl.layout == "int4" and bl.stored_bytes == n * k // 32 * 20
+        assert bl.layout == "int4" and bl.stored_bytes == raw.size
+        assert not np.array_equal(bl.raw.numpy(), raw), "not regrouped"
         assert np.array_equal(bl.stored().numpy(), raw), "the int4 layout lost or moved bits"
         assert np.array_equal(bl.dequantize().numpy(), quants.dequantize(raw, qtype(name)))
         ids = torch.tensor([[5, 0], [23, 5]])
@@ -239,10 +240,10 @@ def test_int4_layout_is_lossless_and_computes_the_product(name: str) -> None:
             y, mag = checked_product(bl, raw, x, f"{name} rows {rows}")
             # ggml's vec_dot over the file's blocks: the same products but for x's fp16 scales
             assert (np.abs(y.numpy() - plain(x).numpy()) <= 2e-3 * mag + 1e-5).all()
-    # a Q4_0 scale whose -8 d overflows fp16 stays with ggml's kernel, in the file's layout
-    raw = make_blocks("q4_0", rng.standard_normal((8, 64)).astype(np.float32))
-    raw.reshape(-1, 18)[0, :2] = np.array([30000], dtype=np.float16).view(np.uint8)
-    assert gguf_blocks.BlockLinear(torch.from_numpy(raw.copy()), "q4_0", 8, 64).layout == "file"
+    # the held bytes fuse by rows, as fuse_blocks concatenates q/k/v: a kernel over them gives each part's rows
+    other = gguf_blocks.BlockLinear(torch.from_numpy(raw[:8].copy()), name, 8, k)
+    both = gguf_blocks.BlockLinear(torch.cat([bl.raw, other.raw]), name, n + 8, k, layout="int4", packed=True)
+    assert torch.equal(both(x), torch.cat([bl(x), other(x)], dim=-1))
     with pytest.raises(ValueError, match="no int4 kernel for q4_1 rows of 96"):
         gguf_blocks.BlockLinear(torch.zeros(8 * 60, dtype=torch.uint8), "q4_1", 8, 96, layout="int4")
 

@@ -3,9 +3,8 @@
 `BlockLinearModule` is a linear layer over one matrix's blocks (`gguf_blocks.BlockLinear`): its
 `weight` is a uint8 buffer of the blocks (in the kernel's layout, `gguf_blocks.LAYOUTS`: Q4_0 / Q4_1
 in layerline's int4 rows, Q4_K in ggml's 8-row groups, each without loss; `stored()` gives the file's
-bytes back), so state_dict,
-load_state_dict(assign=True) and moving between CPU tensors see the bytes the stage holds, and
-nothing else. Its block type is the file's for that matrix, so a stage's modules are made at load
+bytes back), so state_dict, load_state_dict(assign=True) and moving between CPU tensors see the bytes
+the stage holds, and nothing else. Its block type is the file's for that matrix, so a stage's modules are made at load
 (`of_blocks`), not by the stage's constructor: a Q4_K_M file mixes Q4_K, Q6_K, Q5_0 and Q8_0.
 
 `BlockEmbedding` looks tokens up in the same blocks (each id's row dequantized alone); a tied LM

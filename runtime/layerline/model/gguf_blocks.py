@@ -8,10 +8,10 @@ backend runs it for the same file: each x row is quantized to 8 bits by ggml's
 `ggml_vec_dot_<type>_q8_<...>`, integer sums a block, then scaled. A matrix is held in one of three
 layouts (`LAYOUTS`), each the file's bits (`stored()` gives its blocks back):
 - "int4": Q4_0 and Q4_1 (SmolLM2's file, most of a Q4_0 one) where layerline's own int4 kernel loads
-  (csrc/int4.h: AVX-512 VNNI or AVX2): each row's code bytes as the blocks hold them, then an fp16
-  (d, m) pair a 32-weight group (Q4_0's d (code - 8) as (d, -8 d), exact), run by that kernel; x is
-  quantized to int8 a group of 32 as for q8_0, with an fp32 scale (ggml's is fp16). It streams the
-  weights faster than ggml's vec_dot (docs/kernels.md);
+  (csrc/int4.h: AVX-512 VNNI or AVX2): each row's code bytes as the blocks hold them, then its
+  groups' scales as the blocks hold them (Q4_1's fp16 (d, m), Q4_0's fp16 d), the same bytes
+  regrouped, run by that kernel; x is quantized to int8 a group of 32 as for q8_0, with an fp32
+  scale (ggml's is fp16). It costs less CPU than ggml's vec_dot (docs/kernels.md);
 - "x8": Q4_K (most of a Q4_K_M file), and Q4_0 where the int4 kernel does not load, repacked into
   ggml's 8-row interleaved layout for its x86 GEMV (`repack_x8`);
 - "file": the blocks as stored, run by ggml's vec_dot.
@@ -164,40 +164,29 @@ LAYOUTS = ("file", "x8", "int4")
 INT4_TYPES = ("q4_0", "q4_1")  # blocks of 32 four-bit codes and fp16 scales: layerline's int4 kernel's groups
 
 
-def int4_row_bytes(k: int) -> int:
-    """Bytes a row of k weights takes in the int4 layout: 16 code bytes and an fp16 pair a group of 32."""
-    return k // 32 * 20
+INT4_KIND = {"q4_1": 1, "q4_0": 2}  # gguf_linear_q4's reading of a group's scales (csrc/int4.h Int4Kind)
 
 
 def to_int4(raw: np.ndarray, name: str, n: int, k: int) -> np.ndarray:
-    """Q4_0 / Q4_1 blocks (uint8 [n, row_bytes]) in the int4 layout, uint8 [n, int4_row_bytes(k)]: each
-    row's code bytes, then its (d, m) pairs (Q4_0: m = -8 d, exact in fp16 short of overflow, which raises
-    FloatingPointError)."""
+    """Q4_0 / Q4_1 blocks (uint8 [n, row_bytes]) in the int4 layout, the same size: each row's blocks'
+    code bytes, then their scale bytes (Q4_1's d and m, Q4_0's d), block by block."""
     bt, nb = BLOCK_TYPES[name], k // 32
+    head = bt.block_bytes - 16
     b = raw.reshape(n, nb, bt.block_bytes)
-    out = np.empty((n, 20 * nb), dtype=np.uint8)
-    if name == "q4_1":
-        out[:, :16 * nb] = b[:, :, 4:].reshape(n, 16 * nb)
-        out[:, 16 * nb:] = b[:, :, :4].reshape(n, 4 * nb)
-        return out
-    d = np.ascontiguousarray(b[:, :, :2]).view(np.float16)  # [n, nb, 1]
-    with np.errstate(over="raise", invalid="ignore"):
-        m = d * np.float16(-8)
-    out[:, :16 * nb] = b[:, :, 2:].reshape(n, 16 * nb)
-    out[:, 16 * nb:] = np.concatenate([d, m], axis=2).view(np.uint8).reshape(n, 4 * nb)
+    out = np.empty((n, nb * bt.block_bytes), dtype=np.uint8)
+    out[:, :16 * nb] = b[:, :, head:].reshape(n, 16 * nb)
+    out[:, 16 * nb:] = b[:, :, :head].reshape(n, head * nb)
     return out
 
 
 def from_int4(held: np.ndarray, name: str, n: int, k: int) -> np.ndarray:
     """The stored blocks back from `to_int4`'s layout: its exact inverse."""
     bt, nb = BLOCK_TYPES[name], k // 32
-    h = held.reshape(n, 20 * nb)
+    head = bt.block_bytes - 16
+    h = held.reshape(n, nb * bt.block_bytes)
     out = np.empty((n, nb, bt.block_bytes), dtype=np.uint8)
-    codes, pairs = h[:, :16 * nb].reshape(n, nb, 16), h[:, 16 * nb:].reshape(n, nb, 4)
-    if name == "q4_1":
-        out[:, :, :4], out[:, :, 4:] = pairs, codes
-    else:
-        out[:, :, :2], out[:, :, 2:] = pairs[:, :, :2], codes
+    out[:, :, head:] = h[:, :16 * nb].reshape(n, nb, 16)
+    out[:, :, :head] = h[:, 16 * nb:].reshape(n, nb, head)
     return out.reshape(n, nb * bt.block_bytes)
 
 
@@ -287,14 +276,13 @@ class BlockLinear:
             raise ValueError(f"BlockLinear: layout {layout!r}; one of {', '.join(LAYOUTS)}")
         if packed and layout is None:
             raise ValueError("BlockLinear: packed=True needs the layout raw is in")
-        held_row = int4_row_bytes(in_features) if packed and layout == "int4" else self.row_bytes
-        if raw.dtype != torch.uint8 or raw.numel() != out_features * held_row:
-            raise ValueError(f"BlockLinear: raw must be uint8 with {out_features * held_row} bytes "
-                             f"({out_features} rows of {held_row} {bt.name} bytes), got "
+        if raw.dtype != torch.uint8 or raw.numel() != out_features * self.row_bytes:
+            raise ValueError(f"BlockLinear: raw must be uint8 with {out_features * self.row_bytes} bytes "
+                             f"({out_features} rows of {self.row_bytes} {bt.name} bytes), got "
                              f"{raw.dtype} with {raw.numel()}")
         if not load():
             raise RuntimeError(f"GGUF block kernels unavailable ({_S.why_off})")
-        raw = raw.reshape(out_features, held_row).contiguous()
+        raw = raw.reshape(out_features, self.row_bytes).contiguous()
         self.bias = bias
         dot_block, dot_bytes = DOT_BLOCK[bt.dot_with]
         self.xrow_bytes = in_features // dot_block * dot_bytes
@@ -312,15 +300,10 @@ class BlockLinear:
         if layout is None:  # where layerline's int4 kernel, else ggml's x86 GEMV / GEMM pass their checks
             layout = ("int4" if int4_works(bt.name, in_features) else
                       "x8" if can and repack_works(bt.name) else "file")
-        if layout == "int4" and not packed:
-            try:
-                raw = torch.from_numpy(to_int4(raw.numpy(), bt.name, out_features, in_features))
-            except FloatingPointError:  # a Q4_0 scale too large for -8 d in fp16: ggml's vec_dot then
-                layout = "file"
         self.layout = layout
         if layout == "int4":
-            self.raw = raw
-            self._args = (out_features, in_features)
+            self.raw = raw if packed else torch.from_numpy(to_int4(raw.numpy(), bt.name, out_features, in_features))
+            self._args = (out_features, in_features, INT4_KIND[bt.name])
             self._op = torch.ops.layerline_cpu.gguf_linear_q4
         elif layout == "x8":
             gemv, gemm, quant4 = (_fn(f) for f in REPACKED[bt.name])
@@ -344,7 +327,7 @@ class BlockLinear:
 
     @property
     def stored_bytes(self) -> int:
-        """Bytes held (Q4_0 in the int4 layout: 20 a group of 32 against the file's 18)."""
+        """Bytes held: the file's, in every layout."""
         return self.raw.numel()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

@@ -7,15 +7,19 @@
 // nibbles unpack into one vector: [g0 0..15, g1 0..15, g0 16..31, g1 16..31].
 //
 // The same tiles run GGUF's Q4_0 / Q4_1 blocks without loss (`gguf_linear_q4`): each row holds its
-// groups' code bytes as above (the blocks' own 16 bytes), then a pair of fp16 (d, m) a group, as
-// Q4_1 stores them: w = code * d + m (Q4_0's d (code - 8) is (d, -8 d), exact in fp16). F16 selects
-// that reading of a pair; rows are `ws` bytes of codes and `ss` pairs apart.
+// groups' code bytes as above (the blocks' own 16 bytes), then each group's scales as the blocks
+// store them. KIND says how a group's scales read: Q4_BF16 a pair of bf16 (s, z), w = (code - 8) s + z
+// (layerline's int4); Q4_1 a pair of fp16 (d, m), w = code d + m; Q4_0 one fp16 d, w = (code - 8) d.
+// Rows are `ws` bytes of codes and `ss` bytes of scales apart.
 #pragma once
 
 #include "common.h"
 #include "simd.h"
 
 namespace {
+
+enum Int4Kind { Q4_BF16 = 0, Q4_1 = 1, Q4_0 = 2 };
+constexpr int64_t scale_bytes(int kind) { return kind == Q4_0 ? 2 : 4; }  // a group's scales
 
 constexpr int64_t PF4 = 8192;  // the same for int4's codes (their scales: a quarter of it); 4096 was slower
 #define LL_VNNI __attribute__((target("avx512f,avx512bw,avx512bf16,avx512vl,avx512vnni,avx512dq")))
@@ -41,9 +45,9 @@ LL_VNNI void quantize_groups_x(const T* x, int64_t M, int64_t K, int8_t* xq, flo
 // R rows of W against MB rows of x, 16 groups at a time: their (s, z) in one load, then each pair
 // of groups' 32 code bytes as one vector. The scale rows are a stream of their own, asked for early
 // as the codes are (without it the kernel read memory slower than torch's int4 kernel).
-template <int R, int MB, bool F16>
+template <int R, int MB, int KIND>
 struct Int4Tile {
-  LL_VNNI static void run(const uint8_t* w, int64_t ws, const uint32_t* sz, int64_t ss, const int8_t* xq,
+  LL_VNNI static void run(const uint8_t* w, int64_t ws, const uint8_t* sz, int64_t ss, const int8_t* xq,
                           const float* dx, const float* xsum, int64_t K, int64_t N, float* y) {
     const int64_t G = K / 32;
     __m512 acc[R][MB];
@@ -57,13 +61,18 @@ struct Int4Tile {
       const __mmask16 mk = (__mmask16)(ng == 16 ? 0xFFFFu : (1u << ng) - 1);
       __m512 C[R][MB];  // s * dx of each of the 16 groups
       for (int r = 0; r < R; ++r) {
-        _mm_prefetch((const char*)(sz + r * ss + g0) + PF4 / 4, _MM_HINT_T0);
-        const __m512i v = _mm512_maskz_loadu_epi32(mk, sz + r * ss + g0);
+        const uint8_t* sr = sz + r * ss + g0 * scale_bytes(KIND);
+        _mm_prefetch((const char*)sr + PF4 / 4, _MM_HINT_T0);
         __m512 s, z8;  // each group's weight is code * s + z8
-        if constexpr (F16) {
+        if constexpr (KIND == Q4_0) {
+          s = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mk, sr));
+          z8 = _mm512_mul_ps(s, _mm512_set1_ps(-8.f));
+        } else if constexpr (KIND == Q4_1) {
+          const __m512i v = _mm512_maskz_loadu_epi32(mk, sr);
           s = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v));
           z8 = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(v, 16)));
         } else {
+          const __m512i v = _mm512_maskz_loadu_epi32(mk, sr);
           s = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
           z8 = _mm512_fmadd_ps(s, _mm512_set1_ps(-8.f), _mm512_castsi512_ps(_mm512_and_si512(v, zmask)));
         }
@@ -127,10 +136,10 @@ void quantize_groups_x_avx2(const T* x, int64_t M, int64_t K, int8_t* xq, float*
     }
 }
 
-template <int R, int MB, bool F16>
+template <int R, int MB, int KIND>
 struct Int4Avx2Tile {
   __attribute__((target("avx2,fma,f16c")))
-  static void run(const uint8_t* w, int64_t ws, const uint32_t* sz, int64_t ss, const int8_t* xq,
+  static void run(const uint8_t* w, int64_t ws, const uint8_t* sz, int64_t ss, const int8_t* xq,
                   const float* dx, const float* xsum, int64_t K, int64_t N, float* y) {
     const int64_t G = K / 32;
     __m256 acc[R][MB];
@@ -143,16 +152,29 @@ struct Int4Avx2Tile {
       const __m256i mk = _mm256_cmpgt_epi32(_mm256_set1_epi32(ng), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
       __m256 C[R][MB];  // s * dx of each of the 8 groups
       for (int r = 0; r < R; ++r) {
-        _mm_prefetch((const char*)(sz + r * ss + g0) + PF4 / 4, _MM_HINT_T0);
-        const __m256i v = _mm256_maskload_epi32((const int*)(sz + r * ss + g0), mk);
+        const uint8_t* sr = sz + r * ss + g0 * scale_bytes(KIND);
+        _mm_prefetch((const char*)sr + PF4 / 4, _MM_HINT_T0);
         __m256 s, z8;  // each group's weight is code * s + z8
-        if constexpr (F16) {
+        if constexpr (KIND == Q4_0) {
+          __m128i h;
+          if (ng == 8) {
+            h = _mm_loadu_si128((const __m128i*)sr);
+          } else {  // the row's last groups: no reading past them
+            alignas(16) uint16_t tail[8] = {0};
+            std::memcpy(tail, sr, ng * 2);
+            h = _mm_load_si128((const __m128i*)tail);
+          }
+          s = _mm256_cvtph_ps(h);
+          z8 = _mm256_mul_ps(s, _mm256_set1_ps(-8.f));
+        } else if constexpr (KIND == Q4_1) {
+          const __m256i v = _mm256_maskload_epi32((const int*)sr, mk);
           // [d0..3, m0..3 | d4..7, m4..7] as 16-bit halves, then the 64-bit quarters in order: d0..7, m0..7
           const __m256i p = _mm256_permute4x64_epi64(
               _mm256_packus_epi32(_mm256_and_si256(v, _mm256_set1_epi32(0xFFFF)), _mm256_srli_epi32(v, 16)), 0xD8);
           s = _mm256_cvtph_ps(_mm256_castsi256_si128(p));
           z8 = _mm256_cvtph_ps(_mm256_extracti128_si256(p, 1));
         } else {
+          const __m256i v = _mm256_maskload_epi32((const int*)sr, mk);
           s = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
           z8 = _mm256_fmadd_ps(s, _mm256_set1_ps(-8.f), _mm256_castsi256_ps(_mm256_and_si256(v, zmask)));
         }
@@ -191,18 +213,18 @@ struct Int4Avx2Tile {
   }
 };
 
-template <template <int, int, bool> class Tile, int R, int MB, bool F16>
-void int4_rows(const uint8_t* w, int64_t ws, const uint32_t* sz, int64_t ss, const int8_t* xq, const float* dx,
+template <template <int, int, int> class Tile, int R, int MB, int KIND>
+void int4_rows(const uint8_t* w, int64_t ws, const uint8_t* sz, int64_t ss, const int8_t* xq, const float* dx,
                const float* xs, int64_t K, int64_t N, int64_t n0, int64_t n1, float* y) {
   int64_t n = n0;
-  for (; n + R <= n1; n += R) Tile<R, MB, F16>::run(w + n * ws, ws, sz + n * ss, ss, xq, dx, xs, K, N, y + n);
-  for (; n < n1; ++n) Tile<1, MB, F16>::run(w + n * ws, ws, sz + n * ss, ss, xq, dx, xs, K, N, y + n);
+  for (; n + R <= n1; n += R) Tile<R, MB, KIND>::run(w + n * ws, ws, sz + n * ss, ss, xq, dx, xs, K, N, y + n);
+  for (; n < n1; ++n) Tile<1, MB, KIND>::run(w + n * ws, ws, sz + n * ss, ss, xq, dx, xs, K, N, y + n);
 }
 
 // x [..., K] (fp32, bf16 or fp16) against N rows of int4 groups: codes at W (rows ws bytes apart), their
-// pairs at SZ (rows ss pairs apart); y in x's dtype
-template <bool F16>
-at::Tensor int4_matmul(const at::Tensor& x, const uint8_t* W, int64_t ws, const uint32_t* SZ, int64_t ss,
+// scales at SZ (rows ss bytes apart), read as KIND says; y in x's dtype
+template <int KIND>
+at::Tensor int4_matmul(const at::Tensor& x, const uint8_t* W, int64_t ws, const uint8_t* SZ, int64_t ss,
                        int64_t N, int64_t K, const c10::optional<at::Tensor>& bias) {
   const int64_t G = K / 32;
   const auto st = x.scalar_type();
@@ -227,15 +249,15 @@ at::Tensor int4_matmul(const at::Tensor& x, const uint8_t* W, int64_t ws, const 
       float* ym = Y + m0 * N;
       const int64_t mb = std::min<int64_t>(4, M - m0);
       if (g_isa == 2) switch (mb) {
-        case 1: int4_rows<Int4Tile, 4, 1, F16>(W, ws, SZ, ss, xm, dm, sm, K, N, n0, n1, ym); break;
-        case 2: int4_rows<Int4Tile, 4, 2, F16>(W, ws, SZ, ss, xm, dm, sm, K, N, n0, n1, ym); break;
-        case 3: int4_rows<Int4Tile, 2, 3, F16>(W, ws, SZ, ss, xm, dm, sm, K, N, n0, n1, ym); break;
-        default: int4_rows<Int4Tile, 2, 4, F16>(W, ws, SZ, ss, xm, dm, sm, K, N, n0, n1, ym);
+        case 1: int4_rows<Int4Tile, 4, 1, KIND>(W, ws, SZ, ss, xm, dm, sm, K, N, n0, n1, ym); break;
+        case 2: int4_rows<Int4Tile, 4, 2, KIND>(W, ws, SZ, ss, xm, dm, sm, K, N, n0, n1, ym); break;
+        case 3: int4_rows<Int4Tile, 2, 3, KIND>(W, ws, SZ, ss, xm, dm, sm, K, N, n0, n1, ym); break;
+        default: int4_rows<Int4Tile, 2, 4, KIND>(W, ws, SZ, ss, xm, dm, sm, K, N, n0, n1, ym);
       } else switch (mb) {  // AVX2's 16 registers: fewer sums a tile
-        case 1: int4_rows<Int4Avx2Tile, 2, 1, F16>(W, ws, SZ, ss, xm, dm, sm, K, N, n0, n1, ym); break;
-        case 2: int4_rows<Int4Avx2Tile, 2, 2, F16>(W, ws, SZ, ss, xm, dm, sm, K, N, n0, n1, ym); break;
-        case 3: int4_rows<Int4Avx2Tile, 1, 3, F16>(W, ws, SZ, ss, xm, dm, sm, K, N, n0, n1, ym); break;
-        default: int4_rows<Int4Avx2Tile, 1, 4, F16>(W, ws, SZ, ss, xm, dm, sm, K, N, n0, n1, ym);
+        case 1: int4_rows<Int4Avx2Tile, 2, 1, KIND>(W, ws, SZ, ss, xm, dm, sm, K, N, n0, n1, ym); break;
+        case 2: int4_rows<Int4Avx2Tile, 2, 2, KIND>(W, ws, SZ, ss, xm, dm, sm, K, N, n0, n1, ym); break;
+        case 3: int4_rows<Int4Avx2Tile, 1, 3, KIND>(W, ws, SZ, ss, xm, dm, sm, K, N, n0, n1, ym); break;
+        default: int4_rows<Int4Avx2Tile, 1, 4, KIND>(W, ws, SZ, ss, xm, dm, sm, K, N, n0, n1, ym);
       }
     }
     out.store_rows<float>(M, N, n0, n1, nullptr, nullptr);
@@ -253,23 +275,27 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& codes, const at::T
               "linear_int4: bf16 scales and zeros [N, K / 32, 2]");
   auto cc = codes.contiguous();
   auto szc = sz.contiguous();
-  return int4_matmul<false>(x, cc.data_ptr<uint8_t>(), K / 2, reinterpret_cast<const uint32_t*>(szc.data_ptr<at::BFloat16>()),
-                            G, N, K, bias);
+  return int4_matmul<Q4_BF16>(x, cc.data_ptr<uint8_t>(), K / 2, reinterpret_cast<const uint8_t*>(szc.data_ptr<at::BFloat16>()),
+                              4 * G, N, K, bias);
 }
 
-// GGUF Q4_0 / Q4_1 rows held as uint8 [N, 20 * K / 32]: each row its groups' 16 code bytes, then their
-// fp16 (d, m) pairs (`gguf_blocks`' int4 layout); y in fp32, as ggml's ops give it
-at::Tensor gguf_linear_q4(const at::Tensor& x, const at::Tensor& w, int64_t N, int64_t K,
+// GGUF Q4_0 / Q4_1 rows held as uint8 [N, row]: each row its groups' 16 code bytes, then their scales as
+// the blocks store them (`gguf_blocks`' int4 layout): kind 1 Q4_1's fp16 (d, m) pairs (row 20 K / 32
+// bytes), kind 2 Q4_0's fp16 d (row 18 K / 32); y in fp32, as ggml's ops give it
+at::Tensor gguf_linear_q4(const at::Tensor& x, const at::Tensor& w, int64_t N, int64_t K, int64_t kind,
                           const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(g_isa > 0, "layerline_cpu: no kernel for this CPU (AVX2 + FMA or AVX-512 BF16 needed)");
+  TORCH_CHECK(kind == Q4_1 || kind == Q4_0, "gguf_linear_q4: kind 1 (Q4_1) or 2 (Q4_0)");
   TORCH_CHECK(x.device().is_cpu() && x.size(-1) == K && K % 64 == 0,
               "gguf_linear_q4: x must be a CPU tensor [..., K], K a multiple of 64");
-  const int64_t G = K / 32, row = 20 * G;
+  const int64_t G = K / 32, row = (16 + scale_bytes(kind)) * G;
   TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.numel() == N * row,
-              "gguf_linear_q4: w must be contiguous uint8 [N, 20 * K / 32]");
+              "gguf_linear_q4: w must be contiguous uint8 [N, (16 + scale bytes) * K / 32]");
   TORCH_CHECK(!bias.has_value() || !bias->defined() || bias->numel() == N, "gguf_linear_q4: one bias per row");
   const uint8_t* W = w.data_ptr<uint8_t>();
-  return int4_matmul<true>(x.to(at::kFloat), W, row, reinterpret_cast<const uint32_t*>(W + 16 * G), row / 4, N, K, bias);
+  const at::Tensor xf = x.to(at::kFloat);
+  return kind == Q4_1 ? int4_matmul<Q4_1>(xf, W, row, W + 16 * G, row, N, K, bias)
+                      : int4_matmul<Q4_0>(xf, W, row, W + 16 * G, row, N, K, bias);
 }
 
 }  // namespace

@@ -35,7 +35,7 @@ at::Tensor linear_int4_meta(const at::Tensor& x, const at::Tensor& codes, const 
                             const c10::optional<at::Tensor>&) {
   return linear_meta(x, codes);
 }
-at::Tensor gguf_linear_q4_meta(const at::Tensor& x, const at::Tensor&, int64_t N, int64_t,
+at::Tensor gguf_linear_q4_meta(const at::Tensor& x, const at::Tensor&, int64_t N, int64_t, int64_t,
                                const c10::optional<at::Tensor>&) {
   auto sizes = x.sizes().vec();
   sizes.back() = N;
@@ -64,7 +64,7 @@ TORCH_LIBRARY(layerline_cpu, m) {
   m.def("gguf_linear_x8(Tensor x, Tensor w, int N, int K, int row_bytes, int xrow_bytes, int gemv, int gemm, "
         "int quant4, int from_float, Tensor? bias=None) -> Tensor");
   m.def("gguf_repack_x8(Tensor raw, int type, int N, int K) -> Tensor");
-  m.def("gguf_linear_q4(Tensor x, Tensor w, int N, int K, Tensor? bias=None) -> Tensor");
+  m.def("gguf_linear_q4(Tensor x, Tensor w, int N, int K, int kind, Tensor? bias=None) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(layerline_cpu, CPU, m) {
   m.impl("linear_bf16", linear_bf16);
