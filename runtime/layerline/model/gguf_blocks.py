@@ -161,10 +161,10 @@ REPACKED = {"q4_0": ("ggml_gemv_q4_0_8x8_q8_0", "ggml_gemm_q4_0_8x8_q8_0", "ggml
             "q4_K": ("ggml_gemv_q4_K_8x8_q8_K", "ggml_gemm_q4_K_8x8_q8_K", "ggml_quantize_mat_q8_K_4x8")}
 _repack_ok: dict[str, bool] = {}
 LAYOUTS = ("file", "x8", "int4")
-INT4_TYPES = ("q4_0", "q4_1")  # blocks of 32 four-bit codes and fp16 scales: layerline's int4 kernel's groups
-
-
-INT4_KIND = {"q4_1": 1, "q4_0": 2}  # gguf_linear_q4's reading of a group's scales (csrc/int4.h Int4Kind)
+# blocks of 32 four-bit codes and fp16 scales, layerline's int4 kernel's groups: gguf_linear_q4's reading of
+# a group's scales (csrc/int4.h Int4Kind)
+INT4_KIND = {"q4_1": 1, "q4_0": 2}
+INT4_TYPES = tuple(INT4_KIND)
 
 
 def to_int4(raw: np.ndarray, name: str, n: int, k: int) -> np.ndarray:
@@ -190,11 +190,14 @@ def from_int4(held: np.ndarray, name: str, n: int, k: int) -> np.ndarray:
     return out.reshape(n, nb * bt.block_bytes)
 
 
+def int4_can(name: str, k: int) -> bool:
+    """Whether layerline's int4 kernel can run `name` blocks in rows of k weights here."""
+    return name in INT4_TYPES and k % 64 == 0 and cpu_kernels.int4_ready()
+
+
 def int4_works(name: str, k: int) -> bool:
-    """Whether layerline's int4 kernel runs `name` blocks in rows of k weights here
-    (LAYERLINE_GGUF_INT4=off in the environment: never, ggml's kernels instead)."""
-    return (name in INT4_TYPES and k % 64 == 0 and cpu_kernels.int4_ready()
-            and os.environ.get("LAYERLINE_GGUF_INT4", "on").strip().lower() != "off")
+    """Whether it does by default (LAYERLINE_GGUF_INT4=off in the environment: never, ggml's kernels instead)."""
+    return int4_can(name, k) and os.environ.get("LAYERLINE_GGUF_INT4", "on").strip().lower() != "off"
 
 
 def unrepack_x8(packed: np.ndarray, name: str, n: int, k: int) -> np.ndarray:
@@ -293,7 +296,7 @@ class BlockLinear:
         if layout == "x8" and not can:
             raise ValueError(f"BlockLinear: no repacked kernel for {bt.name} with {out_features} rows "
                              f"(types {', '.join(REPACKED)}, rows a multiple of 8)")
-        if layout == "int4" and not (bt.name in INT4_TYPES and in_features % 64 == 0 and cpu_kernels.int4_ready()):
+        if layout == "int4" and not int4_can(bt.name, in_features):
             raise ValueError(f"BlockLinear: no int4 kernel for {bt.name} rows of {in_features} weights here "
                              f"(types {', '.join(INT4_TYPES)}, a multiple of 64 weights, layerline's CPU kernels "
                              f"{cpu_kernels.status()})")
