@@ -15,7 +15,9 @@ the drain of h3 (the standby promoted in place) first gets a Ctrl-C as the serve
 Points (each the start of a task, as ansible-playbook prints it): BEFORE_SWITCH (the new slot's workers
 start), AT_SWITCH (the server's POST /admin/route), AFTER_SWITCH (the server routes through the new stages,
 nothing kept yet). Signals: SIGKILL (the controller's process group: nothing runs a handler) or SIGINT (to
-ansible-playbook alone, as a Ctrl-C: it ends the run its own way).
+ansible-playbook alone, as a Ctrl-C: it ends the run its own way). The run sends them itself as the task
+starts (callback_plugins/interrupt_at.py): a test that read the output and signalled from outside landed
+late on a loaded machine, once after the run had already kept the route.
 """
 from __future__ import annotations
 
@@ -23,11 +25,11 @@ import json
 import os
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 from helpers import BIN, ROOT, ansible_env
 
+CALLBACKS = Path(__file__).resolve().parent / "callback_plugins"
 BEFORE_SWITCH = "Start this host's worker in the new slot"
 AT_SWITCH = "Switch the server to the plan's stages"
 AFTER_SWITCH = "Keep the new route state, nothing pending"
@@ -47,29 +49,20 @@ def stop_partway(home: Path, args: list[str], drained: list[str], at: str, sig: 
     once it is done), so a run again resumes it and never says "drained already". Returns the run's
     output until then."""
     before = json.loads((home / "route.json").read_text())
-    p = subprocess.Popen([str(BIN / "ansible-playbook"), *args], cwd=ROOT, env=ansible_env(),
+    env = ansible_env(ANSIBLE_CALLBACK_PLUGINS=str(CALLBACKS), ANSIBLE_CALLBACKS_ENABLED="interrupt_at",
+                      LAYERLINE_TEST_INTERRUPT_AT=at,
+                      LAYERLINE_TEST_INTERRUPT_SIGNAL="KILL" if sig == signal.SIGKILL else "INT")
+    # its own process group (start_new_session): what a SIGKILL of the controller's group takes
+    p = subprocess.Popen([str(BIN / "ansible-playbook"), *args], cwd=ROOT, env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    seen, reached, deadline = [], False, time.monotonic() + timeout
     try:
-        for line in p.stdout:
-            seen.append(line)
-            if _task_started(line, at):
-                reached = True
-                break
-            if time.monotonic() > deadline:
-                break
-    finally:
-        if reached and sig == signal.SIGINT:
-            p.send_signal(signal.SIGINT)          # a Ctrl-C: ansible-playbook ends the run itself
-            try:
-                p.wait(120)
-            except subprocess.TimeoutExpired:
-                pass
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-        p.wait(30)
-    out = "".join(seen)
+        out, _ = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, _ = p.communicate(timeout=30)
+    reached = any(_task_started(line, at) for line in out.splitlines())
     assert reached, f"the run never reached {at!r}:\n{out[-3000:]}"
+    assert p.returncode != 0, f"the run was not stopped at {at!r}:\n{out[-3000:]}"
     route = json.loads((home / "route.json").read_text())
     pending = route.pop("pending", None)
     assert route == {k: v for k, v in before.items() if k != "pending"}, \

@@ -1,0 +1,39 @@
+"""An Ansible callback for drain_interrupts.stop_partway: it stops the run as the task it names starts.
+
+With LAYERLINE_TEST_INTERRUPT_AT=NAME (a task's name, with or without its role's prefix) and
+LAYERLINE_TEST_INTERRUPT_SIGNAL=INT or KILL in ansible-playbook's environment, the moment that task
+starts (the stdout callback has printed its header; nothing of it has run), it sends SIGINT to
+ansible-playbook alone (a Ctrl-C: the run ends its own way) or SIGKILL to its process group (nothing
+runs a handler). From inside the run, so the stop lands at that point however loaded the machine is
+(a test that reads the output and then signals can land later: the run may have gone on).
+"""
+from __future__ import annotations
+
+import os
+import signal
+
+from ansible.plugins.callback import CallbackBase
+
+DOCUMENTATION = """
+name: interrupt_at
+type: aggregate
+short_description: stop the run as a named task starts (layerline's tests)
+description: Sends SIGINT to ansible-playbook, or SIGKILL to its process group, as the task named by
+  LAYERLINE_TEST_INTERRUPT_AT starts.
+"""
+
+
+class CallbackModule(CallbackBase):
+    CALLBACK_VERSION = 2.0
+    CALLBACK_TYPE = "aggregate"
+    CALLBACK_NAME = "interrupt_at"
+    CALLBACK_NEEDS_ENABLED = True
+
+    def v2_playbook_on_task_start(self, task, is_conditional):
+        at = os.environ.get("LAYERLINE_TEST_INTERRUPT_AT")
+        name = task.get_name()
+        if not at or not (name == at or name.endswith(f": {at}")):
+            return
+        if os.environ.get("LAYERLINE_TEST_INTERRUPT_SIGNAL", "INT") == "KILL":
+            os.killpg(os.getpgrp(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGINT)
