@@ -366,7 +366,19 @@ class RMSNorm(nn.Module):
 class OffsetRMSNorm(RMSNorm):
     """Gemma's RMSNorm: scaled by (1 + weight), in float32, cast back last (transformers' Gemma3RMSNorm)."""
 
+    _scale: tuple | None = None  # (the weight's data_ptr and version, 1 + weight) for the kernel
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # fp32: the kernel's numbers are the module's (x * rsqrt(...) in fp32, times 1 + w in fp32); a
+        # bf16 x is normed in fp32 and rounded once at the end, which the kernel does not do
+        if x.dtype == torch.float32 and not torch.compiler.is_compiling():
+            w = self.weight
+            key = (w.data_ptr(), w._version)
+            if self._scale is None or self._scale[0] != key:
+                self._scale = (key, 1.0 + w.detach().float())
+            out = cpu_kernels.rms_norm(x, self._scale[1], self.eps)
+            if out is not None:
+                return out
         y = x.float()
         y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
         return (y * (1.0 + self.weight.float())).to(x.dtype)
