@@ -3,7 +3,7 @@
     .venv/bin/python bench/bench_gguf_layouts.py [--files smollm2,demo-q4_0] [--prompt 512]
         [--new 48] [--threads 1] [--rounds 3]
 
-For each file: two stages of the whole model in this process, one loaded with LAYERLINE_GGUF_INT4=off
+For each file: two stages of the whole model in this process, one loaded with LAYERLINE_GGUF_OWN=off
 (Q4_0 / Q4_1 through ggml's `vec_dot` or its 8-row GEMV, as before the int4 layout) and one with the
 default (`gguf_blocks` layout "int4"), then in turns each round: a `--prompt`-token prefill in chunks
 of 128 and `--new` greedy decode steps. Prints the process CPU time of each (a loaded machine moves
@@ -35,9 +35,9 @@ def one_file(path: Path, a) -> dict[str, tuple[float, float]]:
     layers = open_checkpoint(str(path)).index.num_layers
     stages = {}
     for name, env in (("ggml", "off"), ("int4", "on")):
-        os.environ["LAYERLINE_GGUF_INT4"] = env  # read as each matrix is loaded
+        os.environ["LAYERLINE_GGUF_OWN"] = env  # read as each matrix is loaded
         stages[name] = load_stage(str(path), 0, layers, True, True, "gguf")
-    os.environ.pop("LAYERLINE_GGUF_INT4")
+    os.environ.pop("LAYERLINE_GGUF_OWN")
     vocab = stages["ggml"].args.vocab_size
     rng = random.Random(0)
     ids = torch.tensor([[rng.randrange(min(256, vocab // 2), vocab) for _ in range(a.prompt)]])

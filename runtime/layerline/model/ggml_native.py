@@ -114,8 +114,8 @@ print(g.status())
 def check(lib_dir: Path, python: str = sys.executable) -> str:
     """Load `lib_dir`'s ggml in a fresh interpreter and compare its products with the dequantized
     weights' on random blocks of each type; its status line, or RuntimeError saying what failed."""
-    # LAYERLINE_GGUF_INT4=off: Q4_0 / Q4_1 through ggml's kernels too, not layerline's int4 one
-    env = dict(os.environ, LAYERLINE_GGML_LIB=str(lib_dir), LAYERLINE_GGUF_INT4="off")
+    # LAYERLINE_GGUF_OWN=off: Q4_0, Q4_1 and Q8_0 through ggml's kernels too, not layerline's own
+    env = dict(os.environ, LAYERLINE_GGML_LIB=str(lib_dir), LAYERLINE_GGUF_OWN="off")
     r = subprocess.run([python, "-c", _CHECK], capture_output=True, text=True, env=env, timeout=300)
     if r.returncode != 0:
         lines = (r.stderr or r.stdout).strip().splitlines()

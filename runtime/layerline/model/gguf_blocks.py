@@ -12,9 +12,13 @@ layouts (`LAYOUTS`), each the file's bits (`stored()` gives its blocks back):
   groups' scales as the blocks hold them (Q4_1's fp16 (d, m), Q4_0's fp16 d), the same bytes
   regrouped, run by that kernel; x is quantized to int8 a group of 32 as for q8_0, with an fp32
   scale (ggml's is fp16). It costs less CPU than ggml's vec_dot (docs/kernels.md);
+- "q8": Q8_0 (a Q4_K_M file's tied LM head, a Q8_0 file) where layerline's CPU kernels load: the
+  blocks as stored, run by layerline's Q8_0 kernel (csrc/q8.h), which multiplies them with x in
+  fp32 rather than rounding x to 8 bits as ggml does: the fp32 reference's product;
 - "x8": Q4_K (most of a Q4_K_M file), and Q4_0 where the int4 kernel does not load, repacked into
   ggml's 8-row interleaved layout for its x86 GEMV (`repack_x8`);
 - "file": the blocks as stored, run by ggml's vec_dot.
+`LAYERLINE_GGUF_OWN=off` in the environment keeps every type on ggml's kernels (`own_works`).
 A row's result has the same bits whatever rows it is called with.
 
 ggml's functions come from a shared library: `LAYERLINE_GGML_LIB` (a directory holding
@@ -160,11 +164,13 @@ def _fn(name: str) -> int:
 REPACKED = {"q4_0": ("ggml_gemv_q4_0_8x8_q8_0", "ggml_gemm_q4_0_8x8_q8_0", "ggml_quantize_mat_q8_0_4x8"),
             "q4_K": ("ggml_gemv_q4_K_8x8_q8_K", "ggml_gemm_q4_K_8x8_q8_K", "ggml_quantize_mat_q8_K_4x8")}
 _repack_ok: dict[str, bool] = {}
-LAYOUTS = ("file", "x8", "int4")
+LAYOUTS = ("file", "x8", "int4", "q8")
 # blocks of 32 four-bit codes and fp16 scales, layerline's int4 kernel's groups: gguf_linear_q4's reading of
 # a group's scales (csrc/int4.h Int4Kind)
 INT4_KIND = {"q4_1": 1, "q4_0": 2}
 INT4_TYPES = tuple(INT4_KIND)
+# the block types layerline's own kernels run, and the layout each is held in for them
+OWN_LAYOUT = {**{t: "int4" for t in INT4_TYPES}, "q8_0": "q8"}
 
 
 def to_int4(raw: np.ndarray, name: str, n: int, k: int) -> np.ndarray:
@@ -190,14 +196,15 @@ def from_int4(held: np.ndarray, name: str, n: int, k: int) -> np.ndarray:
     return out.reshape(n, nb * bt.block_bytes)
 
 
-def int4_can(name: str, k: int) -> bool:
-    """Whether layerline's int4 kernel can run `name` blocks in rows of k weights here."""
-    return name in INT4_TYPES and k % 64 == 0 and cpu_kernels.int4_ready()
+def own_can(name: str, k: int) -> bool:
+    """Whether layerline's own kernel for `name` blocks (`OWN_LAYOUT`) can run rows of k weights here."""
+    layout = OWN_LAYOUT.get(name)
+    return layout is not None and k % (64 if layout == "int4" else 32) == 0 and cpu_kernels.int4_ready()
 
 
-def int4_works(name: str, k: int) -> bool:
-    """Whether it does by default (LAYERLINE_GGUF_INT4=off in the environment: never, ggml's kernels instead)."""
-    return int4_can(name, k) and os.environ.get("LAYERLINE_GGUF_INT4", "on").strip().lower() != "off"
+def own_works(name: str, k: int) -> bool:
+    """Whether it does by default (LAYERLINE_GGUF_OWN=off in the environment: never, ggml's kernels instead)."""
+    return own_can(name, k) and os.environ.get("LAYERLINE_GGUF_OWN", "on").strip().lower() != "off"
 
 
 def unrepack_x8(packed: np.ndarray, name: str, n: int, k: int) -> np.ndarray:
@@ -259,7 +266,8 @@ class BlockLinear:
     """x @ W.T over W's stored GGUF blocks: raw uint8 [out_features * row_bytes] (any shape with
     that many bytes, rows in file order), computed in float32 by ggml's kernels.
 
-    layout: None (default) picks "int4" for q4_0 / q4_1 where `int4_works`, else "x8" for q4_0 / q4_K
+    layout: None (default) picks layerline's own kernel's (`OWN_LAYOUT`: "int4" for q4_0 / q4_1, "q8" for
+    q8_0) where `own_works`, else "x8" for q4_0 / q4_K
     where ggml's 8-row kernels pass `repack_works`, else "file"; a name forces it. batch_invariant
     (default): each row's result has the same bits whatever rows it is called with (False lets 4-row
     groups of "x8" go through ggml's GEMM)."""
@@ -296,18 +304,22 @@ class BlockLinear:
         if layout == "x8" and not can:
             raise ValueError(f"BlockLinear: no repacked kernel for {bt.name} with {out_features} rows "
                              f"(types {', '.join(REPACKED)}, rows a multiple of 8)")
-        if layout == "int4" and not int4_can(bt.name, in_features):
-            raise ValueError(f"BlockLinear: no int4 kernel for {bt.name} rows of {in_features} weights here "
-                             f"(types {', '.join(INT4_TYPES)}, a multiple of 64 weights, layerline's CPU kernels "
-                             f"{cpu_kernels.status()})")
-        if layout is None:  # where layerline's int4 kernel, else ggml's x86 GEMV / GEMM pass their checks
-            layout = ("int4" if int4_works(bt.name, in_features) else
+        if layout in ("int4", "q8") and not (OWN_LAYOUT.get(bt.name) == layout and own_can(bt.name, in_features)):
+            raise ValueError(f"BlockLinear: no {layout} kernel for {bt.name} rows of {in_features} weights here "
+                             f"({', '.join(t for t, lay in OWN_LAYOUT.items() if lay == layout)}; int4 a "
+                             f"multiple of 64 weights; layerline's CPU kernels {cpu_kernels.status()})")
+        if layout is None:  # where layerline's own kernel, else ggml's x86 GEMV / GEMM pass their checks
+            layout = (OWN_LAYOUT[bt.name] if own_works(bt.name, in_features) else
                       "x8" if can and repack_works(bt.name) else "file")
         self.layout = layout
         if layout == "int4":
             self.raw = raw if packed else torch.from_numpy(to_int4(raw.numpy(), bt.name, out_features, in_features))
             self._args = (out_features, in_features, INT4_KIND[bt.name])
             self._op = torch.ops.layerline_cpu.gguf_linear_q4
+        elif layout == "q8":
+            self.raw = raw
+            self._args = (out_features, in_features)
+            self._op = torch.ops.layerline_cpu.gguf_linear_q8
         elif layout == "x8":
             gemv, gemm, quant4 = (_fn(f) for f in REPACKED[bt.name])
             self.raw = raw if packed else torch.ops.layerline_cpu.gguf_repack_x8(raw, bt.id, out_features,
@@ -326,7 +338,7 @@ class BlockLinear:
     @property
     def repacked(self) -> bool:
         """Held in a layout of a kernel's, not the file's (`stored()` converts back)."""
-        return self.layout != "file"
+        return self.layout in ("x8", "int4")
 
     @property
     def stored_bytes(self) -> int:
