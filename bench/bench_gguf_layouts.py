@@ -1,13 +1,13 @@
-"""Precision gguf's Q4_0 / Q4_1 matrices on layerline's int4 kernel against ggml's vec_dot, in turns.
+"""Precision gguf's Q4_0 / Q4_1 / Q8_0 matrices on layerline's own kernels against ggml's vec_dot, in turns.
 
     .venv/bin/python bench/bench_gguf_layouts.py [--files smollm2,demo-q4_0] [--prompt 512]
         [--new 48] [--threads 1] [--rounds 3]
 
 For each file: two stages of the whole model in this process, one loaded with LAYERLINE_GGUF_OWN=off
-(Q4_0 / Q4_1 through ggml's `vec_dot` or its 8-row GEMV, as before the int4 layout) and one with the
-default (`gguf_blocks` layout "int4"), then in turns each round: a `--prompt`-token prefill in chunks
+(Q4_0 / Q4_1 / Q8_0 through ggml's `vec_dot` or its 8-row GEMV) and one with the
+default (`gguf_blocks` layouts "int4" and "q8"), then in turns each round: a `--prompt`-token prefill in chunks
 of 128 and `--new` greedy decode steps. Prints the process CPU time of each (a loaded machine moves
-wall time far more than CPU time), medians over rounds, and int4 / ggml. The files come from
+wall time far more than CPU time), medians over rounds, and own / ggml. The files come from
 bench_llamacpp.py (its model_file); no llama.cpp runs here.
 """
 from __future__ import annotations
@@ -34,7 +34,7 @@ def one_file(path: Path, a) -> dict[str, tuple[float, float]]:
     torch.set_num_threads(a.threads)
     layers = open_checkpoint(str(path)).index.num_layers
     stages = {}
-    for name, env in (("ggml", "off"), ("int4", "on")):
+    for name, env in (("ggml", "off"), ("own", "on")):
         os.environ["LAYERLINE_GGUF_OWN"] = env  # read as each matrix is loaded
         stages[name] = load_stage(str(path), 0, layers, True, True, "gguf")
     os.environ.pop("LAYERLINE_GGUF_OWN")
@@ -66,10 +66,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     a = ap.parse_args()
     print(f"CPU: {cpu_name()}; {a.threads} thread(s); CPU time of this process, median of {a.rounds} rounds")
-    print(f"{'file':12} {'ggml prefill':>13} {'int4 prefill':>13} {'ratio':>6} {'ggml decode':>12} {'int4 decode':>12} {'ratio':>6}")
+    print(f"{'file':12} {'ggml prefill':>13} {'own prefill':>13} {'ratio':>6} {'ggml decode':>12} {'own decode':>12} {'ratio':>6}")
     for key in a.files.split(","):
         r = one_file(bl.model_file(key), a)
-        (gp, gd), (ip, idd) = r["ggml"], r["int4"]
+        (gp, gd), (ip, idd) = r["ggml"], r["own"]
         print(f"{key:12} {gp:12.2f}s {ip:12.2f}s {ip / gp:6.2f} {gd * 1e3:10.1f}ms {idd * 1e3:10.1f}ms {idd / gd:6.2f}",
               flush=True)
 
