@@ -257,6 +257,34 @@ def test_rope_and_rms_norm_give_the_torch_modules_numbers(isa, dtype):
     assert cpu_kernels.rope(q.half(), cos.half(), sin.half()) is None
 
 
+
+def test_gemmas_offset_norm_runs_the_kernel_at_fp32_and_follows_its_weight(isa):
+    """Gemma's (1 + w) RMSNorm at fp32 through rms_norm with 1 + w made once: the module's torch
+    numbers (within an fp32 rounding), also after its weight changes in place, and for weights made
+    in inference mode (no version counter); bf16 keeps the module's one rounding at the end."""
+    from layerline.model.llama import OffsetRMSNorm
+
+    def torch_numbers(m, x):
+        y = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + m.eps)
+        return (y * (1.0 + m.weight.detach().float())).to(x.dtype)
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(4, 2, 640, generator=g) * 3
+    norm = OffsetRMSNorm(640, 1e-6, torch.float32)
+    norm.weight.data = torch.randn(640, generator=g)
+    for _ in range(2):
+        want = torch_numbers(norm, x)
+        assert (norm(x) - want).abs().max() <= 1e-6 * want.abs().max()
+        with torch.no_grad():
+            norm.weight.mul_(-0.5)  # in place, as a load does: the next call must see it
+    with torch.inference_mode():
+        frozen = OffsetRMSNorm(640, 1e-6, torch.float32)
+        frozen.weight.data = torch.randn(640, generator=g)
+        want = torch_numbers(frozen, x)
+        assert (frozen(x) - want).abs().max() <= 1e-6 * want.abs().max()
+    xb = x.bfloat16()
+    assert torch.equal(norm(xb), torch_numbers(norm, xb))
+
 def _status_in_subprocess(tmp_path, **env) -> dict:
     code = ("import json, torch; from layerline.checkpoint import write_demo_checkpoint;"
             "from layerline.model.loader import load_stage; from layerline.model import cpu_kernels;"

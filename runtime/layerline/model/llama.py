@@ -373,8 +373,9 @@ class OffsetRMSNorm(RMSNorm):
         # bf16 x is normed in fp32 and rounded once at the end, which the kernel does not do
         if x.dtype == torch.float32 and not torch.compiler.is_compiling():
             w = self.weight
-            key = (w.data_ptr(), w._version)
-            if self._scale is None or self._scale[0] != key:
+            # an inference tensor keeps no version counter: its 1 + w is made each call
+            key = None if w.is_inference() else (w.data_ptr(), w._version)
+            if key is None or self._scale is None or self._scale[0] != key:
                 self._scale = (key, 1.0 + w.detach().float())
             out = cpu_kernels.rms_norm(x, self._scale[1], self.eps)
             if out is not None:
