@@ -458,7 +458,10 @@ class Engine:
         logits = res.logits[:, -1].float()
         # a row whose logits are NaN or Inf (a bad weight or host for that sequence) fails alone: argmax
         # would pick a token from garbage, and sampling would raise for every row of the step
-        finite = torch.isfinite(logits[[i for i, _ in sampled]]).all(-1).tolist()
+        # (a row's largest |logit| is finite iff every one is, NaN included: one pass, where isfinite().all()
+        # took 0.65 ms over Gemma 3's 262k logits, 12x as long)
+        finite = torch.isfinite(logits.abs().amax(-1)).tolist()
+        finite = [finite[i] for i, _ in sampled]
         bad = [s for (_, s), ok in zip(sampled, finite) if not ok]
         if bad:
             self._fail(bad, DriveError("the model's logits for this sequence are not finite (NaN or Inf): a stage's "
@@ -479,7 +482,9 @@ class Engine:
                         why = s.constraint.error or e
                         self._fail([s], DriveError(f"the output grammar allows no next token ({why})", "grammar"))
         greedy = [i for i, s in sampled if s.sampling.temperature == 0 and s.state != DONE]
-        picks = dict(zip(greedy, logits[greedy].argmax(-1).tolist())) if greedy else {}
+        # max's indices are argmax's (the first largest, documented), at a third of its time on a 262k vocabulary
+        top = logits.max(-1).indices.tolist() if greedy else []
+        picks = {i: top[i] for i in greedy}
         for i, s in sampled:
             if s.state == DONE:
                 continue
