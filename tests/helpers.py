@@ -48,6 +48,26 @@ def run_testhosts(*args: str, timeout: int = 600) -> subprocess.CompletedProcess
                           timeout=timeout)
 
 
+def nshost_sshd_pid(info: dict, host: str) -> int:
+    """The pid of a testhosts host's sshd (`info`: `testhosts.py up --json`'s), in the host's namespaces."""
+    return int((Path(info["out"]) / "hosts" / host / "sshd.pid").read_text().split()[0])
+
+
+def nshost_path(info: dict, host: str, path: str = "/") -> Path:
+    """A path as a testhosts host names it (its private /tmp included), seen from here through its sshd's
+    /proc root."""
+    return Path(f"/proc/{nshost_sshd_pid(info, host)}/root") / path.lstrip("/")
+
+
+def nshost_settings(info: dict, host: str):
+    """The host's layerline settings as a deploy reads them from testhosts' inventory (YAML):
+    where its state dirs and stages are is layerline.settings' decision, not a test's."""
+    from layerline.settings import HostSettings
+    import yaml
+    group = yaml.safe_load(Path(info["inventory"]).read_text())["layerline"]
+    return HostSettings.from_vars(host, {**group["vars"], **group["hosts"][host]})
+
+
 def remove_testhosts(inventory, extra: str | None, prefix: str, out, work) -> None:
     """What a multihost fixture made goes away, also after a failure: its deployment (teardown.yml, once its
     extra vars were made), its hosts and its work dir; fails when the hosts did not come down."""

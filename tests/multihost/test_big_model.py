@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 
 from big_gguf import Shape, big_gguf
-from helpers import BIN, ROOT, ansible_env, playbook, remove_testhosts
+from helpers import BIN, ROOT, ansible_env, playbook, remove_testhosts, run_testhosts, nshost_path, nshost_settings
 
 pytestmark = [
     pytest.mark.big,
@@ -41,7 +41,6 @@ pytestmark = [
                        reason="test hosts need root and iproute2 (network namespaces, a bridge, cgroups)"),
 ]
 
-SCRIPT = ROOT / "scripts" / "testhosts.py"
 PREFIX, SUBNET = "llbig", "10.77.8.0/24"
 HOSTS = ("h1", "h2", "h3")
 MiB = 2**20
@@ -64,11 +63,6 @@ def stored_bytes_runtime(ckpt: Path) -> bool:
     from layerline.checkpoint import open_checkpoint
     from layerline.cost import model_cost
     return model_cost(open_checkpoint(str(ckpt)).index).stored_precision == "gguf"
-
-
-def hostctl(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)
 
 
 def set_caps(info: dict, limit: int) -> None:
@@ -96,11 +90,6 @@ def cgroup_figures(info: dict, host: str) -> dict:
     events = dict(line.split() for line in (cg / "memory.events").read_text().splitlines())
     return {"limit": num("memory.max"), "max_usage": num("memory.peak"), "failcnt": int(events.get("max", 0)),
             "oom_kill": int(events.get("oom_kill", 0))}
-
-
-def host_root(info: dict, host: str) -> Path:
-    pid = int((Path(info["out"]) / "hosts" / host / "sshd.pid").read_text().split()[0])
-    return Path(f"/proc/{pid}/root")
 
 
 def proc_status(pid: int) -> dict[str, int]:
@@ -290,7 +279,7 @@ def big():
     out = work / "hosts"
     extra = None
     try:
-        r = hostctl("up", str(len(HOSTS)), "--prefix", PREFIX, "--subnet", SUBNET, "--out", str(out),
+        r = run_testhosts("up", str(len(HOSTS)), "--prefix", PREFIX, "--subnet", SUBNET, "--out", str(out),
                     "--mem-limit", f"{CAP // MiB}M", "--json")
         assert r.returncode == 0, f"testhosts up failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
         info = json.loads(r.stdout)
@@ -394,7 +383,7 @@ def test_capped_hosts_hold_the_model_no_host_could(big):
     workers = {}
     for s in actives:
         h = s["host"]
-        ready = json.loads((host_root(info, h) / "tmp" / "layerline" / "state" / "ready.json").read_text())
+        ready = json.loads((nshost_path(info, h, nshost_settings(info, h).state_dir_in(0)) / "ready.json").read_text())
         assert ready["layers"] == s["layers"]
         pid = ready["pid"]
         cg = Path(info["hosts"][h]["cgroup"])
@@ -469,7 +458,7 @@ def test_a_copy_killed_while_staging_fails_in_one_line_and_the_rerun_ships_only_
     assert msg.startswith("h3: ") and "cut off" in msg and not re.search(r"\bh[12]\b", msg), msg
     # the deploy stopped at staging: no worker started anywhere, and h3 holds no partial stage file
     assert not kill.workers, "a worker started"
-    assert not (host_root(info, "h3") / "tmp" / "layerline" / "state" / "ready.json").exists(), "no worker starts"
+    assert not (nshost_path(info, "h3", nshost_settings(info, "h3").state_dir_in(0)) / "ready.json").exists(), "no worker starts"
     assert not staged_files(big, "h3"), staged_files(big, "h3")
     assert not Path(path).exists(), f"the partial upload {path} was left on h3"
     for h in ("h1", "h2"):

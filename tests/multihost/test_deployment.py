@@ -43,8 +43,10 @@ import httpx
 import pytest
 
 from layerline import version
+from layerline.endpoints import SLOTS
 
 from helpers import BIN, ROOT, Phases, ansible_env, playbook, recap, remove_testhosts, wait_for
+from helpers import nshost_path, nshost_settings, nshost_sshd_pid
 from helpers import run_testhosts as hostctl
 from drain_interrupts import AT_SWITCH, BEFORE_SWITCH, run_again_resumed, stop_partway
 
@@ -69,13 +71,14 @@ TORN_DOWN = {"last deploy": False}
 INFO: dict = {}
 
 
-def host_root(host: str) -> Path:
-    """The host's own view of the filesystem (its private /tmp), through its sshd's /proc root."""
-    return Path(f"/proc/{sshd_pid(host)}/root")
+def inside(host: str, path: str = "/") -> Path:
+    """A path as the host names it, seen from here."""
+    return nshost_path(INFO, host, path)
 
 
-def sshd_pid(host: str) -> int:
-    return int((Path(INFO["out"]) / "hosts" / host / "sshd.pid").read_text().split()[0])
+def settings(host: str):
+    """The host's layerline settings, as the deploy reads them from the inventory."""
+    return nshost_settings(INFO, host)
 
 
 def state_dir(home: Path, host: str, slot: int = 0) -> Path:
@@ -83,12 +86,7 @@ def state_dir(home: Path, host: str, slot: int = 0) -> Path:
     server's is on the controller."""
     if host == "server":
         return home / "state" / "server"
-    return host_root(host) / "tmp" / "layerline" / ("state" if slot == 0 else f"state.{slot}")
-
-
-def inside(host: str, path: str) -> Path:
-    """A path as the host names it, seen from here."""
-    return host_root(host) / path.lstrip("/")
+    return inside(host, settings(host).state_dir_in(slot))
 
 
 def netns_pids(ns: str) -> set[int]:
@@ -158,7 +156,7 @@ def deployed():
         # the first deploy.yml dies (SIGKILL, its whole process group) while the workers start, after
         # staging; then a staged file is corrupted after shipping; the next deploy.yml must converge
         killed = killed_while_workers_start(extra)
-        corrupted = inside("h2", "/tmp/layerline/state/checkpoint/layers-2-4-of-6/model.safetensors")
+        corrupted = inside("h2", settings("h2").stage_dir_for((2, 4), 6)) / "model.safetensors"
         size = corrupted.stat().st_size
         with open(corrupted, "r+b") as f:
             f.seek(size // 2)
@@ -512,8 +510,9 @@ def running(home) -> dict[str, int]:
     """Every ready file left, in every host's state dirs (both slots) and the server's: name -> pid."""
     pids = {}
     for h in HOSTS:
-        for f in (host_root(h) / "tmp" / "layerline").glob("state*/ready.json"):
-            pids[f"{h}/{f.parent.name}"] = json.loads(f.read_text())["pid"]
+        for f in (state_dir(home, h, k) / "ready.json" for k in SLOTS):
+            if f.exists():
+                pids[f"{h}/{f.parent.name}"] = json.loads(f.read_text())["pid"]
     f = state_dir(home, "server") / "ready.json"
     if f.exists():
         pids["server"] = json.loads(f.read_text())["pid"]
@@ -681,8 +680,10 @@ def test_drain_and_rejoin_under_load_lose_nothing(deployed):
     # although it does not answer (the gate lets down only the hosts being drained); h4 keeps h3's
     # place in the new plan
     # (on h1: in its mount namespace, where its state dir is)
-    r = subprocess.run(["nsenter", "-t", str(sshd_pid("h1")), "-m", "--", sys.executable, "-m", "layerline.supervise",
-                        "stop", "--state-dir", "/tmp/layerline/state"], capture_output=True, text=True, timeout=60)
+    r = subprocess.run(["nsenter", "-t", str(nshost_sshd_pid(INFO, "h1")), "-m", "--", sys.executable, "-m",
+                        "layerline.supervise",
+                        "stop", "--state-dir", settings("h1").state_dir_in(0)], capture_output=True, text=True,
+                       timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
     log_file = home / "state" / "server" / "on-stage-lost-h1.log"
     wait_for(lambda: log_file.exists() and "PLAY RECAP" in log_file.read_text(), timeout=240,
@@ -718,12 +719,11 @@ def staged_only_own_layers(home, plan: dict, out: str) -> None:
     """Each host holds only its own layers' tensors (the first the embedding, the last the head),
     its worker loads them, and the run reports the bytes shipped against the whole model."""
     from layerline.checkpoint import STAGE_MANIFEST, read_index
-    from layerline.settings import stage_name
     # probed before staging, each host timed the disk its stage lands on (not "not measured")
     assert all(s["disk_read_bytes_per_s"] for s in plan["stages"]), plan["stages"]
     shipped = 0
     for s in plan["stages"]:
-        staged_at = f"/tmp/layerline/state/checkpoint/{stage_name(s['layers'], plan['num_layers'])}"
+        staged_at = settings(s["host"]).stage_dir_for(s["layers"], plan["num_layers"])
         staged = inside(s["host"], staged_at)
         idx = read_index(staged, check=False)  # one stage's tensors, not a whole model
         assert {t.layer for t in idx.tensors.values() if t.layer is not None} == set(range(*s["layers"]))
