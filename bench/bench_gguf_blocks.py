@@ -97,7 +97,7 @@ def main(argv=None) -> list[dict]:
         torch.set_num_threads(a.threads)
     if not gguf_blocks.load():
         sys.exit(f"bench_gguf_blocks: {gguf_blocks.status()}")
-    int4 = cpu_kernels.int4_ready()
+    int4 = cpu_kernels.ready()
     stream = max(STREAM_BYTES, 2 * l3_bytes())
     print(f"gguf: {gguf_blocks.status()}; layerline kernels: {cpu_kernels.status()}; "
           f"threads {torch.get_num_threads()}; weights streamed over {stream >> 20} MiB a candidate")

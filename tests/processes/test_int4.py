@@ -64,7 +64,7 @@ def test_quantize_groups_round_trip_and_odd_shapes_fall_back_to_int8():
     assert isinstance(make_linear(256, 96, False, torch.bfloat16, "int4"), Int4Linear)
     assert isinstance(make_linear(80, 96, False, torch.bfloat16, "int4"), Int8Linear)
     odd_out = make_linear(256, 100, False, torch.bfloat16, "int4")
-    assert isinstance(odd_out, Int4Linear if cpu_kernels.int4_ready() else Int8Linear)
+    assert isinstance(odd_out, Int4Linear if cpu_kernels.ready() else Int8Linear)
     torchs = make_linear(96, 96, False, torch.bfloat16, "int4")
     assert isinstance(torchs, Int4Linear) and not torchs.rows and torchs.scale.shape == (3, 96, 2)
 
@@ -104,7 +104,7 @@ def test_int4_linear_equals_the_dequantized_matmul(ckpt, int4_path):
             # and the quantization itself is close to the float weight (half a step per weight)
             assert float((deq - w.float()).abs().max()) <= float(sz[..., 0].max()) * 0.5 + 0.02
         # the layout is layerline's where its kernel runs (this stage's matrices all fit it)
-        assert mod.rows == cpu_kernels.int4_ready() == (int4_path == "kernels" and cpu_kernels.enabled())
+        assert mod.rows == cpu_kernels.ready() == (int4_path == "kernels" and cpu_kernels.enabled())
         if mod.rows:  # and a weight packed for the kernel still runs where it was turned off since
             want = mod(x)
             try:

@@ -186,9 +186,9 @@ def linear_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
     return None
 
 
-def int4_ready() -> bool:
-    """Whether int4 matrices are held in layerline's layout and run by `linear_int4` (kernels loaded
-    with AVX-512 VNNI). Loads the kernels (once) if nothing has yet."""
+def ready() -> bool:
+    """Whether the kernels are loaded and in use here (AVX2 or AVX-512), so the ops that need them
+    (`linear_int4`, `gguf_linear_q4`, `gguf_linear_q8`) can run. Loads them (once) if nothing has yet."""
     return load() and enabled()
 
 

@@ -199,7 +199,7 @@ def from_int4(held: np.ndarray, name: str, n: int, k: int) -> np.ndarray:
 def own_can(name: str, k: int) -> bool:
     """Whether layerline's own kernel for `name` blocks (`OWN_LAYOUT`) can run rows of k weights here."""
     layout = OWN_LAYOUT.get(name)
-    return layout is not None and k % (64 if layout == "int4" else 32) == 0 and cpu_kernels.int4_ready()
+    return layout is not None and k % (64 if layout == "int4" else 32) == 0 and cpu_kernels.ready()
 
 
 def own_works(name: str, k: int) -> bool:
@@ -304,7 +304,7 @@ class BlockLinear:
         if layout == "x8" and not can:
             raise ValueError(f"BlockLinear: no repacked kernel for {bt.name} with {out_features} rows "
                              f"(types {', '.join(REPACKED)}, rows a multiple of 8)")
-        if layout in ("int4", "q8") and not (OWN_LAYOUT.get(bt.name) == layout and own_can(bt.name, in_features)):
+        if layout in OWN_LAYOUT.values() and not (OWN_LAYOUT.get(bt.name) == layout and own_can(bt.name, in_features)):
             raise ValueError(f"BlockLinear: no {layout} kernel for {bt.name} rows of {in_features} weights here "
                              f"({', '.join(t for t, lay in OWN_LAYOUT.items() if lay == layout)}; int4 a "
                              f"multiple of 64 weights; layerline's CPU kernels {cpu_kernels.status()})")
@@ -338,7 +338,7 @@ class BlockLinear:
     @property
     def repacked(self) -> bool:
         """Held in a layout of a kernel's, not the file's (`stored()` converts back)."""
-        return self.layout in ("x8", "int4")
+        return self.layout in ("x8", "int4")  # "q8" holds the file's bytes as they are
 
     @property
     def stored_bytes(self) -> int:

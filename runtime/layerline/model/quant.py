@@ -167,7 +167,7 @@ def int4_rows(in_features: int, group: int = INT4_GROUP) -> bool:
     """Whether an int4 matrix of `in_features` inputs is held in layerline's layout and run by
     `cpu_kernels.linear_int4` (else torch's packing): groups of 32, inputs a multiple of 64, and the
     kernel loaded on this CPU (it loads the kernels once if nothing has)."""
-    return group == 32 and in_features % 64 == 0 and cpu_kernels.int4_ready()
+    return group == 32 and in_features % 64 == 0 and cpu_kernels.ready()
 
 
 def int4_fits(in_features: int, out_features: int, group: int = INT4_GROUP) -> bool:
