@@ -13,8 +13,9 @@ plus blocks of random bytes (every code pattern). Q4_0 / Q4_K are also checked r
 bytes come back exactly and the products agree with the same reference. Q4_0 / Q4_1 in layerline's int4
 layout (its own kernel, where it loads): the file's bytes come back exactly, and the products are checked
 against the float64 product of x quantized as that kernel does (int8 a group of 32, fp32 scale) and W
-decoded exactly from the blocks. Q8_0 in the "q8" layout (its own kernel): the file's bytes as they are,
-and the product against x itself (no 8-bit rounding of x), within a float32 summation's error.
+decoded exactly from the blocks. Q8_0, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K in the "f32x" layout (layerline's
+kernel): the file's bytes as they are, and the product against x itself (no 8-bit rounding of x),
+within a float32 summation's error.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ import torch
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType, quants  # noqa: E402
 
-from layerline.model import gguf_blocks  # noqa: E402
+from layerline.model import cpu_kernels, gguf_blocks  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not gguf_blocks.load(), reason=f"GGUF block kernels: {gguf_blocks.status()}")
 
@@ -110,7 +111,7 @@ def reference(bl: gguf_blocks.BlockLinear, raw: np.ndarray, x: torch.Tensor) -> 
     name, k = bl.type.name, bl.in_features
     if bl.layout == "int4":
         return int4_reference(raw, name, x)
-    if bl.layout == "q8":  # x as it is, W dequantized: each term exact in fp32
+    if bl.layout == "f32x":  # x as it is, W dequantized: each term exact in fp32 but for W's own rounding
         xd, w = x.double().numpy(), quants.dequantize(raw, qtype(name)).astype(np.float64)
         return xd @ w.T, np.abs(xd) @ np.abs(w).T
     w = quants.dequantize(raw, qtype(name)).astype(np.float64)
@@ -221,7 +222,7 @@ def test_repack_is_lossless_and_computes_the_same(name: str) -> None:
         gguf_blocks.BlockLinear(torch.zeros(12 * 144, dtype=torch.uint8), "q4_K", 12, 256, layout="x8")
 
 
-own_here = pytest.mark.skipif(not gguf_blocks.own_works("q4_0", 64),
+own_here = pytest.mark.skipif(not gguf_blocks.own_can("q4_0", 64),
                               reason="layerline's CPU kernels do not load here (AVX2 or AVX-512 VNNI)")
 
 
@@ -252,29 +253,64 @@ def test_int4_layout_is_lossless_and_computes_the_product(name: str) -> None:
         gguf_blocks.BlockLinear(torch.zeros(8 * 60, dtype=torch.uint8), "q4_1", 8, 96, layout="int4")
 
 
+@pytest.fixture(params=["avx2", "avx512-bf16"])
+def kernel_isa(request):
+    """Each of layerline's kernels' ISAs this CPU has (an AVX-512 CPU runs the AVX2 ones too)."""
+    cpu_kernels.use_isa(request.param)
+    try:
+        if cpu_kernels.status() != request.param:
+            pytest.skip(f"this CPU has no {request.param}")
+        yield request.param
+    finally:
+        cpu_kernels.use_isa("avx512-bf16")  # the best this CPU has again
+
+
 @own_here
-def test_q8_layout_keeps_the_blocks_and_multiplies_x_unrounded() -> None:
+@pytest.mark.parametrize("name", gguf_blocks.F32X_TYPES)
+def test_f32x_layout_keeps_the_blocks_and_multiplies_x_unrounded(name: str, kernel_isa: str) -> None:
     rng = np.random.default_rng(9)
-    n, k = 21, 640
-    for raw in (make_blocks("q8_0", rng.standard_normal((n, k)).astype(np.float32)), random_blocks("q8_0", n, k, rng)):
-        raw[0, 2:34] = np.int8(-128).view(np.uint8)  # ggml's quantizer never writes -128; the format holds it
-        bl = gguf_blocks.BlockLinear(torch.from_numpy(raw.copy()), "q8_0", n, k)
-        assert bl.layout == "q8" and not bl.repacked and np.array_equal(bl.raw.numpy(), raw)
+    n, k = 21, 768
+    for raw in (make_blocks(name, rng.standard_normal((n, k)).astype(np.float32)), random_blocks(name, n, k, rng)):
+        if name == "q8_0":
+            raw[0, 2:34] = np.int8(-128).view(np.uint8)  # ggml's quantizer never writes -128; the format holds it
+        bl = gguf_blocks.BlockLinear(torch.from_numpy(raw.copy()), name, n, k, layout="f32x")
+        assert not bl.repacked and np.array_equal(bl.raw.numpy(), raw)
         assert np.array_equal(bl.stored().numpy(), raw)
         ids = torch.tensor([[5, 0], [20, 5]])
-        assert np.array_equal(bl.rows(ids).numpy(), quants.dequantize(raw, qtype("q8_0"))[ids.numpy()])
-        plain = gguf_blocks.BlockLinear(torch.from_numpy(raw.copy()), "q8_0", n, k, layout="file")
+        assert np.array_equal(bl.rows(ids).numpy(), quants.dequantize(raw, qtype(name))[ids.numpy()])
+        plain = gguf_blocks.BlockLinear(torch.from_numpy(raw.copy()), name, n, k, layout="file")
         for rows in (1, 2, 3, 4, 9, 130):  # decode steps, every tile, a prefill chunk
             x = torch.from_numpy(rng.standard_normal((rows, k)).astype(np.float32))
-            y, mag = checked_product(bl, raw, x, f"q8_0 rows {rows}")
+            y, mag = checked_product(bl, raw, x, f"{name} rows {rows}")
             # ggml's vec_dot: the same blocks against x rounded to 8 bits
             assert (np.abs(y.numpy() - plain(x).numpy()) <= 0.02 * mag + 1e-4).all()
         assert torch.equal(bl(x)[7:8], bl(x[7:8])), "a row's result depends on the rows beside it"
-    other = gguf_blocks.BlockLinear(torch.from_numpy(raw[:3].copy()), "q8_0", 3, k)
-    both = gguf_blocks.BlockLinear(torch.cat([bl.raw, other.raw]), "q8_0", n + 3, k, layout="q8", packed=True)
+    other = gguf_blocks.BlockLinear(torch.from_numpy(raw[:3].copy()), name, 3, k, layout="f32x")
+    both = gguf_blocks.BlockLinear(torch.cat([bl.raw, other.raw]), name, n + 3, k, layout="f32x", packed=True)
     assert torch.equal(both(x), torch.cat([bl(x), other(x)], dim=-1))
-    with pytest.raises(ValueError, match="no q8 kernel for q4_0"):
-        gguf_blocks.BlockLinear(torch.zeros(8 * 36, dtype=torch.uint8), "q4_0", 8, 64, layout="q8")
+
+
+@own_here
+def test_layerline_gguf_own_picks_the_layouts(monkeypatch) -> None:
+    """on (unset): Q4_0 / Q4_1 on the int4 kernel, the other types on f32x; exact: every type on f32x;
+    off: ggml's; anything else: an error naming the variable."""
+    rng = np.random.default_rng(10)
+    raws = {name: random_blocks(name, 8, 256, rng) for name in ("q4_0", "q4_1", "q6_K", "q8_0")}
+
+    def layouts() -> dict[str, str]:
+        return {name: gguf_blocks.BlockLinear(torch.from_numpy(raw.copy()), name, 8, 256).layout
+                for name, raw in raws.items()}
+
+    assert layouts() == {"q4_0": "int4", "q4_1": "int4", "q6_K": "f32x", "q8_0": "f32x"}
+    monkeypatch.setenv("LAYERLINE_GGUF_OWN", "exact")
+    assert set(layouts().values()) == {"f32x"}
+    monkeypatch.setenv("LAYERLINE_GGUF_OWN", "off")
+    assert set(layouts().values()) <= {"file", "x8"}
+    monkeypatch.setenv("LAYERLINE_GGUF_OWN", "fast")
+    with pytest.raises(ValueError, match="LAYERLINE_GGUF_OWN='fast': one of on, exact, off"):
+        layouts()
+    with pytest.raises(ValueError, match="no int4 kernel for q8_0"):
+        gguf_blocks.BlockLinear(torch.from_numpy(raws["q8_0"].copy()), "q8_0", 8, 256, layout="int4")
 
 
 @pytest.mark.parametrize("name", ["q4_0", "q6_K"])
