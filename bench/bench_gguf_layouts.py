@@ -1,11 +1,11 @@
-"""Precision gguf's Q4_0 / Q4_1 / Q8_0 matrices on layerline's own kernels against ggml's vec_dot, in turns.
+"""Precision gguf's matrices on layerline's own kernels against ggml's, in turns.
 
     .venv/bin/python bench/bench_gguf_layouts.py [--files smollm2,demo-q4_0] [--prompt 512]
         [--new 48] [--threads 1] [--rounds 3]
 
 For each file: two stages of the whole model in this process, one loaded with LAYERLINE_GGUF_OWN=off
-(Q4_0 / Q4_1 / Q8_0 through ggml's `vec_dot` or its 8-row GEMV) and one with the
-default (`gguf_blocks` layouts "int4" and "q8"), then in turns each round: a `--prompt`-token prefill in chunks
+(every type through ggml's `vec_dot` or its 8-row GEMV) and one with the
+default (`gguf_blocks` layouts "int4" and "f32x"), then in turns each round: a `--prompt`-token prefill in chunks
 of 128 and `--new` greedy decode steps. Prints the process CPU time of each (a loaded machine moves
 wall time far more than CPU time), medians over rounds, and own / ggml. The files come from
 bench_llamacpp.py (its model_file); no llama.cpp runs here.

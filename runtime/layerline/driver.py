@@ -28,8 +28,8 @@ def tolerance(precision: str, ref: torch.Tensor) -> float:
 
 def greedy_generate(pipe: Pipeline, prompt: list[int], max_new_tokens: int, seq: str | None = None,
                     eos: int | None = None) -> tuple[list[int], list[StepResult]]:
-    """Greedy tokens for one prompt, and every step's result (prefill first)."""
-    g = generate(pipe, [prompt], max_new_tokens, eos=eos)
+    """Greedy tokens for one prompt, and every step's result with its logits (prefill first)."""
+    g = generate(pipe, [prompt], max_new_tokens, eos=eos, pick=False)
     return g.tokens[0], g.steps
 
 

@@ -132,6 +132,13 @@ class Sequence:
     def generated(self) -> list[int]:
         return self.tokens[len(self.prompt):]
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing that needs its logits here (logprobs, bias, penalties, a grammar): the
+        last stage can pick its tokens."""
+        return (self.sampling.temperature == 0 and self.logprobs is None and not self.bias and not self.penalties
+                and self.constraint is None)
+
     def prefill_chunk(self, chunk: int) -> int:
         """Tokens the next prefill message carries: inside the prompt, up to the next boundary it
         was first sent with (decided once, so a replay or a resend after a failover cuts the prompt
@@ -207,13 +214,15 @@ class Engine:
     max_running: sequences admitted at once (a stage keeps at most MAX_SEQS caches).
     prefix: keep a prefix cache (layerline.prefix), within kv_tokens beside the running sequences
     (prefix_tokens when kv_tokens is None).
+    pick: a step whose every sequence is plain greedy asks the last stage for each row's token, not
+    its logits (the same token: the first largest logit); False: logits always.
     """
 
     def __init__(self, pipe: Pipeline, *, stages: int | None = None, chunk: int = CHUNK,
                  busy_chunk: int = BUSY_CHUNK, kv_tokens: int | None = None, max_running: int = MAX_SEQS, max_replays: int = 2,
                  rows: bool | None = None, record: bool = False, raise_errors: bool = False,
                  on_step: Callable[[StepResult, str, int], None] | None = None, prefix: bool = False,
-                 prefix_tokens: int = 1 << 16):
+                 prefix_tokens: int = 1 << 16, pick: bool = True):
         if chunk < 1:
             raise LayerlineError(f"chunk {chunk}: must be at least 1")
         self.pipe = pipe
@@ -228,6 +237,7 @@ class Engine:
         self.record = record
         self.raise_errors = raise_errors
         self.on_step = on_step
+        self.pick = pick
         self.waiting: deque[Sequence] = deque()
         self.running: dict[str, Sequence] = {}
         self.kv_used = 0
@@ -353,13 +363,15 @@ class Engine:
         ids = torch.tensor([s.tokens[s.held:s.held + n]], dtype=torch.int64)
         fork = s.fork if s.fork is not None and s.held == s.fork[1] else None
         rid = self.pipe.submit(ids, seq=s.sid, pos=s.held, cache=True, last_only=True,
-                               reserve=s.reserve if s.held == 0 or fork else None, fork=fork)
+                               reserve=s.reserve if s.held == 0 or fork else None, fork=fork,
+                               pick=self.pick and s.plain_greedy)
         s.state = INFLIGHT
         self.inflight[rid] = ("seq", [s], [n])
 
     def _submit_rows(self, batch: list[Sequence]) -> None:
         ids = torch.tensor([[s.tokens[s.held]] for s in batch], dtype=torch.int64)  # the last, unless catching up
-        rid = self.pipe.submit_rows([(s.sid, s.held) for s in batch], ids)
+        rid = self.pipe.submit_rows([(s.sid, s.held) for s in batch], ids,
+                                    pick=self.pick and all(s.plain_greedy for s in batch))
         for s in batch:
             s.state = INFLIGHT
         self.inflight[rid] = ("rows", batch, [1] * len(batch))
@@ -455,36 +467,46 @@ class Engine:
                 self._decode_marks.append((now, len(sampled)))
             elif len(seqs[0].tokens) == len(seqs[0].prompt):  # a prompt's prefill (a replay moves nothing)
                 self._prefill_done = now
-        logits = res.logits[:, -1].float()
-        # a row whose logits are NaN or Inf (a bad weight or host for that sequence) fails alone: argmax
-        # would pick a token from garbage, and sampling would raise for every row of the step
-        # (a row's largest |logit| is finite iff every one is, NaN included: one pass, where isfinite().all()
-        # took 0.65 ms over Gemma 3's 262k logits, 12x as long)
-        finite = torch.isfinite(logits.abs().amax(-1)).tolist()
+        if res.logits is None:  # each row's greedy token, picked at the last stage (every row plain greedy)
+            if res.argmax.shape[0] != len(seqs):
+                self._fail([s for _, s in sampled], DriveError(f"a stage answered {res.argmax.shape[0]} tokens for "
+                                                               f"a step of {len(seqs)} rows", "bad_result"))
+                return
+            logits = raw = None
+            finite, top = res.finite.tolist(), res.argmax.tolist()
+        else:
+            logits = raw = res.logits[:, -1].float()
+            # a row whose logits are NaN or Inf (a bad weight or host for that sequence) fails alone: argmax
+            # would pick a token from garbage, and sampling would raise for every row of the step
+            # (a row's largest |logit| is finite iff every one is, NaN included: one pass, where
+            # isfinite().all() took 0.65 ms over Gemma 3's 262k logits, 12x as long)
+            finite, top = torch.isfinite(logits.abs().amax(-1)).tolist(), None
         finite = [finite[i] for i, _ in sampled]
         bad = [s for (_, s), ok in zip(sampled, finite) if not ok]
         if bad:
             self._fail(bad, DriveError("the model's logits for this sequence are not finite (NaN or Inf): a stage's "
                                        "weights or arithmetic failed on it; other requests go on", "non_finite"))
             sampled = [(i, s) for (i, s), ok in zip(sampled, finite) if ok]
-        raw = logits
-        # logit_bias and penalties, then a grammar's mask: where the token is chosen, each row its own
-        adjust = [(i, s) for i, s in sampled if s.bias or (s.penalties and s.generated) or s.constraint is not None]
-        if adjust:
-            logits = logits.clone()
-            for i, s in adjust:
-                if s.bias or (s.penalties and s.generated):
-                    logits[i] = adjust_logits(logits[i], s.bias, s.generated, *(s.penalties or (0.0, 0.0)))
-                if s.constraint is not None:
-                    try:
-                        logits[i] = mask_logits(logits[i:i + 1], s.constraint.allowed(logits.shape[-1])[None])[0]
-                    except ValueError as e:
-                        why = s.constraint.error or e
-                        self._fail([s], DriveError(f"the output grammar allows no next token ({why})", "grammar"))
-        greedy = [i for i, s in sampled if s.sampling.temperature == 0 and s.state != DONE]
-        # max's indices are argmax's (the first largest, documented), at a third of its time on a 262k vocabulary
-        top = logits.max(-1).indices.tolist() if greedy else []
-        picks = {i: top[i] for i in greedy}
+        if logits is not None:
+            # logit_bias and penalties, then a grammar's mask: where the token is chosen, each row its own
+            adjust = [(i, s) for i, s in sampled if s.bias or (s.penalties and s.generated) or s.constraint is not None]
+            if adjust:
+                logits = logits.clone()
+                for i, s in adjust:
+                    if s.bias or (s.penalties and s.generated):
+                        logits[i] = adjust_logits(logits[i], s.bias, s.generated, *(s.penalties or (0.0, 0.0)))
+                    if s.constraint is not None:
+                        try:
+                            logits[i] = mask_logits(logits[i:i + 1], s.constraint.allowed(logits.shape[-1])[None])[0]
+                        except ValueError as e:
+                            why = s.constraint.error or e
+                            self._fail([s], DriveError(f"the output grammar allows no next token ({why})", "grammar"))
+            greedy = [i for i, s in sampled if s.sampling.temperature == 0 and s.state != DONE]
+            # max's indices are argmax's (the first largest, documented), at a third of its time on a 262k vocabulary
+            top = logits.max(-1).indices.tolist() if greedy else []
+            picks = {i: top[i] for i in greedy}
+        else:
+            picks = {i: top[i] for i, _ in sampled}
         for i, s in sampled:
             if s.state == DONE:
                 continue

@@ -45,10 +45,12 @@ class Generation:
 
 
 def generate(pipe: Pipeline, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling | None = None,
-             eos: int | list[int] | None = None, batch: bool = True, max_replays: int = 2) -> Generation:
+             eos: int | list[int] | None = None, batch: bool = True, max_replays: int = 2,
+             pick: bool = True) -> Generation:
     """Generate for every prompt, all in flight at once through the engine.
 
-    batch=False steps every sequence in a message of its own (no rows micro-batches).
+    batch=False steps every sequence in a message of its own (no rows micro-batches). pick=False:
+    every step's result carries its logits, greedy ones too (Engine's pick).
     """
     sampling = sampling or Sampling()
     if not prompts or any(not p for p in prompts):
@@ -56,7 +58,8 @@ def generate(pipe: Pipeline, prompts: list[list[int]], max_new_tokens: int, samp
     if max_new_tokens < 1:
         raise LayerlineError(f"--max-new-tokens {max_new_tokens}: must be at least 1")
     tag = wire.new_id("g")
-    eng = Engine(pipe, max_replays=max_replays, record=True, raise_errors=True, rows=None if batch else False)
+    eng = Engine(pipe, max_replays=max_replays, record=True, raise_errors=True, rows=None if batch else False,
+                 pick=pick)
     stops = frozenset() if eos is None else frozenset([eos] if isinstance(eos, int) else eos)
     seqs = [Sequence(f"{tag}-{i}", list(p), max_new_tokens, sampling, stops,
                      gen=torch.Generator().manual_seed(sampling.seed * 1_000_003 + i))

@@ -42,9 +42,16 @@ class DriveError(LayerlineError):
 
 @dataclass
 class StepResult:
-    logits: torch.Tensor
+    logits: torch.Tensor | None   # [B, T, vocab]; None where the step asked for argmax
     timings: list[dict]           # per stage: {"stage", "layers", "s"}
     wall_s: float
+    argmax: torch.Tensor | None = None  # int64 [B]: each row's greedy token (a step submitted with pick)
+    finite: torch.Tensor | None = None  # bool [B]: whether that row's logits were all finite
+
+    @property
+    def rows(self) -> int:
+        """Rows the step carried (each one token's answer)."""
+        return int((self.argmax if self.logits is None else self.logits).shape[0])
 
     @property
     def hop_s(self) -> float:
@@ -146,30 +153,33 @@ class Pipeline:
         return rid
 
     def submit(self, input_ids: torch.Tensor, seq: str | None = None, pos: int = 0, cache: bool = False,
-               last_only: bool = False, reserve: int | None = None, fork: tuple[str, int] | None = None) -> str:
+               last_only: bool = False, reserve: int | None = None, fork: tuple[str, int] | None = None,
+               pick: bool = False) -> str:
         """Send one pass of [batch, tokens] ids into stage 0 without waiting; returns its request id.
-        fork: (prefix entry, N): the sequence starts with a copy of the entry's first N tokens (pos N)."""
+        fork: (prefix entry, N): the sequence starts with a copy of the entry's first N tokens (pos N).
+        pick: the last stage answers each row's greedy token (StepResult.argmax), not its logits."""
         if input_ids.dim() == 1:
             input_ids = input_ids.unsqueeze(0)
         head = {"pos": pos, "cache": cache}
         if seq is not None:
             head["seq"] = seq
-        if last_only:
-            head["logits"] = "last"
+        if pick or last_only:
+            head["logits"] = "argmax" if pick else "last"
         if reserve is not None:  # tokens this sequence may reach: each stage sizes its KV cache to it
             head["reserve"] = int(reserve)
         if fork is not None:
             head["fork"] = {"from": fork[0], "len": int(fork[1])}
         return self._send(head, input_ids)
 
-    def submit_rows(self, rows: list[tuple[str, int]], input_ids: torch.Tensor) -> str:
+    def submit_rows(self, rows: list[tuple[str, int]], input_ids: torch.Tensor, pick: bool = False) -> str:
         """One step of B sequences, one token each, in one message: rows [(seq, pos), ...], ids [B].
 
         Each row's sequence must already hold at least pos tokens at every stage (one holding more
-        is rewound to pos); the logits come back [B, 1, vocab]. A stage that lost some of them
-        answers seq_unknown with their ids (DriveError.seqs) and applies nothing."""
-        return self._send({"cache": True, "logits": "last", "rows": [[str(q), int(p)] for q, p in rows]},
-                          input_ids.reshape(-1, 1))
+        is rewound to pos); the logits come back [B, 1, vocab] (pick: each row's greedy token instead).
+        A stage that lost some of them answers seq_unknown with their ids (DriveError.seqs) and
+        applies nothing."""
+        return self._send({"cache": True, "logits": "argmax" if pick else "last",
+                           "rows": [[str(q), int(p)] for q, p in rows]}, input_ids.reshape(-1, 1))
 
     def answers(self, sock) -> list[Answer]:
         """Every message waiting on one of this pipeline's sockets (non-blocking), as answers to
@@ -202,6 +212,15 @@ class Pipeline:
             elif h["op"] == "result" and "logits" in tensors:
                 wall = time.perf_counter() - self._pending.pop(rid)
                 out.append(Answer(rid, StepResult(tensors["logits"].clone(), h.get("timings", []), wall)))
+            elif h["op"] == "result" and "argmax" in tensors:
+                wall = time.perf_counter() - self._pending.pop(rid)
+                ids, finite = tensors["argmax"], tensors.get("finite")
+                if (ids.dtype != torch.int64 or ids.dim() != 1 or finite is None or finite.dtype != torch.uint8
+                        or finite.shape != ids.shape):
+                    out.append(Answer(rid, None, DriveError(f"stage {h.get('stage', '?')}: a result's argmax / "
+                                                            f"finite tensors are malformed", "bad_result")))
+                    continue
+                out.append(Answer(rid, StepResult(None, h.get("timings", []), wall, ids.clone(), finite.bool())))
 
     def collect(self) -> tuple[str, StepResult | DriveError]:
         """The next answer to any request in flight: a result, or the error a stage sent for it."""

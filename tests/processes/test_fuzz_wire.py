@@ -88,7 +88,7 @@ class Mutator:
         if kind == "release":
             return {"op": "release", "seq": r.choice(self.seqs)}, {}
         base = {"op": "forward", "id": rid, "reply_to": self.reply_to, "deadline": time.time() + 60,
-                "timings": [], "logits": r.choice(["last", "all"])}
+                "timings": [], "logits": r.choice(["last", "all", "argmax"])}
         if r.random() < 0.5:   # a wire epoch: older ones than a sequence's last are refused, not computed
             base["epoch"] = r.randint(0, 3)
         if kind == "plain":

@@ -50,8 +50,12 @@ def test_several_sequences_in_flight_equal_one_at_a_time(pipeline, full):
     assert g.tokens == [in_process(full, p, 6) for p in PROMPTS]
     assert g.new_tokens == 6 * len(PROMPTS)
     # every step gives one token per row; decode steps carry rows of several sequences
-    assert sum(s.logits.shape[0] for s in g.steps) == 6 * len(PROMPTS)
-    assert any(s.logits.shape[0] >= 2 for s in g.steps), "sequences share decode steps (rows micro-batches)"
+    assert sum(s.rows for s in g.steps) == 6 * len(PROMPTS)
+    assert any(s.rows >= 2 for s in g.steps), "sequences share decode steps (rows micro-batches)"
+    # greedy rows: the last stage picked each token; asked for the logits instead, the same tokens
+    assert all(s.logits is None and s.argmax is not None for s in g.steps)
+    with_logits = generate(pipeline, PROMPTS, 6, pick=False)
+    assert with_logits.tokens == g.tokens and all(s.logits is not None for s in with_logits.steps)
     assert len(g.stage_seconds()) == 3 and all(t > 0 for t in g.stage_seconds())
 
 
@@ -88,7 +92,7 @@ def test_micro_batches_in_flight_follow_the_pipelines_depth(pipeline, full, dept
     assert g.tokens == [in_process(full, p, 8) for p in prompts]
     assert pipe.most_rows_out == 1 if depth == 1 else 1 < pipe.most_rows_out <= depth
     if depth == 1:  # once every prompt is in, all four rows step together
-        assert max(s.logits.shape[0] for s in g.decode) == len(prompts)
+        assert max(s.rows for s in g.decode) == len(prompts)
     assert g.decode_tokens_per_s() > 0
 
 
@@ -119,19 +123,19 @@ class LosingPipeline(Pipeline):
         super().__post_init__()
         self.decodes = 0
 
-    def submit(self, input_ids, seq=None, pos=0, cache=False, last_only=False, reserve=None, fork=None):
+    def submit(self, input_ids, seq=None, pos=0, cache=False, last_only=False, reserve=None, fork=None, pick=False):
         if pos > 0:
             self.decodes += 1
             if self.decodes == 3:
                 self.release(seq)
-        return super().submit(input_ids, seq, pos, cache, last_only, reserve, fork)
+        return super().submit(input_ids, seq, pos, cache, last_only, reserve, fork, pick)
 
-    def submit_rows(self, rows, input_ids):
+    def submit_rows(self, rows, input_ids, pick=False):
         for seq, _ in rows:
             self.decodes += 1
             if self.decodes == 3:
                 self.release(seq)
-        return super().submit_rows(rows, input_ids)
+        return super().submit_rows(rows, input_ids, pick)
 
 
 def test_lost_cache_is_rebuilt_by_replaying_the_prefix(small_ckpt, pipeline, full):

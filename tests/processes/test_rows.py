@@ -235,6 +235,29 @@ def test_rows_step_many_sequences_as_each_alone(client, reference):
         client.release(f"rows-{s}")
 
 
+def test_argmax_replies_carry_each_rows_greedy_token(client):
+    """`logits: "argmax"` (a step whose rows are all plain greedy): the last stage answers each row's
+    first largest logit and whether its logits were finite, the same step asked again for its logits
+    (a step at a position a sequence holds rewinds it there) agreeing token for token."""
+    for s, p in PROMPTS.items():
+        prefill(client, f"pick-{s}", p)
+    rows = [(f"pick-{s}", len(p), 7 + i) for i, (s, p) in enumerate(PROMPTS.items())]
+    h, t = client.call({"rows": [[s, q] for s, q, _ in rows], "cache": True, "logits": "argmax"},
+                       {"input_ids": torch.tensor([[tok] for _, _, tok in rows])})
+    assert h["op"] == "result" and set(t) == {"argmax", "finite"}, h.get("error")
+    assert t["argmax"].dtype == torch.int64 and t["argmax"].shape == (len(rows),)
+    assert t["finite"].dtype == torch.uint8 and t["finite"].tolist() == [1] * len(rows)
+    logits = ok(*step_rows(client, rows))
+    assert t["argmax"].tolist() == logits[:, -1].max(-1).indices.tolist()
+    # a one-sequence message too: its last position's token
+    h, t = client.call({"seq": "pick-a", "pos": 2, "cache": True, "logits": "argmax"},
+                       {"input_ids": torch.tensor([PROMPTS["a"][2:]])})
+    assert h["op"] == "result" and t["argmax"].shape == (1,)
+    assert int(t["argmax"][0]) == int(prefill(client, "pick-a2", PROMPTS["a"]).argmax())
+    for s in list(PROMPTS) + ["a2"]:
+        client.release(f"pick-{s}")
+
+
 def test_unknown_or_stale_rows_fail_the_whole_message_and_apply_nothing(client, pipeline):
     prefill(client, "x1", [1, 2, 3])
     prefill(client, "x2", [4, 5])

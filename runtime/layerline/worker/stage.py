@@ -10,6 +10,11 @@ Data messages (op forward; tensor `input_ids` [B, T] int64 at the first stage, `
   (no top-level seq or pos), one new token per row ([B, 1] ids / [B, 1, hidden], B = len(rows)),
   row i at position pos of its own sequence (prefilled by one-sequence messages with batch 1);
   `logits: "last"` gives [B, 1, vocab].
+- `logits: "argmax"` (either kind): the last stage answers with `argmax` (int64 [B], each row's
+  greedy token at its last position: the first largest logit) and `finite` (uint8 [B], 0 where that
+  row's logits hold NaN or Inf) in place of the logits, for a step whose every row is greedy without
+  logprobs, bias or grammar: a token id crosses the wire instead of a vocabulary of floats (1 MiB
+  a Gemma 3 token), and the driver has no vocabulary-wide work left.
 - a prefix hit (layerline.prefix): a one-sequence message at `pos` N with `fork: {from: ENTRY, len: N}`
   starts `seq` anew with a copy of prefix entry ENTRY's first N tokens (kept by an earlier
   `release` with `keep`), then writes its T tokens after them; a stage that lacks the entry answers
@@ -42,6 +47,8 @@ from ..errors import LayerlineError
 from ..model.kv import KVPool
 from ..prefix import MAX_ENTRIES
 from ..wire import MAX_BATCH, MAX_SEQS
+
+LOGITS = ("last", "all", "argmax")  # header.logits: what a forward asks the last stage to answer with
 
 IDLE_CAP_S = 0.05  # the longest idle measure_step waits before a timed step
 
@@ -211,8 +218,8 @@ class StageCompute:
         return [{"stage": e["stage"], "layers": e["layers"], "s": float(e["s"])} for e in t]
 
     def _checked(self, h: dict) -> tuple[list, bool, int | None]:
-        """The fields every forward has: (timings so far, whether only the last logits are asked, its
-        wire epoch)."""
+        """The fields every forward has: (timings so far, whether only the last position's logits
+        are asked, its wire epoch)."""
         epoch = wire.epoch(h)
         deadline = h.get("deadline")
         if deadline is not None and (isinstance(deadline, bool) or not isinstance(deadline, (int, float))
@@ -220,9 +227,9 @@ class StageCompute:
             raise wire.WireError("header.deadline: must be a finite number of seconds since the epoch")
         if deadline is not None and time.time() > deadline:
             raise LayerlineError(f"stage {self.name}: request {h.get('id')} missed its deadline before compute")
-        if "logits" in h and h["logits"] not in ("last", "all"):
-            raise wire.WireError("header.logits: must be \"last\" or \"all\"")
-        return self._timings(h), h.get("logits") == "last", epoch
+        if "logits" in h and h["logits"] not in LOGITS:
+            raise wire.WireError("header.logits: must be \"last\", \"all\" or \"argmax\"")
+        return self._timings(h), h.get("logits") in ("last", "argmax"), epoch
 
     def forward(self, h: dict, tensors: dict) -> tuple[dict, dict]:
         """A forward message's answer (header, tensors): a forward to the next stage, or the last
@@ -292,6 +299,11 @@ class StageCompute:
         self.stats.compute_s += dt
         head = {k: h[k] for k in keep if k in h}
         head["timings"] = timings + [{"stage": self.name, "layers": [self.args.start, self.args.end], "s": dt}]
-        if self.args.last:
-            return {**head, "op": "result"}, {"logits": out.to("cpu")}
-        return {**head, "op": "forward"}, {"hidden": out.to("cpu")}
+        if not self.args.last:
+            return {**head, "op": "forward"}, {"hidden": out.to("cpu")}
+        if h.get("logits") == "argmax":
+            last = out[:, -1]
+            # a row's largest |logit| is finite iff all are (NaN included); max's indices are argmax's
+            finite = torch.isfinite(last.abs().amax(-1)).to(torch.uint8)
+            return {**head, "op": "result"}, {"argmax": last.max(-1).indices.to("cpu"), "finite": finite.to("cpu")}
+        return {**head, "op": "result"}, {"logits": out.to("cpu")}
