@@ -1,11 +1,11 @@
-"""Linear layers over GGUF's own quantized blocks, run as stored by ggml's CPU kernels.
+"""Linear layers over GGUF's own quantized blocks, run as stored by layerline's or ggml's CPU kernels.
 
 `BlockLinear(raw, ggml_type, out_features, in_features)` holds a matrix as the file stores it (rows
 of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K blocks, uint8) and computes x @ W.T in float32
-for a few rows of x without ever making W in floats. The arithmetic is ggml's, as llama.cpp's CPU
-backend runs it for the same file: each x row is quantized to 8 bits by ggml's
+for a few rows of x without ever making W in floats. On ggml's kernels the arithmetic is llama.cpp's
+CPU backend's for the same file: each x row is quantized to 8 bits by ggml's
 `quantize_row_q8_{0,1,K}` (the type's `vec_dot_type`), and each (weight row, x row) product is
-`ggml_vec_dot_<type>_q8_<...>`, integer sums a block, then scaled. A matrix is held in one of three
+`ggml_vec_dot_<type>_q8_<...>`, integer sums a block, then scaled. A matrix is held in one of four
 layouts (`LAYOUTS`), each the file's bits (`stored()` gives its blocks back):
 - "int4": Q4_0 and Q4_1 (SmolLM2's file, most of a Q4_0 one) where layerline's own int4 kernel loads
   (csrc/int4.h: AVX-512 VNNI or AVX2): each row's code bytes as the blocks hold them, then its
@@ -287,7 +287,7 @@ def repack_works(name: str) -> bool:
 
 class BlockLinear:
     """x @ W.T over W's stored GGUF blocks: raw uint8 [out_features * row_bytes] (any shape with
-    that many bytes, rows in file order), computed in float32 by ggml's kernels.
+    that many bytes, rows in file order), computed in float32 by layerline's or ggml's kernels.
 
     layout: None (default) picks layerline's own kernel's (`own_layout`: "int4" for q4_0 / q4_1, "f32x" for
     the other types) where it runs, else "x8" for q4_0 / q4_K
