@@ -133,26 +133,21 @@ struct Q6_KB {  // 128 bytes of low nibbles, 64 of 2-bit highs, 16 int8 scales (
   }
 };
 
-// the s-th 32 weights of row r's b-th block; at s == 0 that block's lines PF8 ahead are asked for
-template <class B>
-F32X_DECODE Sub block_sub(const uint8_t* w, int64_t rb, int r, int64_t b, int s) {
-  const uint8_t* blk = w + r * rb + b * B::BYTES;
-  if (s == 0)
-    for (int64_t o = 0; o < B::BYTES; o += 64) _mm_prefetch((const char*)blk + PF8 + o, _MM_HINT_T0);
-  return B::sub(blk, s);
-}
-
 template <class B>
 struct F32x {
   template <int R, int MB>
   struct Tile512 {
     __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
     static void run(const uint8_t* w, int64_t rb, const float* x, int64_t K, int64_t N, float* y) {
-      __m512 acc[R][MB][2] = {};  // two sums a (row, x row): a sub-block's two halves, no chain of dependent FMAs
+      __m512 acc[R][MB][2];  // two sums a (row, x row): a sub-block's two halves, no chain of dependent FMAs
+      for (int r = 0; r < R; ++r)
+        for (int m = 0; m < MB; ++m) acc[r][m][0] = acc[r][m][1] = _mm512_setzero_ps();
       for (int64_t b = 0, nb = K / B::QK; b < nb; ++b) {
         for (int r = 0; r < R; ++r) {
+          const uint8_t* blk = w + r * rb + b * B::BYTES;
+          for (int64_t o = 0; o < B::BYTES; o += 64) _mm_prefetch((const char*)blk + PF8 + o, _MM_HINT_T0);
           for (int s = 0; s < B::QK / 32; ++s) {
-            const Sub u = block_sub<B>(w, rb, r, b, s);
+            const Sub u = B::sub(blk, s);
             const __m512 mn = _mm512_set1_ps(u.mn);
             const __m512 w0 = _mm512_fmsub_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(u.code))),
                                               _mm512_set1_ps(u.s0), mn);
@@ -175,11 +170,15 @@ struct F32x {
   struct TileAvx2 {
     __attribute__((target("avx2,fma,f16c")))
     static void run(const uint8_t* w, int64_t rb, const float* x, int64_t K, int64_t N, float* y) {
-      __m256 acc[R][MB][2] = {};
+      __m256 acc[R][MB][2];
+      for (int r = 0; r < R; ++r)
+        for (int m = 0; m < MB; ++m) acc[r][m][0] = acc[r][m][1] = _mm256_setzero_ps();
       for (int64_t b = 0, nb = K / B::QK; b < nb; ++b) {
         for (int r = 0; r < R; ++r) {
+          const uint8_t* blk = w + r * rb + b * B::BYTES;
+          for (int64_t o = 0; o < B::BYTES; o += 64) _mm_prefetch((const char*)blk + PF8 + o, _MM_HINT_T0);
           for (int s = 0; s < B::QK / 32; ++s) {
-            const Sub u = block_sub<B>(w, rb, r, b, s);
+            const Sub u = B::sub(blk, s);
             const __m256 mn = _mm256_set1_ps(u.mn);
             const __m128i half[2] = {_mm256_castsi256_si128(u.code), _mm256_extracti128_si256(u.code, 1)};
             for (int q = 0; q < 4; ++q) {  // the sub-block's quarters of 8 codes
