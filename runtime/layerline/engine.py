@@ -575,7 +575,9 @@ class Engine:
         """A stage is gone or the route changes: a new epoch, everything in flight forgotten, nothing
         dispatched until resume(). Then every running sequence is resent from what every stage
         confirmed (held); a stage that lost it answers seq_unknown and it replays from 0, uncounted
-        toward max_replays. Returns how many running sequences had something in the stages."""
+        toward max_replays. Returns how many running sequences the stages had confirmed a part of
+        (held, not a fork still unconfirmed): only those can replay; one whose first message was in
+        flight is simply sent again."""
         self.paused = reason
         self.failovers += 1
         self.pipe.epoch += 1   # what is still on its way at a stage is dropped once this one passed
@@ -584,7 +586,7 @@ class Engine:
         n = 0
         for s in self.running.values():
             if s.state in (READY, INFLIGHT):
-                n += bool(s.held or s.state == INFLIGHT)
+                n += bool(s.held and s.fork is None)
                 s.state = READY   # resent at held: whatever of its in-flight step a stage applied is rewound
                 s.failed_over = True
         return n
