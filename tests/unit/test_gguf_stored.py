@@ -195,3 +195,31 @@ def test_gguf_precision_on_a_safetensors_dir_is_one_line(tmp_path):
 
 def test_stored_block_types_are_the_kernels():
     assert {t.lower() for t in STORED_BLOCK_TYPES} == {t.lower() for t in gguf_blocks.BLOCK_TYPES}
+
+
+def test_decode_steps_give_the_modules_bits(gguf_file):
+    """Each layer's one-token step as one C++ call (`DecoderLayer.decode_step`: fused and apart
+    projections, a Q2_K matrix held as floats, q/k norms, sandwich norms, biases, a sliding window)
+    gives the eager modules' logits and caches bit for bit: one sequence of two rows, and rows of
+    two sequences at different positions."""
+    _arch, path = gguf_file
+    stage = load_stage(str(path), 0, len(LAYER_TYPES), True, True, precision="gguf")
+    ids = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(3))
+
+    def run(steps: bool) -> list[torch.Tensor]:
+        stage.decode_steps = steps
+        out = []
+        cache = stage.new_cache(2, 32)
+        stage(ids[:, :12], 0, cache)
+        out += [stage(ids[:, p:p + 1], p, cache) for p in range(12, 22)]  # past gemma3's window of 8
+        caches = [stage.new_cache(1, 32), stage.new_cache(1, 32)]
+        stage(ids[:1, :5], 0, caches[0])
+        stage(ids[1:, :11], 0, caches[1])
+        out += [stage.forward_rows(torch.stack([ids[0, 5 + j:6 + j], ids[1, 11 + j:12 + j]]), [5 + j, 11 + j], caches)
+                for j in range(6)]
+        return out + [t for c in (cache, *caches) for layer in c.layers for t in (layer.k, layer.v)]
+
+    fast = run(True)
+    assert stage._steps, "every layer has its step"
+    slow = run(False)
+    assert len(fast) == len(slow) and all(torch.equal(a, b) for a, b in zip(fast, slow))

@@ -506,6 +506,17 @@ class FusedLinears(nn.Module):
         self.group = parts[0].group if kinds == {Int4Linear} else None
         self.rows = kinds == {Int4Linear} and parts[0].rows
 
+    def calls(self) -> list[tuple] | None:
+        """`linear_calls` of this forward: the fused product, or each part's."""
+        if self.weight is None:
+            each = [linear_calls(m) for m in self.parts]
+            return None if any(c is None or len(c) != 1 for c in each) else [c[0] for c in each]
+        if self.blocks is not None:
+            return [self.blocks.call(self.weight, self.bias)]
+        if self.group is None and self.scale is None and self.weight.dtype == torch.float32:
+            return [(DENSE, self.weight, [], self.bias)]
+        return None
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self.weight is None:
             return tuple(m(x) for m in self.parts)
@@ -532,6 +543,24 @@ class SplitLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return self.parts[0](x).split(self.sizes, dim=-1)
+
+    def calls(self) -> list[tuple] | None:
+        return linear_calls(self.parts[0])
+
+
+DENSE = 4  # csrc/layer.h's LayerLinear kind for a float32 matrix (at::linear)
+
+
+def linear_calls(m: nn.Module) -> list[tuple] | None:
+    """What a fp32 one-token step calls for projection `m` (csrc/layer.h's LayerLinear: kind, weight,
+    ints, bias), one entry per product it computes; None where its forward does something else."""
+    if isinstance(m, (FusedLinears, SplitLinear)):
+        return m.calls()
+    if isinstance(m, BlockLinearModule):
+        return [m.kernel.call(m.weight, m.bias)]
+    if type(m) in (Linear, nn.Linear) and m.weight.dtype == torch.float32:  # F.linear at fp32
+        return [(DENSE, m.weight, [], m.bias)]
+    return None
 
 
 class Attention(nn.Module):
@@ -678,6 +707,36 @@ class DecoderLayer(nn.Module):
         """The feed-forward part: `mlp`, or Mixtral's `block_sparse_moe`."""
         return self._modules.get("block_sparse_moe") or self._modules["mlp"]
 
+    def decode_step(self) -> object | None:
+        """This layer's fp32 one-token step as one C++ call (csrc/layer.h's DecodeLayer: the same
+        kernels in the same order as forward, so the same bits), or None where forward does
+        something the call does not (an MoE, capped scores, a matrix held as int8/int4/bf16)."""
+        att, mlp = self.self_attn, self._modules.get("mlp")
+        if mlp is None or att.softcap is not None or att.head_dim % 16 or not cpu_kernels.enabled():
+            return None
+        norms = {"input": self.input_layernorm, "post_attention": self.post_attention_layernorm}
+        if self.sandwich:
+            norms.update(pre_feedforward=self.pre_feedforward_layernorm,
+                         post_feedforward=self.post_feedforward_layernorm)
+        if "q_norm" in att._modules:
+            norms.update(q=att.q_norm, k=att.k_norm)
+        if any(type(n) not in (RMSNorm, OffsetRMSNorm) or n.weight.dtype != torch.float32 or n.eps != self.input_layernorm.eps
+               for n in norms.values()):
+            return None
+        linears = {"qkv": linear_calls(att.qkv), "o": linear_calls(att.o_proj), "gate_up": linear_calls(mlp.gate_up),
+                   "down": linear_calls(mlp.down_proj)}
+        if any(c is None for c in linears.values()):
+            return None
+        step = torch.classes.layerline_cpu.DecodeLayer(att.n_heads, att.n_kv_heads, att.head_dim,
+                                                       mlp.down_proj.in_features, att.scale,
+                                                       self.input_layernorm.eps, mlp.gelu, self.sandwich)
+        for name, n in norms.items():   # the weight the kernel multiplies by, as forward passes it
+            step.norm(name, 1.0 + n.weight.detach() if isinstance(n, OffsetRMSNorm) else n.weight.detach())
+        for name, calls in linears.items():
+            for kind, w, ints, bias in calls:
+                step.linear(name, kind, w.detach(), ints, None if bias is None else bias.detach())
+        return step if step.ready() else None
+
     def forward(self, x, cos, sin, pos, kv, view):
         a = self.self_attn(self.input_layernorm(x), cos, sin, pos, kv, view)
         if self.sandwich:
@@ -776,9 +835,12 @@ class Stage(nn.Module):
         self._cpp_wrapper = False  # whether _step's graphs call their kernels from C++
         self._first_step = True  # no compiled step has run yet
         self.compile_error: str | None = None  # why compiling failed (the stage then steps eagerly)
+        self.decode_steps = True  # eager fp32 one-token steps through each layer's C++ call where it has one
+        self._steps: list | None = None  # those calls once built ([] where a layer has none)
 
     def fuse(self) -> None:
         """Fuse each layer's q/k/v and gate/up projections (`FusedLinears`); after any load."""
+        self._steps = None
         for m in self.modules():
             if isinstance(m, FusedLinears):
                 m.fuse()
@@ -790,6 +852,7 @@ class Stage(nn.Module):
         parent = self.get_submodule(parent_path) if parent_path else self
         old = getattr(parent, name)
         setattr(parent, name, module)
+        self._steps = None
         for m in self.modules():
             if isinstance(m, (FusedLinears, SplitLinear)):
                 m.parts = [module if p is old else p for p in m.parts]
@@ -874,8 +937,16 @@ class Stage(nn.Module):
         rows = pos.unbind(0)  # each row group's positions [T]
         if views is ROWS_OP:
             views = dict.fromkeys(self.windows, ROWS_OP)
-        for i, layer in enumerate(self.layers.values()):
-            h = layer(h, *ropes[layer.rope], rows, kv[i] if kv is not None else None, views[layer.window])
+        steps = self._decode_steps(h, kv, views)
+        if steps is not None:  # each layer one C++ call: what it writes and attends, per row
+            b = h.shape[0]
+            at = {w: ([hi - 1 for _, hi, _ in v] * (b // len(v)), [lo for lo, _, _ in v] * (b // len(v)))
+                  for w, v in views.items()}
+            for i, (layer, step) in enumerate(zip(self.layers.values(), steps)):
+                h = step.step(h, *ropes[layer.rope], [k for k, _ in kv[i]], [v for _, v in kv[i]], *at[layer.window])
+        else:
+            for i, layer in enumerate(self.layers.values()):
+                h = layer(h, *ropes[layer.rope], rows, kv[i] if kv is not None else None, views[layer.window])
         if not self.last:
             return h
         if last_only:
@@ -884,6 +955,22 @@ class Stage(nn.Module):
         if self.args.final_softcap is not None:
             logits = torch.tanh(logits / self.args.final_softcap) * self.args.final_softcap
         return logits.float()
+
+    def _decode_steps(self, h: torch.Tensor, kv: list | None, views: dict) -> list | None:
+        """Each layer's `DecoderLayer.decode_step`, for an eager fp32 one-token step over caches
+        of fp32 on the CPU where every layer has one; else None (the modules' forward)."""
+        if (not self.decode_steps or kv is None or h.shape[1] != 1 or h.dtype != torch.float32
+                or h.device.type != "cpu" or ROWS_OP in views.values() or torch.compiler.is_compiling()
+                or kv[0][0][0].dtype != torch.float32):
+            return None
+        if self._steps is None:  # built once; fuse(), replace() and moves drop them
+            steps = [layer.decode_step() for layer in self.layers.values()]
+            self._steps = steps if all(s is not None for s in steps) else []
+        return self._steps or None
+
+    def _apply(self, fn, *args, **kwargs):
+        self._steps = None  # .to() and the like move the tensors the steps hold
+        return super()._apply(fn, *args, **kwargs)
 
     def tie_head(self) -> None:
         """Make the LM head share the embedding's tensors (tied embeddings, first and last stage)."""

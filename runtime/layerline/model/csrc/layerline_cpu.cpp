@@ -9,6 +9,7 @@
 #include "attention.h"
 #include "norm_rope.h"
 #include "gguf_blocks.h"
+#include "layer.h"
 
 namespace {
 
@@ -71,6 +72,12 @@ TORCH_LIBRARY(layerline_cpu, m) {
   m.def("gguf_repack_x8(Tensor raw, int type, int N, int K) -> Tensor");
   m.def("gguf_linear_q4(Tensor x, Tensor w, int N, int K, int kind, Tensor? bias=None) -> Tensor");
   m.def("gguf_linear_f32x(Tensor x, Tensor w, int N, int K, int type, Tensor? bias=None) -> Tensor");
+  m.class_<DecodeLayer>("DecodeLayer")
+      .def(torch::init<int64_t, int64_t, int64_t, int64_t, double, double, bool, bool>())
+      .def("norm", &DecodeLayer::norm)
+      .def("linear", &DecodeLayer::linear)
+      .def("ready", &DecodeLayer::ready)
+      .def("step", &DecodeLayer::step);
 }
 TORCH_LIBRARY_IMPL(layerline_cpu, CPU, m) {
   m.impl("linear_bf16", linear_bf16);
