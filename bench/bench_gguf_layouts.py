@@ -5,7 +5,7 @@
 
 For each file: two stages of the whole model in this process, one loaded with LAYERLINE_GGUF_OWN=off
 (every type through ggml's `vec_dot` or its 8-row GEMV) and one with the
-default (`gguf_blocks` layouts "int4" and "f32x"), then in turns each round: a `--prompt`-token prefill in chunks
+default (`gguf_blocks` layouts "int4" and "x16"), then in turns each round: a `--prompt`-token prefill in chunks
 of 128 and `--new` greedy decode steps. Prints the process CPU time of each (a loaded machine moves
 wall time far more than CPU time), medians over rounds, and own / ggml. The files come from
 bench_llamacpp.py (its model_file); no llama.cpp runs here.

@@ -4,9 +4,9 @@
 - Teacher-forced top-1 next-token agreement with the same file at fp32 (every tensor dequantized to
   float32; tests/processes/test_gemma3_gguf.py checks that path against transformers) over a few
   hundred tokens of plain English, every disagreement a near tie; figures printed. Gemma's matrices
-  run on layerline's f32x kernel (x unrounded): at least 0.97 (1.0 measured). SmolLM2's Q4_1 on the
+  run on layerline's x16 kernel (x unrounded): at least 0.97 (1.0 measured). SmolLM2's Q4_1 on the
   int4 kernel (x rounded to 8 bits a group of 32): at least 0.95 (0.972 measured); with
-  LAYERLINE_GGUF_OWN=exact (Q4_1 on f32x too) at least 0.97 (1.0 measured).
+  LAYERLINE_GGUF_OWN=exact (Q4_1 on x16 too) at least 0.97 (1.0 measured).
 - A stage holds the file's bytes: its weights (block buffers, once each, and float tensors) within
   15% of the file's tensor bytes for its tensors.
 - `layerline generate --local-stages 3 --precision gguf` on the Gemma file answers in words.

@@ -13,7 +13,7 @@ plus blocks of random bytes (every code pattern). Q4_0 / Q4_K are also checked r
 bytes come back exactly and the products agree with the same reference. Q4_0 / Q4_1 in layerline's int4
 layout (its own kernel, where it loads): the file's bytes come back exactly, and the products are checked
 against the float64 product of x quantized as that kernel does (int8 a group of 32, fp32 scale) and W
-decoded exactly from the blocks. Q8_0, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K in the "f32x" layout (layerline's
+decoded exactly from the blocks. Q8_0, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K in the "x16" layout (layerline's
 kernel): the file's bytes as they are, and the product against x itself (no 8-bit rounding of x),
 within a float32 summation's error.
 """
@@ -105,15 +105,27 @@ def int4_reference(raw: np.ndarray, name: str, x: torch.Tensor) -> tuple[np.ndar
     return xd @ w.T, np.abs(xd) @ np.abs(w).T
 
 
+def x16(x: torch.Tensor) -> np.ndarray:
+    """x as the x16 kernel holds it (csrc/x16.h's X16): each 32 values int16 codes of their largest
+    magnitude / 32767, in float64."""
+    xf = x.float().numpy()
+    g = xf.reshape(xf.shape[0], -1, 32)
+    amax = np.abs(g).max(-1, keepdims=True)
+    inv = np.float32(32767) / np.where(amax > 0, amax, np.float32(1))
+    codes = np.where(amax > 0, np.rint(g * inv), 0)
+    return (codes * (amax / np.float32(32767)).astype(np.float64)).reshape(xf.shape)
+
+
 def reference(bl: gguf_blocks.BlockLinear, raw: np.ndarray, x: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
     """The float64 product the kernel computes (ggml's: its quantized x, gguf's dequantized W) and its
     magnitude."""
     name, k = bl.type.name, bl.in_features
     if bl.layout == "int4":
         return int4_reference(raw, name, x)
-    if bl.layout == "f32x":  # x as it is, W dequantized: each term exact in fp32 but for W's own rounding
-        xd, w = x.double().numpy(), quants.dequantize(raw, qtype(name)).astype(np.float64)
-        return xd @ w.T, np.abs(xd) @ np.abs(w).T
+    if bl.layout == "x16":  # x at 16 bits a 32 values, W dequantized
+        xhat = x16(x)
+        w = quants.dequantize(raw, qtype(name)).astype(np.float64)
+        return xhat @ w.T, np.abs(xhat) @ np.abs(w).T
     w = quants.dequantize(raw, qtype(name)).astype(np.float64)
     xd, s = decode_x(bl.quantize_activations(x).numpy(), bl.type.dot_with, k)
     ref = xd @ w.T
@@ -130,6 +142,11 @@ def checked_product(bl: gguf_blocks.BlockLinear, raw: np.ndarray, x: torch.Tenso
     assert y.dtype == torch.float32 and y.shape == (x.shape[0], bl.out_features)
     ref, mag = reference(bl, raw, x)
     err = np.abs(y.numpy().astype(np.float64) - ref)
+    if bl.layout == "x16":  # the blocks' mins meet x's own sum, not its rounded one's: at most a row's
+        # largest weight times what the rounding moved x by
+        xhat = x16(x)
+        w = np.abs(quants.dequantize(raw, qtype(bl.type.name))).max(-1)
+        err = np.maximum(err - np.abs(xhat - x.double().numpy()).sum(-1, keepdims=True) * w[None, :], 0)
     assert (err <= 1e-5 * mag + 1e-6).all(), f"{what}: worst {err.max()} at magnitude {mag.max()}"
     return y, mag
 
@@ -266,14 +283,14 @@ def kernel_isa(request):
 
 
 @own_here
-@pytest.mark.parametrize("name", gguf_blocks.F32X_TYPES)
-def test_f32x_layout_keeps_the_blocks_and_multiplies_x_unrounded(name: str, kernel_isa: str) -> None:
+@pytest.mark.parametrize("name", gguf_blocks.X16_TYPES)
+def test_x16_layout_keeps_the_blocks_and_multiplies_x_at_16_bits(name: str, kernel_isa: str) -> None:
     rng = np.random.default_rng(9)
     n, k = 21, 768
     for raw in (make_blocks(name, rng.standard_normal((n, k)).astype(np.float32)), random_blocks(name, n, k, rng)):
         if name == "q8_0":
             raw[0, 2:34] = np.int8(-128).view(np.uint8)  # ggml's quantizer never writes -128; the format holds it
-        bl = gguf_blocks.BlockLinear(torch.from_numpy(raw.copy()), name, n, k, layout="f32x")
+        bl = gguf_blocks.BlockLinear(torch.from_numpy(raw.copy()), name, n, k, layout="x16")
         assert not bl.repacked and np.array_equal(bl.raw.numpy(), raw)
         assert np.array_equal(bl.stored().numpy(), raw)
         ids = torch.tensor([[5, 0], [20, 5]])
@@ -285,14 +302,14 @@ def test_f32x_layout_keeps_the_blocks_and_multiplies_x_unrounded(name: str, kern
             # ggml's vec_dot: the same blocks against x rounded to 8 bits
             assert (np.abs(y.numpy() - plain(x).numpy()) <= 0.02 * mag + 1e-4).all()
         assert torch.equal(bl(x)[7:8], bl(x[7:8])), "a row's result depends on the rows beside it"
-    other = gguf_blocks.BlockLinear(torch.from_numpy(raw[:3].copy()), name, 3, k, layout="f32x")
-    both = gguf_blocks.BlockLinear(torch.cat([bl.raw, other.raw]), name, n + 3, k, layout="f32x", packed=True)
+    other = gguf_blocks.BlockLinear(torch.from_numpy(raw[:3].copy()), name, 3, k, layout="x16")
+    both = gguf_blocks.BlockLinear(torch.cat([bl.raw, other.raw]), name, n + 3, k, layout="x16", packed=True)
     assert torch.equal(both(x), torch.cat([bl(x), other(x)], dim=-1))
 
 
 @own_here
 def test_layerline_gguf_own_picks_the_layouts(monkeypatch) -> None:
-    """on (unset): Q4_0 / Q4_1 on the int4 kernel, the other types on f32x; exact: every type on f32x;
+    """on (unset): Q4_0 / Q4_1 on the int4 kernel, the other types on x16; exact: every type on x16;
     off: ggml's; anything else: an error naming the variable."""
     rng = np.random.default_rng(10)
     raws = {name: random_blocks(name, 8, 256, rng) for name in ("q4_0", "q4_1", "q6_K", "q8_0")}
@@ -301,9 +318,9 @@ def test_layerline_gguf_own_picks_the_layouts(monkeypatch) -> None:
         return {name: gguf_blocks.BlockLinear(torch.from_numpy(raw.copy()), name, 8, 256).layout
                 for name, raw in raws.items()}
 
-    assert layouts() == {"q4_0": "int4", "q4_1": "int4", "q6_K": "f32x", "q8_0": "f32x"}
+    assert layouts() == {"q4_0": "int4", "q4_1": "int4", "q6_K": "x16", "q8_0": "x16"}
     monkeypatch.setenv("LAYERLINE_GGUF_OWN", "exact")
-    assert set(layouts().values()) == {"f32x"}
+    assert set(layouts().values()) == {"x16"}
     monkeypatch.setenv("LAYERLINE_GGUF_OWN", "off")
     assert set(layouts().values()) <= {"file", "x8"}
     monkeypatch.setenv("LAYERLINE_GGUF_OWN", "fast")

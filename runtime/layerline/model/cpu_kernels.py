@@ -188,7 +188,7 @@ def linear_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
 
 def ready() -> bool:
     """Whether the kernels are loaded and in use here (AVX2 or AVX-512), so the ops that need them
-    (`linear_int4`, `gguf_linear_q4`, `gguf_linear_f32x`) can run. Loads them (once) if nothing has yet."""
+    (`linear_int4`, `gguf_linear_q4`, `gguf_linear_x16`) can run. Loads them (once) if nothing has yet."""
     return load() and enabled()
 
 

@@ -12,15 +12,15 @@ layouts (`LAYOUTS`), each the file's bits (`stored()` gives its blocks back):
   groups' scales as the blocks hold them (Q4_1's fp16 (d, m), Q4_0's fp16 d), the same bytes
   regrouped, run by that kernel; x is quantized to int8 a group of 32 as for q8_0, with an fp32
   scale (ggml's is fp16). It costs less CPU than ggml's vec_dot (docs/kernels.md);
-- "f32x": Q8_0, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K (the rest of a Q4_K_M, Q5_K_M or Q8_0 file) where
-  layerline's CPU kernels load: the blocks as stored, run by layerline's kernel (csrc/f32x.h), which
-  multiplies them with x in fp32 rather than rounding x to 8 bits as ggml does: the fp32
-  reference's product;
+- "x16": Q8_0, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K (the rest of a Q4_K_M, Q5_K_M or Q8_0 file) where
+  layerline's CPU kernels load: the blocks as stored, run by layerline's kernel (csrc/x16.h), which
+  holds x at 16 bits a group of 32 (int16 codes of the group's largest magnitude) where ggml rounds
+  it to 8: within 1/65534 of each group's largest value of the fp32 reference's product;
 - "x8": Q4_K and Q4_0 where layerline's kernels do not load, repacked into ggml's 8-row
   interleaved layout for its x86 GEMV (`repack_x8`);
 - "file": the blocks as stored, run by ggml's vec_dot.
-`LAYERLINE_GGUF_OWN=exact` in the environment holds Q4_0 and Q4_1 in "f32x" too (no input rounded
-to 8 bits anywhere; their decode steps cost more CPU); `LAYERLINE_GGUF_OWN=off` keeps every type on
+`LAYERLINE_GGUF_OWN=exact` in the environment holds Q4_0 and Q4_1 in "x16" too (no input held at
+8 bits anywhere; their decode steps cost more CPU); `LAYERLINE_GGUF_OWN=off` keeps every type on
 ggml's kernels (`own_layout`).
 A row's result has the same bits whatever rows it is called with.
 
@@ -167,18 +167,18 @@ def _fn(name: str) -> int:
 REPACKED = {"q4_0": ("ggml_gemv_q4_0_8x8_q8_0", "ggml_gemm_q4_0_8x8_q8_0", "ggml_quantize_mat_q8_0_4x8"),
             "q4_K": ("ggml_gemv_q4_K_8x8_q8_K", "ggml_gemm_q4_K_8x8_q8_K", "ggml_quantize_mat_q8_K_4x8")}
 _repack_ok: dict[str, bool] = {}
-LAYOUTS = ("file", "x8", "int4", "f32x")
+LAYOUTS = ("file", "x8", "int4", "x16")
 # how csrc/layer.h's LayerLinear names each layout's kernel (its Kind)
-LAYOUT_KIND = {"int4": 0, "f32x": 1, "x8": 2, "file": 3}
+LAYOUT_KIND = {"int4": 0, "x16": 1, "x8": 2, "file": 3}
 # blocks of 32 four-bit codes and fp16 scales, layerline's int4 kernel's groups: gguf_linear_q4's reading of
 # a group's scales (csrc/int4.h Int4Kind)
 INT4_KIND = {"q4_1": 1, "q4_0": 2}
 INT4_TYPES = tuple(INT4_KIND)
-# the block types layerline's f32x kernel runs (csrc/f32x.h), and the layout each is held in by default
+# the block types layerline's x16 kernel runs (csrc/x16.h), and the layout each is held in by default
 # for layerline's own kernels: Q4_0 / Q4_1 on the int4 kernel, which costs less (docs/kernels.md)
-F32X_TYPES = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_K", "q5_K", "q6_K")
-OWN_LAYOUT = {t: "int4" if t in INT4_KIND else "f32x" for t in F32X_TYPES}
-# LAYERLINE_GGUF_OWN: "on" (OWN_LAYOUT), "exact" (every type f32x: no matrix's input rounded to 8
+X16_TYPES = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_K", "q5_K", "q6_K")
+OWN_LAYOUT = {t: "int4" if t in INT4_KIND else "x16" for t in X16_TYPES}
+# LAYERLINE_GGUF_OWN: "on" (OWN_LAYOUT), "exact" (every type x16: no matrix's input held at 8
 # bits), "off" (every type on ggml's kernels)
 OWN_MODES = ("on", "exact", "off")
 
@@ -215,20 +215,20 @@ def own_mode() -> str:
 
 
 def own_can(name: str, k: int, layout: str | None = None) -> bool:
-    """Whether layerline's kernel for `layout` ("int4" or "f32x"; default `OWN_LAYOUT`'s for `name`)
+    """Whether layerline's kernel for `layout` ("int4" or "x16"; default `OWN_LAYOUT`'s for `name`)
     can run rows of k `name` weights here."""
     layout = layout or OWN_LAYOUT.get(name)
-    types = INT4_TYPES if layout == "int4" else F32X_TYPES if layout == "f32x" else ()
+    types = INT4_TYPES if layout == "int4" else X16_TYPES if layout == "x16" else ()
     return (name in types and k % (64 if layout == "int4" else BLOCK_TYPES[name].block) == 0
             and cpu_kernels.ready())
 
 
 def own_layout(name: str, k: int) -> str | None:
     """The layout of layerline's own kernel that rows of k `name` weights are held in by default
-    (`own_mode`): `OWN_LAYOUT`'s, "f32x" under "exact"; None (ggml's kernels) under "off" or where
+    (`own_mode`): `OWN_LAYOUT`'s, "x16" under "exact"; None (ggml's kernels) under "off" or where
     it cannot run here."""
     mode = own_mode()
-    layout = None if mode == "off" else "f32x" if mode == "exact" else OWN_LAYOUT.get(name)
+    layout = None if mode == "off" else "x16" if mode == "exact" else OWN_LAYOUT.get(name)
     return layout if layout is not None and own_can(name, k, layout) else None
 
 
@@ -291,7 +291,7 @@ class BlockLinear:
     """x @ W.T over W's stored GGUF blocks: raw uint8 [out_features * row_bytes] (any shape with
     that many bytes, rows in file order), computed in float32 by layerline's or ggml's kernels.
 
-    layout: None (default) picks layerline's own kernel's (`own_layout`: "int4" for q4_0 / q4_1, "f32x" for
+    layout: None (default) picks layerline's own kernel's (`own_layout`: "int4" for q4_0 / q4_1, "x16" for
     the other types) where it runs, else "x8" for q4_0 / q4_K
     where ggml's 8-row kernels pass `repack_works`, else "file"; a name forces it. batch_invariant
     (default): each row's result has the same bits whatever rows it is called with (False lets 4-row
@@ -329,8 +329,8 @@ class BlockLinear:
         if layout == "x8" and not can:
             raise ValueError(f"BlockLinear: no repacked kernel for {bt.name} with {out_features} rows "
                              f"(types {', '.join(REPACKED)}, rows a multiple of 8)")
-        if layout in ("int4", "f32x") and not own_can(bt.name, in_features, layout):
-            types = INT4_TYPES if layout == "int4" else F32X_TYPES
+        if layout in ("int4", "x16") and not own_can(bt.name, in_features, layout):
+            types = INT4_TYPES if layout == "int4" else X16_TYPES
             raise ValueError(f"BlockLinear: no {layout} kernel for {bt.name} rows of {in_features} weights here "
                              f"({', '.join(types)}; int4 a multiple of 64 weights; layerline's CPU kernels "
                              f"{cpu_kernels.status()})")
@@ -341,10 +341,10 @@ class BlockLinear:
             self.raw = raw if packed else torch.from_numpy(to_int4(raw.numpy(), bt.name, out_features, in_features))
             self._args = (out_features, in_features, INT4_KIND[bt.name])
             self._op = torch.ops.layerline_cpu.gguf_linear_q4
-        elif layout == "f32x":
+        elif layout == "x16":
             self.raw = raw
             self._args = (out_features, in_features, bt.id)
-            self._op = torch.ops.layerline_cpu.gguf_linear_f32x
+            self._op = torch.ops.layerline_cpu.gguf_linear_x16
         elif layout == "x8":
             gemv, gemm, quant4 = (_fn(f) for f in REPACKED[bt.name])
             self.raw = raw if packed else torch.ops.layerline_cpu.gguf_repack_x8(raw, bt.id, out_features,
@@ -363,7 +363,7 @@ class BlockLinear:
     @property
     def repacked(self) -> bool:
         """Held in a layout of a kernel's, not the file's (`stored()` converts back)."""
-        return self.layout in ("x8", "int4")  # "f32x" holds the file's bytes as they are
+        return self.layout in ("x8", "int4")  # "x16" holds the file's bytes as they are
 
     @property
     def stored_bytes(self) -> int:

@@ -9,7 +9,7 @@
 
 #include "common.h"
 #include "attention.h"
-#include "f32x.h"
+#include "x16.h"
 #include "gguf_blocks.h"
 #include "int4.h"
 #include "norm_rope.h"
@@ -19,7 +19,7 @@ namespace {
 // A linear layer as its module calls it: a GGUF block kernel by layout (the args are
 // gguf_blocks.BlockLinear's) or, for a matrix held as floats, at::linear. y in x's dtype.
 struct LayerLinear {
-  enum Kind : int64_t { Q4 = 0, F32X = 1, X8 = 2, FILE = 3, DENSE = 4 };
+  enum Kind : int64_t { Q4 = 0, X16 = 1, X8 = 2, FILE = 3, DENSE = 4 };
   int64_t kind = DENSE;
   at::Tensor w;
   std::vector<int64_t> a;
@@ -27,7 +27,7 @@ struct LayerLinear {
 
   static size_t args_of(int64_t kind) {
     switch (kind) {
-      case Q4: case F32X: return 3;
+      case Q4: case X16: return 3;
       case X8: return 8;
       case FILE: return 6;
       case DENSE: return 0;
@@ -39,7 +39,7 @@ struct LayerLinear {
     at::Tensor y;
     switch (kind) {
       case Q4: y = gguf_linear_q4(x, w, a[0], a[1], a[2], bias); break;
-      case F32X: y = gguf_linear_f32x(x, w, a[0], a[1], a[2], bias); break;
+      case X16: y = gguf_linear_x16(x, w, a[0], a[1], a[2], bias); break;
       case X8: y = gguf_linear_x8(x, w, a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], bias); break;
       case FILE: y = gguf_linear(x, w, a[0], a[1], a[2], a[3], a[4], a[5], bias); break;
       default: y = at::linear(x, w, bias);

@@ -5,7 +5,7 @@
 #include "simd.h"
 #include "linear.h"
 #include "int4.h"
-#include "f32x.h"
+#include "x16.h"
 #include "attention.h"
 #include "norm_rope.h"
 #include "gguf_blocks.h"
@@ -43,7 +43,7 @@ at::Tensor gguf_linear_q4_meta(const at::Tensor& x, const at::Tensor&, int64_t N
   sizes.back() = N;
   return at::empty(sizes, x.options().dtype(at::kFloat));
 }
-at::Tensor gguf_linear_f32x_meta(const at::Tensor& x, const at::Tensor& w, int64_t N, int64_t K, int64_t,
+at::Tensor gguf_linear_x16_meta(const at::Tensor& x, const at::Tensor& w, int64_t N, int64_t K, int64_t,
                                  const c10::optional<at::Tensor>& bias) {
   return gguf_linear_q4_meta(x, w, N, K, 0, bias);
 }
@@ -71,7 +71,7 @@ TORCH_LIBRARY(layerline_cpu, m) {
         "int quant4, int from_float, Tensor? bias=None) -> Tensor");
   m.def("gguf_repack_x8(Tensor raw, int type, int N, int K) -> Tensor");
   m.def("gguf_linear_q4(Tensor x, Tensor w, int N, int K, int kind, Tensor? bias=None) -> Tensor");
-  m.def("gguf_linear_f32x(Tensor x, Tensor w, int N, int K, int type, Tensor? bias=None) -> Tensor");
+  m.def("gguf_linear_x16(Tensor x, Tensor w, int N, int K, int type, Tensor? bias=None) -> Tensor");
   m.class_<DecodeLayer>("DecodeLayer")
       .def(torch::init<int64_t, int64_t, int64_t, int64_t, double, double, bool, bool>())
       .def("norm", &DecodeLayer::norm)
@@ -90,7 +90,7 @@ TORCH_LIBRARY_IMPL(layerline_cpu, CPU, m) {
   m.impl("gguf_linear_x8", gguf_linear_x8);
   m.impl("gguf_repack_x8", gguf_repack_x8);
   m.impl("gguf_linear_q4", gguf_linear_q4);
-  m.impl("gguf_linear_f32x", gguf_linear_f32x);
+  m.impl("gguf_linear_x16", gguf_linear_x16);
 }
 TORCH_LIBRARY_IMPL(layerline_cpu, Meta, m) {
   m.impl("linear_bf16", linear_bf16_meta);
@@ -101,5 +101,5 @@ TORCH_LIBRARY_IMPL(layerline_cpu, Meta, m) {
   m.impl("gguf_linear", gguf_linear_meta);
   m.impl("gguf_linear_x8", gguf_linear_x8_meta);
   m.impl("gguf_linear_q4", gguf_linear_q4_meta);
-  m.impl("gguf_linear_f32x", gguf_linear_f32x_meta);
+  m.impl("gguf_linear_x16", gguf_linear_x16_meta);
 }

@@ -1,0 +1,318 @@
+// GGUF rows as the file stores them (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K blocks) against x
+// held at 16 bits: each 32 values of x as int16 codes of one fp32 scale (XHeld). A block's codes are
+// widened to int16 in registers and their products with x's codes summed exactly in int32, then
+// scaled in fp32 by the block's scale times x's (less the block's min times x's fp32 sum): the fp32
+// reference's product within 1/65534 of each group's largest x. ggml's vec_dot rounds x to 8 bits,
+// which moves near-tied tokens (Gemma 3 270M Q4_K_M's top-1 agreement with fp32: 0.954 with that
+// rounding, 1.0 with this; docs/models.md). Each (row, x row) sum runs over k in one order for any
+// tile, so a row's bits do not depend on M or on the split over threads.
+#pragma once
+
+#include "common.h"
+
+namespace {
+
+constexpr int64_t PF8 = 8192;  // bytes ahead a row's stream is asked for (a cold 170 MB head: 1.27x faster than none)
+
+#define X16_DECODE __attribute__((target("avx2,fma,f16c"), always_inline)) static inline
+
+X16_DECODE float fp16_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+// 32 weights of a block, weight i = (i < 16 ? s0 : s1) * code[i] - mn, codes as int8
+struct Sub {
+  __m256i code;
+  float s0, s1, mn;
+};
+
+X16_DECODE __m256i load32(const uint8_t* p) { return _mm256_loadu_si256((const __m256i*)p); }
+
+// low nibbles of 16 bytes as codes 0-15, then their high nibbles as codes 16-31 (Q5_0 / Q5_1 order)
+X16_DECODE __m256i nibbles16(const uint8_t* p) {
+  const __m128i q = _mm_loadu_si128((const __m128i*)p);
+  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), _mm256_set1_epi8(0x0F));
+}
+
+// the low (hi = false) or high nibbles of 32 bytes (Q4_K / Q5_K / Q6_K order)
+X16_DECODE __m256i nibbles32(const uint8_t* p, bool hi) {
+  const __m256i v = load32(p);
+  return _mm256_and_si256(hi ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(0x0F));
+}
+
+// byte i = 0x10 where bit i of qh is set (Q5_0 / Q5_1's fifth bits)
+X16_DECODE __m256i fifth_bits(const uint8_t* p) {
+  uint32_t qh;
+  std::memcpy(&qh, p, 4);
+  const __m256i byte_of = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                           2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+  const __m256i bit = _mm256_set1_epi64x(0x8040201008040201LL);
+  const __m256i v = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)qh), byte_of), bit);
+  return _mm256_and_si256(_mm256_cmpeq_epi8(v, bit), _mm256_set1_epi8(0x10));
+}
+
+// Q4_K / Q5_K's 6-bit scale and min of sub-block j (ggml's get_scale_min_k4)
+X16_DECODE void scale_min_k4(int j, const uint8_t* q, int& sc, int& m) {
+  if (j < 4) {
+    sc = q[j] & 63;
+    m = q[j + 4] & 63;
+  } else {
+    sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+    m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+// One struct a block type: QK weights and BYTES bytes a block, sub(block, s) its s-th 32 weights
+struct Q8_0B {
+  static constexpr int64_t QK = 32, BYTES = 34; static constexpr bool MIN = false;
+  X16_DECODE Sub sub(const uint8_t* b, int) {
+    const float d = fp16_at(b);
+    return {load32(b + 2), d, d, 0.f};
+  }
+};
+struct Q4_0B {  // fp16 d, 16 bytes of nibbles; codes less 8
+  static constexpr int64_t QK = 32, BYTES = 18; static constexpr bool MIN = false;
+  X16_DECODE Sub sub(const uint8_t* b, int) {
+    const float d = fp16_at(b);
+    return {_mm256_sub_epi8(nibbles16(b + 2), _mm256_set1_epi8(8)), d, d, 0.f};
+  }
+};
+struct Q4_1B {  // fp16 d and m, nibbles; weight = d * code + m
+  static constexpr int64_t QK = 32, BYTES = 20; static constexpr bool MIN = true;
+  X16_DECODE Sub sub(const uint8_t* b, int) {
+    const float d = fp16_at(b);
+    return {nibbles16(b + 4), d, d, -fp16_at(b + 2)};
+  }
+};
+struct Q5_0B {  // fp16 d, 32 fifth bits, 16 bytes of nibbles; codes less 16
+  static constexpr int64_t QK = 32, BYTES = 22; static constexpr bool MIN = false;
+  X16_DECODE Sub sub(const uint8_t* b, int) {
+    const float d = fp16_at(b);
+    const __m256i c = _mm256_or_si256(nibbles16(b + 6), fifth_bits(b + 2));
+    return {_mm256_sub_epi8(c, _mm256_set1_epi8(16)), d, d, 0.f};
+  }
+};
+struct Q5_1B {  // fp16 d and m, fifth bits, nibbles; weight = d * code + m
+  static constexpr int64_t QK = 32, BYTES = 24; static constexpr bool MIN = true;
+  X16_DECODE Sub sub(const uint8_t* b, int) {
+    const float d = fp16_at(b);
+    return {_mm256_or_si256(nibbles16(b + 8), fifth_bits(b + 4)), d, d, -fp16_at(b + 2)};
+  }
+};
+struct Q4_KB {  // fp16 d and dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles
+  static constexpr int64_t QK = 256, BYTES = 144; static constexpr bool MIN = true;
+  X16_DECODE Sub sub(const uint8_t* b, int s) {
+    int sc, m;
+    scale_min_k4(s, b + 4, sc, m);
+    const float d = fp16_at(b) * sc;
+    return {nibbles32(b + 16 + 32 * (s / 2), s & 1), d, d, fp16_at(b + 2) * m};
+  }
+};
+struct Q5_KB {  // Q4_K's head, then 32 bytes of fifth bits (bit s of byte l: weight l of sub-block s), then nibbles
+  static constexpr int64_t QK = 256, BYTES = 176; static constexpr bool MIN = true;
+  X16_DECODE Sub sub(const uint8_t* b, int s) {
+    int sc, m;
+    scale_min_k4(s, b + 4, sc, m);
+    const float d = fp16_at(b) * sc;
+    const __m256i hi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(load32(b + 16), s), _mm256_set1_epi8(1)), 4);
+    return {_mm256_or_si256(nibbles32(b + 48 + 32 * (s / 2), s & 1), hi), d, d, fp16_at(b + 2) * m};
+  }
+};
+struct Q6_KB {  // 128 bytes of low nibbles, 64 of 2-bit highs, 16 int8 scales (one per 16 weights), fp16 d; codes less 32
+  static constexpr int64_t QK = 256, BYTES = 210; static constexpr bool MIN = false;
+  X16_DECODE Sub sub(const uint8_t* b, int s) {
+    const int h = s / 4, t = s % 4;  // a half of 128 weights holds 4 sub-blocks: ql's low nibbles, then the next 32 bytes', then high
+    const __m256i lo = nibbles32(b + 64 * h + 32 * (t & 1), t >= 2);
+    const __m256i hi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(load32(b + 128 + 32 * h), 2 * t),
+                                                          _mm256_set1_epi8(3)), 4);
+    const int8_t* sc = (const int8_t*)(b + 192) + 8 * h + 2 * t;
+    const float d = fp16_at(b + 208);
+    return {_mm256_sub_epi8(_mm256_or_si256(lo, hi), _mm256_set1_epi8(32)), d * sc[0], d * sc[1], 0.f};
+  }
+};
+
+// x held for the tiles: each 32 values as int16 codes of one scale (their largest magnitude over
+// 32767: a relative step 1/65534 of it, 256 times finer than ggml's q8 x) and their fp32 sum
+// (for the blocks' mins)
+struct XHeld {
+  at::Tensor q, d, sum;
+  XHeld(const at::Tensor& x2, int64_t M, int64_t K)
+      : q(at::empty({M, K}, at::kShort)), d(at::empty({M, K / 32}, at::kFloat)), sum(at::empty({M, K / 32}, at::kFloat)) {
+    const float* X = x2.data_ptr<float>();
+    int16_t* Q = q.data_ptr<int16_t>();
+    float *D = d.data_ptr<float>(), *S = sum.data_ptr<float>();
+    for (int64_t g = 0; g < M * K / 32; ++g) {
+      const float* xg = X + 32 * g;
+      float amax = 0.f, total = 0.f;
+      for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(xg[i])), total += xg[i];
+      const float inv = amax > 0.f ? 32767.f / amax : 0.f;
+      for (int i = 0; i < 32; ++i) Q[32 * g + i] = (int16_t)std::nearbyint(xg[i] * inv);
+      D[g] = std::isnan(total) ? total : amax / 32767.f;  // a NaN in x stays one in y (an inf does: 0 * inf)
+      S[g] = total;
+    }
+  }
+};
+
+// y = sum over each 32 weights of (s * codes . xq) * dx, less mn * sum(x): the codes' products with
+// x's int16 codes are exact in int32 (|code| <= 128, two products a lane), then one fp32 FMA per 16
+// of them, where fp32 weights took a conversion and an FMA per 16 weights besides (docs/kernels.md)
+template <class B>
+struct X16Tiles {
+  static constexpr int64_t SUBS = B::QK / 32;
+
+  template <int R, int MB>
+  struct Tile512 {
+    __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
+    static void run(const uint8_t* w, int64_t rb, const int16_t* xq, const float* xd, const float* xs, int64_t K,
+                    int64_t N, float* y) {
+      const int64_t G = K / 32;
+      __m512 acc[R][MB];
+      float mins[R][MB];
+      for (int r = 0; r < R; ++r)
+        for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_setzero_ps(), mins[r][m] = 0.f;
+      for (int64_t b = 0, nb = K / B::QK; b < nb; ++b) {
+        for (int r = 0; r < R; ++r) {
+          const uint8_t* blk = w + r * rb + b * B::BYTES;
+          if (PF8) for (int64_t o = 0; o < B::BYTES; o += 64) _mm_prefetch((const char*)blk + PF8 + o, _MM_HINT_T0);
+          for (int s = 0; s < SUBS; ++s) {
+            const Sub u = B::sub(blk, s);
+            const int64_t g = b * SUBS + s;
+            const __m512i c = _mm512_cvtepi8_epi16(u.code);  // lanes 0-7 sum weights 0-15 (s0), 8-15 the rest (s1)
+            for (int m = 0; m < MB; ++m) {
+              const float dx = xd[m * G + g];
+              const __m512 sc = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(u.s0 * dx), _mm512_set1_ps(u.s1 * dx));
+              const __m512i p = _mm512_madd_epi16(c, _mm512_loadu_si512(xq + m * K + 32 * g));
+              acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), sc, acc[r][m]);
+              if (B::MIN) mins[r][m] += u.mn * xs[m * G + g];
+            }
+          }
+        }
+      }
+      for (int r = 0; r < R; ++r)
+        for (int m = 0; m < MB; ++m) y[m * N + r] = _mm512_reduce_add_ps(acc[r][m]) - mins[r][m];
+    }
+  };
+
+  template <int R, int MB>
+  struct TileAvx2 {
+    __attribute__((target("avx2,fma,f16c")))
+    static void run(const uint8_t* w, int64_t rb, const int16_t* xq, const float* xd, const float* xs, int64_t K,
+                    int64_t N, float* y) {
+      const int64_t G = K / 32;
+      __m256 acc[R][MB][2];  // a sub-block's two halves of 16 weights (s0's, s1's)
+      float mins[R][MB];
+      for (int r = 0; r < R; ++r)
+        for (int m = 0; m < MB; ++m) acc[r][m][0] = acc[r][m][1] = _mm256_setzero_ps(), mins[r][m] = 0.f;
+      for (int64_t b = 0, nb = K / B::QK; b < nb; ++b) {
+        for (int r = 0; r < R; ++r) {
+          const uint8_t* blk = w + r * rb + b * B::BYTES;
+          if (PF8) for (int64_t o = 0; o < B::BYTES; o += 64) _mm_prefetch((const char*)blk + PF8 + o, _MM_HINT_T0);
+          for (int s = 0; s < SUBS; ++s) {
+            const Sub u = B::sub(blk, s);
+            const int64_t g = b * SUBS + s;
+            const __m256i c[2] = {_mm256_cvtepi8_epi16(_mm256_castsi256_si128(u.code)),
+                                  _mm256_cvtepi8_epi16(_mm256_extracti128_si256(u.code, 1))};
+            for (int m = 0; m < MB; ++m) {
+              const float dx = xd[m * G + g];
+              const int16_t* xm = xq + m * K + 32 * g;
+              for (int h = 0; h < 2; ++h) {
+                const __m256i p = _mm256_madd_epi16(c[h], _mm256_loadu_si256((const __m256i*)(xm + 16 * h)));
+                acc[r][m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps((h ? u.s1 : u.s0) * dx), acc[r][m][h]);
+              }
+              if (B::MIN) mins[r][m] += u.mn * xs[m * G + g];
+            }
+          }
+        }
+      }
+      for (int r = 0; r < R; ++r)
+        for (int m = 0; m < MB; ++m) {
+          const __m256 a = _mm256_add_ps(acc[r][m][0], acc[r][m][1]);
+          __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+          s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+          y[m * N + r] = _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s))) - mins[r][m];
+        }
+    }
+  };
+
+  template <template <int, int> class Tile, int R, int MB>
+  static void rows(const uint8_t* w, int64_t rb, const int16_t* xq, const float* xd, const float* xs, int64_t K,
+                   int64_t N, int64_t n0, int64_t n1, float* y) {
+    int64_t n = n0;
+    for (; n + R <= n1; n += R) Tile<R, MB>::run(w + n * rb, rb, xq, xd, xs, K, N, y + n);
+    for (; n < n1; ++n) Tile<1, MB>::run(w + n * rb, rb, xq, xd, xs, K, N, y + n);
+  }
+
+  // rows [n0, n1) of W against x [M, K], x in chunks of up to 4 rows: the task's rows of W stay in cache
+  static void run(const uint8_t* W, int64_t rb, const XHeld& x, int64_t K, int64_t M, int64_t N, int64_t n0,
+                  int64_t n1, float* Y) {
+    const int64_t G = K / 32;
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {
+      const int16_t* xq = x.q.data_ptr<int16_t>() + m0 * K;
+      const float* xd = x.d.data_ptr<float>() + m0 * G;
+      const float* xs = x.sum.data_ptr<float>() + m0 * G;
+      float* ym = Y + m0 * N;
+      const int64_t mb = std::min<int64_t>(4, M - m0);
+      // one row of x: one row of W at a time, a single sequential stream (4 rows' interleaved streams
+      // read a cold 170 MB head at half ggml's rate on Zen 4)
+      if (g_isa == 2) switch (mb) {
+        case 1: rows<Tile512, 1, 1>(W, rb, xq, xd, xs, K, N, n0, n1, ym); break;
+        case 2: rows<Tile512, 4, 2>(W, rb, xq, xd, xs, K, N, n0, n1, ym); break;
+        case 3: rows<Tile512, 2, 3>(W, rb, xq, xd, xs, K, N, n0, n1, ym); break;
+        default: rows<Tile512, 2, 4>(W, rb, xq, xd, xs, K, N, n0, n1, ym);
+      } else switch (mb) {  // AVX2's 16 registers: fewer sums a tile
+        case 1: rows<TileAvx2, 1, 1>(W, rb, xq, xd, xs, K, N, n0, n1, ym); break;
+        case 2: rows<TileAvx2, 2, 2>(W, rb, xq, xd, xs, K, N, n0, n1, ym); break;
+        case 3: rows<TileAvx2, 1, 3>(W, rb, xq, xd, xs, K, N, n0, n1, ym); break;
+        default: rows<TileAvx2, 1, 4>(W, rb, xq, xd, xs, K, N, n0, n1, ym);
+      }
+    }
+  }
+};
+
+// x [..., K] (any float dtype, taken as fp32) against N rows of blocks of ggml type `type` (its
+// GGUF type id: 2 Q4_0, 3 Q4_1, 6 Q5_0, 7 Q5_1, 8 Q8_0, 12 Q4_K, 13 Q5_K, 14 Q6_K), uint8 [N, row bytes]; y in
+// fp32, as ggml's ops give it
+at::Tensor gguf_linear_x16(const at::Tensor& x, const at::Tensor& w, int64_t N, int64_t K, int64_t type,
+                            const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(g_isa > 0, "layerline_cpu: no kernel for this CPU (AVX2 + FMA or AVX-512 BF16 needed)");
+  using Run = void (*)(const uint8_t*, int64_t, const XHeld&, int64_t, int64_t, int64_t, int64_t, int64_t, float*);
+  int64_t qk = 0, bytes = 0;
+  Run run = nullptr;
+  auto pick = [&](auto b) {
+    using B = decltype(b);
+    qk = B::QK, bytes = B::BYTES, run = &X16Tiles<B>::run;
+  };
+  switch (type) {
+    case 2: pick(Q4_0B{}); break;
+    case 3: pick(Q4_1B{}); break;
+    case 8: pick(Q8_0B{}); break;
+    case 6: pick(Q5_0B{}); break;
+    case 7: pick(Q5_1B{}); break;
+    case 12: pick(Q4_KB{}); break;
+    case 13: pick(Q5_KB{}); break;
+    case 14: pick(Q6_KB{}); break;
+    default: TORCH_CHECK(false, "gguf_linear_x16: no kernel for GGUF type ", type, " (2, 3, 6, 7, 8, 12, 13, 14)");
+  }
+  TORCH_CHECK(x.device().is_cpu() && x.size(-1) == K && K % qk == 0,
+              "gguf_linear_x16: x must be a CPU tensor [..., K], K a multiple of ", qk);
+  const int64_t rb = K / qk * bytes;
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.numel() == N * rb,
+              "gguf_linear_x16: w must be contiguous uint8 [N, ", rb, "]");
+  TORCH_CHECK(!bias.has_value() || !bias->defined() || bias->numel() == N, "gguf_linear_x16: one bias per row");
+  const at::Tensor xf = x.to(at::kFloat);
+  const at::Tensor x2 = xf.reshape({-1, K}).contiguous();
+  const int64_t M = x2.size(0);
+  Out out(xf, M, N, at::kFloat, bias);
+  const uint8_t* W = w.data_ptr<uint8_t>();
+  const XHeld X(x2, M, K);
+  float* Y = out.sums.data_ptr<float>();
+  over_rows(N, K, [&](int64_t n0, int64_t n1) {
+    run(W, rb, X, K, M, N, n0, n1, Y);
+    out.store_rows<float>(M, N, n0, n1, nullptr, nullptr);
+  });
+  return out.y;
+}
+
+}  // namespace
