@@ -249,12 +249,12 @@ at::Tensor int4_matmul(const at::Tensor& x, const uint8_t* W, int64_t ws, const 
       float* ym = Y + m0 * N;
       const int64_t mb = std::min<int64_t>(4, M - m0);
       if (g_isa == 2) switch (mb) {
-        case 1: int4_rows<Int4Tile, 4, 1, KIND>(W, ws, SZ, ss, xm, dm, sm, K, N, n0, n1, ym); break;
+        case 1: int4_rows<Int4Tile, 1, 1, KIND>(W, ws, SZ, ss, xm, dm, sm, K, N, n0, n1, ym); break;
         case 2: int4_rows<Int4Tile, 4, 2, KIND>(W, ws, SZ, ss, xm, dm, sm, K, N, n0, n1, ym); break;
         case 3: int4_rows<Int4Tile, 2, 3, KIND>(W, ws, SZ, ss, xm, dm, sm, K, N, n0, n1, ym); break;
         default: int4_rows<Int4Tile, 2, 4, KIND>(W, ws, SZ, ss, xm, dm, sm, K, N, n0, n1, ym);
       } else switch (mb) {  // AVX2's 16 registers: fewer sums a tile
-        case 1: int4_rows<Int4Avx2Tile, 2, 1, KIND>(W, ws, SZ, ss, xm, dm, sm, K, N, n0, n1, ym); break;
+        case 1: int4_rows<Int4Avx2Tile, 1, 1, KIND>(W, ws, SZ, ss, xm, dm, sm, K, N, n0, n1, ym); break;
         case 2: int4_rows<Int4Avx2Tile, 2, 2, KIND>(W, ws, SZ, ss, xm, dm, sm, K, N, n0, n1, ym); break;
         case 3: int4_rows<Int4Avx2Tile, 1, 3, KIND>(W, ws, SZ, ss, xm, dm, sm, K, N, n0, n1, ym); break;
         default: int4_rows<Int4Avx2Tile, 1, 4, KIND>(W, ws, SZ, ss, xm, dm, sm, K, N, n0, n1, ym);
