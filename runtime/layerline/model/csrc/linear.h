@@ -160,8 +160,8 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::opti
   auto X = reinterpret_cast<const uint16_t*>(x2.data_ptr<at::BFloat16>());
   float* Y = out.sums.data_ptr<float>();
   over_rows(N, K, [&](int64_t n0, int64_t n1) {
-    if (g_isa == 2) tiles<Bf16Tile, 4, 4, 2, 2>(W, X, K, M, N, n0, n1, Y);
-    else tiles<Bf16Avx2Tile, 4, 2, 2, 1>(W, X, K, M, N, n0, n1, Y);
+    if (g_isa == 2) tiles<Bf16Tile, 1, 4, 2, 2>(W, X, K, M, N, n0, n1, Y);
+    else tiles<Bf16Avx2Tile, 1, 2, 2, 1>(W, X, K, M, N, n0, n1, Y);
     out.store_rows<float>(M, N, n0, n1, nullptr, nullptr);
   });
   return out.y;
@@ -190,8 +190,8 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   int32_t* Y = out.sums.data_ptr<int32_t>();
   const float* S = sc.data_ptr<float>();
   over_rows(N, K, [&](int64_t n0, int64_t n1) {
-    if (g_isa == 2) tiles<Int8Tile, 4, 4, 4, 2>(W, X, K, M, N, n0, n1, Y);
-    else tiles<Int8Avx2Tile, 4, 2, 2, 1>(W, X, K, M, N, n0, n1, Y);
+    if (g_isa == 2) tiles<Int8Tile, 1, 4, 4, 2>(W, X, K, M, N, n0, n1, Y);
+    else tiles<Int8Avx2Tile, 1, 2, 2, 1>(W, X, K, M, N, n0, n1, Y);
     out.store_rows<int32_t>(M, N, n0, n1, xs.data(), S);
   });
   return out.y;
