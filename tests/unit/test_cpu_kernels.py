@@ -4,7 +4,8 @@ layers of 1-8 rows (int4: any) agree with a float64 product, with and without bi
 are not a multiple of the kernels' blocks and K that is 32 times an odd number; a row's result is
 bit for bit the same whatever else is in the call and whatever the thread count (a greedy request's
 tokens do not depend on its batch). More than 8 rows, fp32, or K not a multiple of 32 go to torch's
-kernels. A bf16 and an int8 stage decode with them to logits close to torch's kernels'. Where they
+kernels. A bf16 and an int8 stage decode with them to logits close to torch's kernels'; an fp32
+stage steps each layer as one call (`DecodeLayer`), through its modules once the kernels are off. Where they
 cannot be built (no compiler, `LAYERLINE_CPU_KERNELS=off`) a stage still loads and decodes, and
 `status()` says why.
 """
@@ -307,3 +308,38 @@ def test_without_a_compiler_a_stage_decodes_with_torchs_kernels_and_says_why(tmp
     assert out["status"] == "off: LAYERLINE_CPU_KERNELS=off" and out["finite"]
     out = _status_in_subprocess(tmp_path, LAYERLINE_CPU_KERNELS="sse9")
     assert out["status"].startswith("off: LAYERLINE_CPU_KERNELS=sse9: not auto, off") and out["finite"]
+
+
+def test_an_fp32_stage_steps_each_layer_in_one_call_and_without_kernels_through_its_modules(tmp_path, isa,
+                                                                                            monkeypatch):
+    """An fp32 stage's one-token steps go through each layer's `DecodeLayer` (the same bits as its
+    modules); with the kernels turned off after those were built, through the modules again."""
+    from layerline.checkpoint import write_demo_checkpoint
+    from layerline.model.loader import load_stage
+    ck = str(write_demo_checkpoint(tmp_path / "m", layers=2, hidden=256, vocab=512, dtype="float32"))
+    stage = load_stage(ck, 0, 2, True, True, "fp32")
+    ids = torch.tensor([[5, 17, 3, 99, 42]])
+
+    def decode(steps: bool):
+        stage.decode_steps = steps
+        cache = stage.new_cache(2, 16)
+        out = [stage(ids.expand(2, -1), 0, cache)[:, -1]]
+        out += [stage(torch.tensor([[7 + i], [9 + i]]), 5 + i, cache)[:, -1] for i in range(3)]
+        return torch.stack(out)
+
+    from layerline.model.llama import DecoderLayer
+    forwards = []
+    module_forward = DecoderLayer.forward
+    monkeypatch.setattr(DecoderLayer, "forward", lambda self, x, *a: forwards.append(x.shape[1]) or
+                        module_forward(self, x, *a))
+    ours = decode(True)
+    assert stage._steps and forwards == [5, 5]  # the prefill through the modules, the steps not
+    assert torch.equal(ours, decode(False)) and forwards[2:] == [5, 5] + [1, 1] * 3
+    forwards.clear()
+    cpu_kernels.use_isa("off")
+    try:
+        theirs = decode(True)  # the steps built before stand aside: torch's ops, through the modules
+    finally:
+        cpu_kernels.use_isa(isa)
+    assert forwards == [5, 5] + [1, 1] * 3
+    _close(ours, theirs.double(), 1e-4)

@@ -961,7 +961,7 @@ class Stage(nn.Module):
         of fp32 on the CPU where every layer has one; else None (the modules' forward)."""
         if (not self.decode_steps or kv is None or h.shape[1] != 1 or h.dtype != torch.float32
                 or h.device.type != "cpu" or ROWS_OP in views.values() or torch.compiler.is_compiling()
-                or kv[0][0][0].dtype != torch.float32):
+                or kv[0][0][0].dtype != torch.float32 or not cpu_kernels.enabled()):  # use_isa("off") later
             return None
         if self._steps is None:  # built once; fuse(), replace() and moves drop them
             steps = [layer.decode_step() for layer in self.layers.values()]
