@@ -64,30 +64,31 @@ X16_DECODE void scale_min_k4(int j, const uint8_t* q, int& sc, int& m) {
   }
 }
 
-// One struct a block type: QK weights and BYTES bytes a block, sub(block, s) its s-th 32 weights
+// One struct a block type: QK weights and BYTES bytes a block, sub(block, s) its s-th 32 weights;
+// MIN: its weights have a min (mn), TWO: its halves of 16 their own scales (s0 != s1)
 struct Q8_0B {
-  static constexpr int64_t QK = 32, BYTES = 34; static constexpr bool MIN = false;
+  static constexpr int64_t QK = 32, BYTES = 34; static constexpr bool MIN = false, TWO = false;
   X16_DECODE Sub sub(const uint8_t* b, int) {
     const float d = fp16_at(b);
     return {load32(b + 2), d, d, 0.f};
   }
 };
 struct Q4_0B {  // fp16 d, 16 bytes of nibbles; codes less 8
-  static constexpr int64_t QK = 32, BYTES = 18; static constexpr bool MIN = false;
+  static constexpr int64_t QK = 32, BYTES = 18; static constexpr bool MIN = false, TWO = false;
   X16_DECODE Sub sub(const uint8_t* b, int) {
     const float d = fp16_at(b);
     return {_mm256_sub_epi8(nibbles16(b + 2), _mm256_set1_epi8(8)), d, d, 0.f};
   }
 };
 struct Q4_1B {  // fp16 d and m, nibbles; weight = d * code + m
-  static constexpr int64_t QK = 32, BYTES = 20; static constexpr bool MIN = true;
+  static constexpr int64_t QK = 32, BYTES = 20; static constexpr bool MIN = true, TWO = false;
   X16_DECODE Sub sub(const uint8_t* b, int) {
     const float d = fp16_at(b);
     return {nibbles16(b + 4), d, d, -fp16_at(b + 2)};
   }
 };
 struct Q5_0B {  // fp16 d, 32 fifth bits, 16 bytes of nibbles; codes less 16
-  static constexpr int64_t QK = 32, BYTES = 22; static constexpr bool MIN = false;
+  static constexpr int64_t QK = 32, BYTES = 22; static constexpr bool MIN = false, TWO = false;
   X16_DECODE Sub sub(const uint8_t* b, int) {
     const float d = fp16_at(b);
     const __m256i c = _mm256_or_si256(nibbles16(b + 6), fifth_bits(b + 2));
@@ -95,14 +96,14 @@ struct Q5_0B {  // fp16 d, 32 fifth bits, 16 bytes of nibbles; codes less 16
   }
 };
 struct Q5_1B {  // fp16 d and m, fifth bits, nibbles; weight = d * code + m
-  static constexpr int64_t QK = 32, BYTES = 24; static constexpr bool MIN = true;
+  static constexpr int64_t QK = 32, BYTES = 24; static constexpr bool MIN = true, TWO = false;
   X16_DECODE Sub sub(const uint8_t* b, int) {
     const float d = fp16_at(b);
     return {_mm256_or_si256(nibbles16(b + 8), fifth_bits(b + 4)), d, d, -fp16_at(b + 2)};
   }
 };
 struct Q4_KB {  // fp16 d and dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles
-  static constexpr int64_t QK = 256, BYTES = 144; static constexpr bool MIN = true;
+  static constexpr int64_t QK = 256, BYTES = 144; static constexpr bool MIN = true, TWO = false;
   X16_DECODE Sub sub(const uint8_t* b, int s) {
     int sc, m;
     scale_min_k4(s, b + 4, sc, m);
@@ -111,7 +112,7 @@ struct Q4_KB {  // fp16 d and dmin, 12 bytes of 6-bit scales and mins, 128 bytes
   }
 };
 struct Q5_KB {  // Q4_K's head, then 32 bytes of fifth bits (bit s of byte l: weight l of sub-block s), then nibbles
-  static constexpr int64_t QK = 256, BYTES = 176; static constexpr bool MIN = true;
+  static constexpr int64_t QK = 256, BYTES = 176; static constexpr bool MIN = true, TWO = false;
   X16_DECODE Sub sub(const uint8_t* b, int s) {
     int sc, m;
     scale_min_k4(s, b + 4, sc, m);
@@ -121,7 +122,7 @@ struct Q5_KB {  // Q4_K's head, then 32 bytes of fifth bits (bit s of byte l: we
   }
 };
 struct Q6_KB {  // 128 bytes of low nibbles, 64 of 2-bit highs, 16 int8 scales (one per 16 weights), fp16 d; codes less 32
-  static constexpr int64_t QK = 256, BYTES = 210; static constexpr bool MIN = false;
+  static constexpr int64_t QK = 256, BYTES = 210; static constexpr bool MIN = false, TWO = true;
   X16_DECODE Sub sub(const uint8_t* b, int s) {
     const int h = s / 4, t = s % 4;  // a half of 128 weights holds 4 sub-blocks: ql's low nibbles, then the next 32 bytes', then high
     const __m256i lo = nibbles32(b + 64 * h + 32 * (t & 1), t >= 2);
@@ -182,7 +183,8 @@ struct X16Tiles {
             const __m512i c = _mm512_cvtepi8_epi16(u.code);  // lanes 0-7 sum weights 0-15 (s0), 8-15 the rest (s1)
             for (int m = 0; m < MB; ++m) {
               const float dx = xd[m * G + g];
-              const __m512 sc = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(u.s0 * dx), _mm512_set1_ps(u.s1 * dx));
+              const __m512 sc = B::TWO ? _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(u.s0 * dx), _mm512_set1_ps(u.s1 * dx))
+                                       : _mm512_set1_ps(u.s0 * dx);
               const __m512i p = _mm512_madd_epi16(c, _mm512_loadu_si512(xq + m * K + 32 * g));
               acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), sc, acc[r][m]);
               if (B::MIN) mins[r][m] += u.mn * xs[m * G + g];
