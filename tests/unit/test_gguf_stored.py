@@ -217,6 +217,10 @@ def test_decode_steps_give_the_modules_bits(gguf_file):
         stage(ids[1:, :11], 0, caches[1])
         out += [stage.forward_rows(torch.stack([ids[0, 5 + j:6 + j], ids[1, 11 + j:12 + j]]), [5 + j, 11 + j], caches)
                 for j in range(6)]
+        wide = stage.new_cache(2, 32)  # one row stepped in a cache of two
+        stage(ids[:1, :7], 0, wide)
+        out += [stage(ids[:1, p:p + 1], p, wide) for p in range(7, 10)]
+        caches.append(wide)
         return out + [t for c in (cache, *caches) for layer in c.layers for t in (layer.k, layer.v)]
 
     fast = run(True)

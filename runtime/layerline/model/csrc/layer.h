@@ -104,7 +104,7 @@ struct DecodeLayer : torch::CustomClassHolder {
     TORCH_CHECK(ready(), "DecodeLayer.step: the layer is not fully described");
     TORCH_CHECK(x.dim() == 3 && x.size(1) == 1, "DecodeLayer.step: x [B, 1, hidden]");
     const int64_t B = x.size(0);
-    if (kc.size() == 1 && vc.size() == 1 && B > 1) {  // one sequence of B rows: its cache's rows
+    if (kc.size() == 1 && vc.size() == 1 && kc[0].dim() == 4) {  // one sequence of B rows: its cache's first B
       kc = kc[0].narrow(0, 0, B).unbind(0);
       vc = vc[0].narrow(0, 0, B).unbind(0);
     }
