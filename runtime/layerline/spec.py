@@ -375,9 +375,11 @@ def server_spec(hvars: SettingsLike, python: str = "python3", host: str = "contr
     argv += ["--on-stage-lost", hs.serve_on_stage_lost] if hs.serve_on_stage_lost else []
     model = os.path.basename(checkpoint.rstrip("/"))
     chat = _has_chat_template(checkpoint)
-    request = ({"model": model, "messages": [{"role": "user", "content": "Name three colors."}], "max_tokens": 32}
-               if chat else {"model": model, "prompt": "The capital of France is", "max_tokens": 16}
-               if checkpoint.endswith(".gguf") else {"model": model, "prompt": [1, 2, 3], "max_tokens": 8})
+    # greedy (temperature 0): the API's default of 1 makes a small model's first answer read as noise
+    request = ({"model": model, "messages": [{"role": "user", "content": "Name three colors."}], "max_tokens": 32,
+                "temperature": 0}
+               if chat else {"model": model, "prompt": "The capital of France is", "max_tokens": 16, "temperature": 0}
+               if checkpoint.endswith(".gguf") else {"model": model, "prompt": [1, 2, 3], "max_tokens": 8, "temperature": 0})
     return ServerSpec(argv=tuple(argv), python=python, state_dir=state, ready_timeout=hs.server_ready_timeout,
                       bind=bind, port=port, url=url, keyed=keyed, api_keys_file=home.api_keys,
                       ca_path=(hs.serve_tls_ca or hs.serve_tls_cert) if tls else None,

@@ -238,6 +238,7 @@ def test_the_printed_curl_line_is_one_shell_line_that_posts_the_request(tmp_path
         assert not any(h.startswith("Authorization") for h in headers)
     assert json.loads(words[words.index("-d") + 1]) == s.request
     assert s.request["messages"][0]["role"] == "user" and s.request["max_tokens"] > 0
+    assert s.request["temperature"] == 0, "greedy: a small model's first answer reads as words"
 
 
 def test_a_curl_body_with_quotes_stays_one_word():
