@@ -1,7 +1,8 @@
 """A fault in one request stays with that request (issue 37, item 4): a sequence whose logits turn
 NaN (here: its prompt holds a token whose embedding row is NaN, a bad weight that only it reads)
 fails alone with a 502, greedy or sampled, while the requests batched beside it finish with the
-tokens of an undisturbed run. Live: two worker processes and the server, the official client."""
+tokens of an undisturbed run. Live: two worker processes and the server, the official client; at
+fp32 (torch's kernels pick a greedy row's token) and bf16 (the C++ kernels' `argmax_rows` does)."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -23,8 +24,8 @@ CLEAN = [[5, 6, 8], [11, 12, 13, 14], [21, 22], [31, 32, 33]]
 N = 12
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
+@pytest.fixture(scope="module", params=["fp32", "bf16"])
+def server(tmp_path_factory, request):
     out = tmp_path_factory.mktemp("faults") / "poisoned"
     write_demo_checkpoint(out, layers=2, hidden=64, vocab=300, dtype="float32", seed=4)
     for f in out.glob("*.safetensors"):
@@ -32,7 +33,7 @@ def server(tmp_path_factory):
         if "model.embed_tokens.weight" in t:
             t["model.embed_tokens.weight"][POISON] = float("nan")
             save_file(t, str(f), metadata={"format": "pt"})
-    procs, first, tmp, _ = local_stages(str(out), 2, "fp32", threads=1)
+    procs, first, tmp, _ = local_stages(str(out), 2, request.param, threads=1)
     srv = None
     try:
         srv = Server(["--first", first, "--first-key", "stage0", "--keys", controller_keys(tmp),

@@ -259,6 +259,24 @@ def test_rope_and_rms_norm_give_the_torch_modules_numbers(isa, dtype):
 
 
 
+@pytest.mark.parametrize("v", [1, 7, 8, 9, 100, 32003])
+def test_argmax_rows_picks_the_lowest_index_of_the_largest_and_flags_rows_not_finite(isa, v):
+    g = torch.Generator().manual_seed(v)
+    x = torch.randint(-3, 4, (7, 2, v), generator=g).float()[:, -1]  # rows strided, as out[:, -1]; many ties
+    x[1] = -float("inf")
+    x[2, v // 2] = float("nan")
+    x[3, v - 1] = float("inf")
+    x[4, -1] = 9.0  # the largest in the row's last (tail) value
+    x[5, 0] = -float("inf")
+    idx, fin = cpu_kernels.argmax_rows(x)
+    assert idx.dtype == torch.int64 and fin.dtype == torch.uint8 and idx.shape == fin.shape == (7,)
+    assert fin.tolist() == [int(bool(torch.isfinite(r).all())) for r in x]
+    for r in range(7):
+        if fin[r]:  # a finite row: the first index of its largest value, as torch's argmax
+            assert idx[r].item() == int(torch.nonzero(x[r] == x[r].max())[0]) == int(x[r].argmax())
+    assert cpu_kernels.argmax_rows(x.double()) is None and cpu_kernels.argmax_rows(x[0]) is None
+
+
 def test_gemmas_offset_norm_runs_the_kernel_at_fp32_and_follows_its_weight(isa):
     """Gemma's (1 + w) RMSNorm at fp32 through rms_norm with 1 + w made once: the module's torch
     numbers (within an fp32 rounding), also after its weight changes in place, and for weights made

@@ -231,3 +231,11 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor 
     if not _applies(x) or cos.dtype != x.dtype or x.stride(-1) != 1:
         return None
     return torch.ops.layerline_cpu.rope(x, cos, sin)
+
+
+def argmax_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Each row of logits x [B, V]: (int64 [B] the lowest index of its largest value, uint8 [B] 1
+    where every value is finite) in one pass; None where the kernels do not apply (the caller's path)."""
+    if _S.isa is None or x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2 or not x.shape[1]:
+        return None
+    return torch.ops.layerline_cpu.argmax_rows(x)

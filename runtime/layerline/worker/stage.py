@@ -44,6 +44,7 @@ import torch
 
 from .. import precision, timing_lock, wire
 from ..errors import LayerlineError
+from ..model import cpu_kernels
 from ..model.kv import KVPool
 from ..prefix import MAX_ENTRIES
 from ..wire import MAX_BATCH, MAX_SEQS
@@ -303,7 +304,9 @@ class StageCompute:
             return {**head, "op": "forward"}, {"hidden": out.to("cpu")}
         if h.get("logits") == "argmax":
             last = out[:, -1]
-            # a row's largest |logit| is finite iff all are (NaN included); max's indices are argmax's
-            finite = torch.isfinite(last.abs().amax(-1)).to(torch.uint8)
-            return {**head, "op": "result"}, {"argmax": last.max(-1).indices.to("cpu"), "finite": finite.to("cpu")}
+            picked = cpu_kernels.argmax_rows(last)
+            if picked is None:
+                # a row's largest |logit| is finite iff all are (NaN included); max's indices are argmax's
+                picked = last.max(-1).indices, torch.isfinite(last.abs().amax(-1)).to(torch.uint8)
+            return {**head, "op": "result"}, {"argmax": picked[0].to("cpu"), "finite": picked[1].to("cpu")}
         return {**head, "op": "result"}, {"logits": out.to("cpu")}

@@ -10,6 +10,7 @@
 #include "norm_rope.h"
 #include "gguf_blocks.h"
 #include "layer.h"
+#include "pick.h"
 
 namespace {
 
@@ -72,6 +73,7 @@ TORCH_LIBRARY(layerline_cpu, m) {
   m.def("gguf_repack_x8(Tensor raw, int type, int N, int K) -> Tensor");
   m.def("gguf_linear_q4(Tensor x, Tensor w, int N, int K, int kind, Tensor? bias=None) -> Tensor");
   m.def("gguf_linear_x16(Tensor x, Tensor w, int N, int K, int type, Tensor? bias=None) -> Tensor");
+  m.def("argmax_rows(Tensor x) -> (Tensor, Tensor)");
   m.class_<DecodeLayer>("DecodeLayer")
       .def(torch::init<int64_t, int64_t, int64_t, int64_t, double, double, bool, bool>())
       .def("norm", &DecodeLayer::norm)
@@ -91,6 +93,7 @@ TORCH_LIBRARY_IMPL(layerline_cpu, CPU, m) {
   m.impl("gguf_repack_x8", gguf_repack_x8);
   m.impl("gguf_linear_q4", gguf_linear_q4);
   m.impl("gguf_linear_x16", gguf_linear_x16);
+  m.impl("argmax_rows", argmax_rows);
 }
 TORCH_LIBRARY_IMPL(layerline_cpu, Meta, m) {
   m.impl("linear_bf16", linear_bf16_meta);
