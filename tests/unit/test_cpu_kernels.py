@@ -361,3 +361,39 @@ def test_an_fp32_stage_steps_each_layer_in_one_call_and_without_kernels_through_
         cpu_kernels.use_isa(isa)
     assert forwards == [5, 5] + [1, 1] * 3
     _close(ours, theirs.double(), 1e-4)
+
+
+def test_the_layers_in_one_call_keep_each_layers_window_and_rope_table(tmp_path, isa):
+    """Gemma 3 with window and global layers taking turns, each kind its own RoPE base: the stage's
+    one call over its layers (`DecodeStack`) gives each layer its own window's first keys and its own
+    table, so the logits and caches equal the modules' bit for bit, past the window, for one
+    sequence of two rows and for rows of two sequences at different positions."""
+    transformers = pytest.importorskip("transformers")
+    from layerline.model.loader import load_stage
+    torch.manual_seed(7)
+    cfg = transformers.Gemma3TextConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=128, sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"] * 2, query_pre_attn_scalar=20,
+        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 50000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}})
+    transformers.Gemma3ForCausalLM(cfg).save_pretrained(tmp_path / "g")
+    stage = load_stage(str(tmp_path / "g"), 0, 4, True, True, "fp32")
+    assert len(stage.windows) == 2
+    ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(2))
+
+    def run(steps: bool) -> list[torch.Tensor]:
+        stage.decode_steps = steps
+        cache = stage.new_cache(2, 16)
+        stage(ids[:, :3], 0, cache)
+        out = [stage(ids[:, p:p + 1], p, cache) for p in range(3, 10)]
+        caches = [stage.new_cache(1, 16), stage.new_cache(1, 16)]
+        stage(ids[:1, :2], 0, caches[0])
+        stage(ids[1:, :7], 0, caches[1])
+        out += [stage.forward_rows(torch.stack([ids[0, 2 + j:3 + j], ids[1, 7 + j:8 + j]]), [2 + j, 7 + j], caches)
+                for j in range(5)]
+        return out + [t for c in (cache, *caches) for layer in c.layers for t in (layer.k, layer.v)]
+
+    fast = run(True)
+    assert stage._stack is not None
+    assert all(torch.equal(a, b) for a, b in zip(fast, run(False)))

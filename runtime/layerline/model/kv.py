@@ -64,6 +64,9 @@ class StageCache:
 
     def __init__(self, layers: list[KVCache]):
         self.layers = layers
+        # each layer's (k, v) buffers, read once: a module's attribute lookup per layer and step
+        # added up to a few percent of a small model's step (the buffers are written, never replaced)
+        self.pairs = [(c.k, c.v) for c in layers]
         self.length = 0
         self.epoch = -1  # the wire epoch of the last forward that wrote it (KVPool drops older ones)
 

@@ -837,6 +837,7 @@ class Stage(nn.Module):
         self.compile_error: str | None = None  # why compiling failed (the stage then steps eagerly)
         self.decode_steps = True  # eager fp32 one-token steps through each layer's C++ call where it has one
         self._steps: list | None = None  # those calls once built ([] where a layer has none)
+        self._stack = None  # csrc/layer.h's DecodeStack over them: the layers in one call
 
     def fuse(self) -> None:
         """Fuse each layer's q/k/v and gate/up projections (`FusedLinears`); after any load."""
@@ -937,13 +938,14 @@ class Stage(nn.Module):
         rows = pos.unbind(0)  # each row group's positions [T]
         if views is ROWS_OP:
             views = dict.fromkeys(self.windows, ROWS_OP)
-        steps = self._decode_steps(h, kv, views)
-        if steps is not None:  # each layer one C++ call: what it writes and attends, per row
+        stack = self._decode_steps(h, kv, views)
+        if stack is not None:  # the layers in one C++ call: what each writes and attends, per row
             b = h.shape[0]
-            at = {w: ([hi - 1 for _, hi, _ in v] * (b // len(v)), [lo for lo, _, _ in v] * (b // len(v)))
-                  for w, v in views.items()}
-            for i, (layer, step) in enumerate(zip(self.layers.values(), steps)):
-                h = step.step(h, *ropes[layer.rope], [k for k, _ in kv[i]], [v for _, v in kv[i]], *at[layer.window])
+            first = views[self.windows[0]]
+            pos_rows = [hi - 1 for _, hi, _ in first] * (b // len(first))
+            los = [lo for w in self.windows for lo in [lo for lo, _, _ in views[w]] * (b // len(views[w]))]
+            h = stack.step(h, [c for c, _ in ropes], [s for _, s in ropes], [k for layer in kv for k, _ in layer],
+                           [v for layer in kv for _, v in layer], pos_rows, los)
         else:
             for i, layer in enumerate(self.layers.values()):
                 h = layer(h, *ropes[layer.rope], rows, kv[i] if kv is not None else None, views[layer.window])
@@ -956,9 +958,9 @@ class Stage(nn.Module):
             logits = torch.tanh(logits / self.args.final_softcap) * self.args.final_softcap
         return logits.float()
 
-    def _decode_steps(self, h: torch.Tensor, kv: list | None, views: dict) -> list | None:
-        """Each layer's `DecoderLayer.decode_step`, for an eager fp32 one-token step over caches
-        of fp32 on the CPU where every layer has one; else None (the modules' forward)."""
+    def _decode_steps(self, h: torch.Tensor, kv: list | None, views: dict) -> object | None:
+        """The layers' `DecoderLayer.decode_step`s as one DecodeStack, for an eager fp32 one-token
+        step over caches of fp32 on the CPU where every layer has one; else None (the modules' forward)."""
         if (not self.decode_steps or kv is None or h.shape[1] != 1 or h.dtype != torch.float32
                 or h.device.type != "cpu" or ROWS_OP in views.values() or torch.compiler.is_compiling()
                 or kv[0][0][0].dtype != torch.float32 or not cpu_kernels.enabled()):  # use_isa("off") later
@@ -966,7 +968,12 @@ class Stage(nn.Module):
         if self._steps is None:  # built once; fuse(), replace() and moves drop them
             steps = [layer.decode_step() for layer in self.layers.values()]
             self._steps = steps if all(s is not None for s in steps) else []
-        return self._steps or None
+            self._stack = None
+            if self._steps:
+                self._stack = torch.classes.layerline_cpu.DecodeStack()
+                for layer, step in zip(self.layers.values(), steps):
+                    self._stack.add(step, layer.rope, self.windows.index(layer.window))
+        return self._stack if self._steps else None
 
     def _apply(self, fn, *args, **kwargs):
         self._steps = None  # .to() and the like move the tensors the steps hold
@@ -1056,7 +1063,7 @@ class Stage(nn.Module):
                 pos = torch.tensor(starts, device=self.device)[:, None]
             kv = None
             if caches is not None:
-                kv = [[(c.layers[i].k, c.layers[i].v) for c in caches] for i in range(len(self.layers))]
+                kv = [[c.pairs[i] for c in caches] for i in range(len(self.layers))]
             out = self._forward(h, pos, kv, _views(starts, t, self.windows, self.device), last_only)
         for c, s in zip(caches or (), starts):
             c.length = s + t

@@ -126,4 +126,41 @@ struct DecodeLayer : torch::CustomClassHolder {
   }
 };
 
+// A stage's layers' steps in one call: each DecodeLayer::step in order, with no return to Python
+// between them (a layer's call from Python, its lists built and converted, cost about 10 us).
+struct DecodeStack : torch::CustomClassHolder {
+  std::vector<c10::intrusive_ptr<DecodeLayer>> layers;
+  std::vector<int64_t> rope_of, window_of;  // each layer's RoPE table and attention window, by index
+
+  void add(const c10::intrusive_ptr<DecodeLayer>& layer, int64_t rope, int64_t window) {
+    TORCH_CHECK(layer->ready() && rope >= 0 && window >= 0,
+                "DecodeStack.add: a fully described layer, the index of its RoPE table and of its window");
+    layers.push_back(layer);
+    rope_of.push_back(rope);
+    window_of.push_back(window);
+  }
+
+  // x [B, 1, hidden]; cos/sin one per RoPE table; kc/vc each layer's caches (as DecodeLayer.step
+  // takes them), layer after layer; pos as DecodeLayer.step's; lo pos.size() first keys a window,
+  // window after window
+  at::Tensor step(at::Tensor x, std::vector<at::Tensor> cos, std::vector<at::Tensor> sin, std::vector<at::Tensor> kc,
+                  std::vector<at::Tensor> vc, std::vector<int64_t> pos, std::vector<int64_t> lo) {
+    const size_t L = layers.size(), P = pos.size();
+    TORCH_CHECK(L > 0 && !kc.empty() && kc.size() % L == 0 && vc.size() == kc.size() && P > 0 && lo.size() % P == 0 &&
+                cos.size() == sin.size(), "DecodeStack.step: the same number of caches for each layer, keys and "
+                "values alike, and pos.size() first keys for each window");
+    const size_t n = kc.size() / L;
+    for (size_t i = 0; i < L; ++i) {
+      TORCH_CHECK((size_t)rope_of[i] < cos.size() && (size_t)(window_of[i] + 1) * P <= lo.size(),
+                  "DecodeStack.step: layer ", i, "'s RoPE table or window is not given");
+      const auto at = [&](const std::vector<at::Tensor>& c) {
+        return std::vector<at::Tensor>(c.begin() + i * n, c.begin() + (i + 1) * n);
+      };
+      x = layers[i]->step(x, cos[rope_of[i]], sin[rope_of[i]], at(kc), at(vc), pos,
+                          std::vector<int64_t>(lo.begin() + window_of[i] * P, lo.begin() + (window_of[i] + 1) * P));
+    }
+    return x;
+  }
+};
+
 }  // namespace

@@ -80,6 +80,10 @@ TORCH_LIBRARY(layerline_cpu, m) {
       .def("linear", &DecodeLayer::linear)
       .def("ready", &DecodeLayer::ready)
       .def("step", &DecodeLayer::step);
+  m.class_<DecodeStack>("DecodeStack")
+      .def(torch::init<>())
+      .def("add", &DecodeStack::add)
+      .def("step", &DecodeStack::step);
 }
 TORCH_LIBRARY_IMPL(layerline_cpu, CPU, m) {
   m.impl("linear_bf16", linear_bf16);
