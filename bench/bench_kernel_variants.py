@@ -13,6 +13,7 @@ variant over the rounds. docs/kernels.md keeps the results that shaped the kerne
     cp -r runtime/layerline/model/csrc /tmp/v   # then edit /tmp/v's files
     .venv/bin/python bench/bench_kernel_variants.py bf16 main=runtime/layerline/model/csrc v=/tmp/v
     .venv/bin/python bench/bench_kernel_variants.py int4 torch=torch main=runtime/layerline/model/csrc
+    .venv/bin/python bench/bench_kernel_variants.py x16 --type q6_K main=runtime/layerline/model/csrc v=/tmp/v
 """
 from __future__ import annotations
 
@@ -31,6 +32,10 @@ sys.path.insert(0, str(ROOT / "runtime"))
 
 from layerline.model import cpu_kernels, quant  # noqa: E402
 
+# x16: GGUF type -> (its id, weights a block, bytes a block, offsets of its fp16 scales in a block)
+X16_TYPES = {"q4_0": (2, 32, 18, (0,)), "q4_1": (3, 32, 20, (0, 2)), "q5_0": (6, 32, 22, (0,)),
+             "q5_1": (7, 32, 24, (0, 2)), "q8_0": (8, 32, 34, (0,)), "q4_K": (12, 256, 144, (0, 2)),
+             "q5_K": (13, 256, 176, (0, 2)), "q6_K": (14, 256, 210, (208,))}
 # the demo model's one-token step: 16 layers of fused qkv, o, fused gate/up and down, then the head
 DEMO_SHAPES = [(1536, 1024), (1024, 1024), (5632, 1024), (1024, 2816)] * 16 + [(32000, 1024)]
 
@@ -64,7 +69,9 @@ def load_variant(name: str, path: Path, build_dir: Path):
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("kind", choices=("bf16", "int8", "int4"), help="which linear op to time")
+    ap.add_argument("kind", choices=("bf16", "int8", "int4", "x16"), help="which linear op to time")
+    ap.add_argument("--type", default="q4_K", choices=sorted(X16_TYPES),
+                    help="x16: the GGUF block type of the matrices (random blocks, sane scales)")
     ap.add_argument("variants", nargs="+", metavar="NAME=PATH",
                     help="the first is the baseline; torch=torch is torch's own kernel")
     ap.add_argument("--rounds", type=int, default=6)
@@ -94,6 +101,19 @@ def main(argv=None) -> dict:
                 if op is None:
                     return torch._weight_int4pack_mm_for_cpu(x, w[2], 32, w[3])
                 return op.linear_int4(x, w[0], w[1], None)
+        elif a.kind == "x16":
+            tid, qk, nbytes, scales = X16_TYPES[a.type]
+            ws = []
+            for n, k in DEMO_SHAPES:
+                raw = torch.randint(0, 256, (n, k // qk, nbytes), dtype=torch.uint8, generator=g)
+                for o in scales:  # the blocks' fp16 scales: 0.01, not random bytes (NaN, Inf)
+                    raw[:, :, o:o + 2] = torch.tensor([0.01], dtype=torch.float16).view(torch.uint8)
+                ws.append((raw.reshape(n, -1), n, k))
+
+            def call(op, x, w):
+                if op is None:
+                    raise SystemExit("x16: torch has no kernel for GGUF blocks; compare variants of csrc/")
+                return op.gguf_linear_x16(x, w[0], w[1], w[2], tid, None)
         else:
             ws = [(torch.randn(s, dtype=torch.bfloat16, generator=g),) for s in DEMO_SHAPES]
             def call(op, x, w):
@@ -114,12 +134,13 @@ def main(argv=None) -> dict:
                     for _ in range(3):
                         t0 = time.perf_counter()
                         for w in ws:
-                            call(op, xs[w[0].shape[1]], w)
+                            call(op, xs[w[2] if a.kind == "x16" else w[0].shape[1]], w)
                         best = min(best, time.perf_counter() - t0)
                     times[n, m].append(best)
     base = pairs[0][0]
     mb = sum(w[i].numel() * w[i].element_size() for w in ws for i in range(2 if a.kind == "int4" else 1)) / 1e6
-    print(f"{a.kind} over the demo model's {len(DEMO_SHAPES)} matrices ({mb:.0f} MB), "
+    what = f"x16 {a.type}" if a.kind == "x16" else a.kind
+    print(f"{what} over the demo model's {len(DEMO_SHAPES)} matrices ({mb:.0f} MB), "
           f"{torch.get_num_threads()} threads, {a.rounds} rounds; median ms and median ratio to {base}")
     out = {}
     for m in rows:

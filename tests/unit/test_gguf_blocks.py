@@ -105,11 +105,11 @@ def int4_reference(raw: np.ndarray, name: str, x: torch.Tensor) -> tuple[np.ndar
     return xd @ w.T, np.abs(xd) @ np.abs(w).T
 
 
-def x16(x: torch.Tensor) -> np.ndarray:
-    """x as the x16 kernel holds it (csrc/x16.h's X16): each 32 values int16 codes of their largest
-    magnitude / 32767, in float64."""
+def x16(x: torch.Tensor, name: str) -> np.ndarray:
+    """x as the x16 kernel holds it for blocks of type `name` (csrc/x16.h's XHeld): each 32 values (a
+    K-quant's 256) int16 codes of their largest magnitude / 32767, in float64."""
     xf = x.float().numpy()
-    g = xf.reshape(xf.shape[0], -1, 32)
+    g = xf.reshape(xf.shape[0], -1, 256 if name.endswith("_K") else 32)
     amax = np.abs(g).max(-1, keepdims=True)
     inv = np.float32(32767) / np.where(amax > 0, amax, np.float32(1))
     codes = np.where(amax > 0, np.rint(g * inv), 0)
@@ -123,7 +123,7 @@ def reference(bl: gguf_blocks.BlockLinear, raw: np.ndarray, x: torch.Tensor) -> 
     if bl.layout == "int4":
         return int4_reference(raw, name, x)
     if bl.layout == "x16":  # x at 16 bits a 32 values, W dequantized
-        xhat = x16(x)
+        xhat = x16(x, name)
         w = quants.dequantize(raw, qtype(name)).astype(np.float64)
         return xhat @ w.T, np.abs(xhat) @ np.abs(w).T
     w = quants.dequantize(raw, qtype(name)).astype(np.float64)
@@ -144,7 +144,7 @@ def checked_product(bl: gguf_blocks.BlockLinear, raw: np.ndarray, x: torch.Tenso
     err = np.abs(y.numpy().astype(np.float64) - ref)
     if bl.layout == "x16":  # the blocks' mins meet x's own sum, not its rounded one's: at most a row's
         # largest weight times what the rounding moved x by
-        xhat = x16(x)
+        xhat = x16(x, bl.type.name)
         w = np.abs(quants.dequantize(raw, qtype(bl.type.name))).max(-1)
         err = np.maximum(err - np.abs(xhat - x.double().numpy()).sum(-1, keepdims=True) * w[None, :], 0)
     assert (err <= 1e-5 * mag + 1e-6).all(), f"{what}: worst {err.max()} at magnitude {mag.max()}"

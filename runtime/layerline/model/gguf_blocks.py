@@ -14,8 +14,9 @@ layouts (`LAYOUTS`), each the file's bits (`stored()` gives its blocks back):
   scale (ggml's is fp16). It costs less CPU than ggml's vec_dot (docs/kernels.md);
 - "x16": Q8_0, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K (the rest of a Q4_K_M, Q5_K_M or Q8_0 file) where
   layerline's CPU kernels load: the blocks as stored, run by layerline's kernel (csrc/x16.h), which
-  holds x at 16 bits a group of 32 (int16 codes of the group's largest magnitude) where ggml rounds
-  it to 8: within 1/65534 of each group's largest value of the fp32 reference's product;
+  holds x at 16 bits a group of 32 values, a K-quant's block of 256 (int16 codes of the group's
+  largest magnitude) where ggml rounds it to 8: within 1/65534 of each group's largest value of the
+  fp32 reference's product;
 - "x8": Q4_K and Q4_0 where layerline's kernels do not load, repacked into ggml's 8-row
   interleaved layout for its x86 GEMV (`repack_x8`);
 - "file": the blocks as stored, run by ggml's vec_dot.

@@ -1,8 +1,9 @@
 // GGUF rows as the file stores them (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K blocks) against x
-// held at 16 bits: each 32 values of x as int16 codes of one fp32 scale (XHeld). A block's codes are
-// widened to int16 in registers and their products with x's codes summed exactly in int32, then
-// scaled in fp32 by the block's scale times x's (less the block's min times x's fp32 sum): the fp32
-// reference's product within 1/65534 of each group's largest x. ggml's vec_dot rounds x to 8 bits,
+// held at 16 bits: each 32 values of x (a K-quant block's 256) as int16 codes of one fp32 scale
+// (XHeld). A block's codes are widened to int16 in registers and their products with x's codes
+// summed exactly in int32 (a K-quant's codes times their sub-block's integer scale first, over the
+// whole block), then scaled in fp32 by the block's scale times x's (less the block's mins times x's
+// fp32 sums): the fp32 reference's product within 1/65534 of each group's largest x. ggml's vec_dot rounds x to 8 bits,
 // which moves near-tied tokens (Gemma 3 270M Q4_K_M's top-1 agreement with fp32: 0.954 with that
 // rounding, 1.0 with this; docs/models.md). Each (row, x row) sum runs over k in one order for any
 // tile, so a row's bits do not depend on M or on the split over threads.
@@ -53,17 +54,6 @@ X16_DECODE __m256i fifth_bits(const uint8_t* p) {
   return _mm256_and_si256(_mm256_cmpeq_epi8(v, bit), _mm256_set1_epi8(0x10));
 }
 
-// Q4_K / Q5_K's 6-bit scale and min of sub-block j (ggml's get_scale_min_k4)
-X16_DECODE void scale_min_k4(int j, const uint8_t* q, int& sc, int& m) {
-  if (j < 4) {
-    sc = q[j] & 63;
-    m = q[j + 4] & 63;
-  } else {
-    sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
-    m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-  }
-}
-
 // One struct a block type: QK weights and BYTES bytes a block, sub(block, s) its s-th 32 weights;
 // MIN: its weights have a min (mn), TWO: its halves of 16 their own scales (s0 != s1)
 struct Q8_0B {
@@ -102,56 +92,82 @@ struct Q5_1B {  // fp16 d and m, fifth bits, nibbles; weight = d * code + m
     return {_mm256_or_si256(nibbles16(b + 8), fifth_bits(b + 4)), d, d, -fp16_at(b + 2)};
   }
 };
+// The K-quants for the K tiles below, their scales as integers: weight i of sub-block s is
+// d * sc(head, s, i < 16 ? 0 : 1) * code(s)[i] - dmin * mins(head)[s], codes as int8; head() reads a
+// block's scales once, outside the sub-blocks' loop
+struct KHead {
+  uint32_t sc[2], mn[2];  // Q4_K / Q5_K: the eight 6-bit scales and mins, a byte each
+};
 struct Q4_KB {  // fp16 d and dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles
   static constexpr int64_t QK = 256, BYTES = 144; static constexpr bool MIN = true, TWO = false;
-  X16_DECODE Sub sub(const uint8_t* b, int s) {
-    int sc, m;
-    scale_min_k4(s, b + 4, sc, m);
-    const float d = fp16_at(b) * sc;
-    return {nibbles32(b + 16 + 32 * (s / 2), s & 1), d, d, fp16_at(b + 2) * m};
+  X16_DECODE float d(const uint8_t* b) { return fp16_at(b); }
+  X16_DECODE float dmin(const uint8_t* b) { return fp16_at(b + 2); }
+  // the 6-bit scales and mins as ggml's get_scale_min_k4 reads them, four sub-blocks' a 32-bit word at
+  // a time, kept in registers (decoding them one by one, through memory, took a sixth of the time)
+  X16_DECODE KHead head(const uint8_t* b) {
+    uint32_t q[3];
+    std::memcpy(q, b + 4, 12);
+    return {{q[0] & 0x3f3f3f3fu, (q[2] & 0x0f0f0f0fu) | (((q[0] >> 6) & 0x03030303u) << 4)},
+            {q[1] & 0x3f3f3f3fu, ((q[2] >> 4) & 0x0f0f0f0fu) | (((q[1] >> 6) & 0x03030303u) << 4)}};
   }
+  X16_DECODE int sc(const KHead& h, const uint8_t*, int s, int) { return (h.sc[s >> 2] >> (8 * (s & 3))) & 0xFF; }
+  X16_DECODE __m256 mins(const KHead& h) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_setr_epi32((int)h.mn[0], (int)h.mn[1], 0, 0)));
+  }
+  X16_DECODE __m256i code(const uint8_t* b, int s) { return nibbles32(b + 16 + 32 * (s / 2), s & 1); }
 };
 struct Q5_KB {  // Q4_K's head, then 32 bytes of fifth bits (bit s of byte l: weight l of sub-block s), then nibbles
   static constexpr int64_t QK = 256, BYTES = 176; static constexpr bool MIN = true, TWO = false;
-  X16_DECODE Sub sub(const uint8_t* b, int s) {
-    int sc, m;
-    scale_min_k4(s, b + 4, sc, m);
-    const float d = fp16_at(b) * sc;
+  X16_DECODE float d(const uint8_t* b) { return fp16_at(b); }
+  X16_DECODE float dmin(const uint8_t* b) { return fp16_at(b + 2); }
+  X16_DECODE KHead head(const uint8_t* b) { return Q4_KB::head(b); }
+  X16_DECODE int sc(const KHead& h, const uint8_t* b, int s, int half) { return Q4_KB::sc(h, b, s, half); }
+  X16_DECODE __m256 mins(const KHead& h) { return Q4_KB::mins(h); }
+  X16_DECODE __m256i code(const uint8_t* b, int s) {
     const __m256i hi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(load32(b + 16), s), _mm256_set1_epi8(1)), 4);
-    return {_mm256_or_si256(nibbles32(b + 48 + 32 * (s / 2), s & 1), hi), d, d, fp16_at(b + 2) * m};
+    return _mm256_or_si256(nibbles32(b + 48 + 32 * (s / 2), s & 1), hi);
   }
 };
 struct Q6_KB {  // 128 bytes of low nibbles, 64 of 2-bit highs, 16 int8 scales (one per 16 weights), fp16 d; codes less 32
   static constexpr int64_t QK = 256, BYTES = 210; static constexpr bool MIN = false, TWO = true;
-  X16_DECODE Sub sub(const uint8_t* b, int s) {
+  X16_DECODE float d(const uint8_t* b) { return fp16_at(b + 208); }
+  X16_DECODE float dmin(const uint8_t*) { return 0.f; }
+  X16_DECODE KHead head(const uint8_t*) { return {}; }
+  // sub-block s: int8 scales 2s and 2s + 1, of its 16 weights each
+  X16_DECODE int sc(const KHead&, const uint8_t* b, int s, int half) { return ((const int8_t*)(b + 192))[2 * s + half]; }
+  X16_DECODE __m256 mins(const KHead&) { return _mm256_setzero_ps(); }
+  X16_DECODE __m256i code(const uint8_t* b, int s) {
     const int h = s / 4, t = s % 4;  // a half of 128 weights holds 4 sub-blocks: ql's low nibbles, then the next 32 bytes', then high
     const __m256i lo = nibbles32(b + 64 * h + 32 * (t & 1), t >= 2);
     const __m256i hi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(load32(b + 128 + 32 * h), 2 * t),
                                                           _mm256_set1_epi8(3)), 4);
-    const int8_t* sc = (const int8_t*)(b + 192) + 8 * h + 2 * t;
-    const float d = fp16_at(b + 208);
-    return {_mm256_sub_epi8(_mm256_or_si256(lo, hi), _mm256_set1_epi8(32)), d * sc[0], d * sc[1], 0.f};
+    return _mm256_sub_epi8(_mm256_or_si256(lo, hi), _mm256_set1_epi8(32));
   }
 };
-
 // x held for the tiles: each 32 values as int16 codes of one scale (their largest magnitude over
 // 32767: a relative step 1/65534 of it, 256 times finer than ggml's q8 x) and their fp32 sum
 // (for the blocks' mins)
 struct XHeld {
   at::Tensor q, d, sum;
-  XHeld(const at::Tensor& x2, int64_t M, int64_t K)
-      : q(at::empty({M, K}, at::kShort)), d(at::empty({M, K / 32}, at::kFloat)), sum(at::empty({M, K / 32}, at::kFloat)) {
+  // `group` values share a scale: 32, or a K-quant block's 256 (its sub-blocks' integer scales then
+  // apply to exact int32 sums, and one fp32 FMA a block remains); the sums are a 32 values' either way
+  XHeld(const at::Tensor& x2, int64_t M, int64_t K, int64_t group = 32)
+      : q(at::empty({M, K}, at::kShort)), d(at::empty({M, K / group}, at::kFloat)), sum(at::empty({M, K / 32}, at::kFloat)) {
     const float* X = x2.data_ptr<float>();
     int16_t* Q = q.data_ptr<int16_t>();
     float *D = d.data_ptr<float>(), *S = sum.data_ptr<float>();
-    for (int64_t g = 0; g < M * K / 32; ++g) {
-      const float* xg = X + 32 * g;
+    for (int64_t g = 0; g < M * K / group; ++g) {
+      const float* xg = X + group * g;
       float amax = 0.f, total = 0.f;
-      for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(xg[i])), total += xg[i];
+      for (int64_t i = 0; i < group; i += 32) {
+        float t = 0.f;
+        for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(xg[i + j])), t += xg[i + j];
+        S[(group * g + i) / 32] = t;
+        total += t;
+      }
       const float inv = amax > 0.f ? 32767.f / amax : 0.f;
-      for (int i = 0; i < 32; ++i) Q[32 * g + i] = (int16_t)std::nearbyint(xg[i] * inv);
+      for (int64_t i = 0; i < group; ++i) Q[group * g + i] = (int16_t)std::nearbyint(xg[i] * inv);
       D[g] = std::isnan(total) ? total : amax / 32767.f;  // a NaN in x stays one in y (an inf does: 0 * inf)
-      S[g] = total;
     }
   }
 };
@@ -238,6 +254,105 @@ struct X16Tiles {
     }
   };
 
+  // K-quant blocks (256 weights) against x at one scale a block: each sub-block's codes times its
+  // integer scale (|code * scale| <= 32 * 128, an int16), their products with x's codes summed exactly
+  // in int32 over the block (|sum| < 2^31 for Q6_K's widest scales too), then one fp32 FMA a block by
+  // d times x's scale, less dmin times each sub-block's min times x's fp32 sum there. A sub-block's
+  // fp32 FMA, its scale's conversions and the chain through one accumulator had bound the tile
+  template <int R, int MB>
+  struct KTile512 {
+    __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
+    static void run(const uint8_t* w, int64_t rb, const int16_t* xq, const float* xd, const float* xs, int64_t K,
+                    int64_t N, float* y) {
+      const int64_t G = K / 32, NB = K / 256;
+      __m512 acc[R][MB];
+      __m256 mins[R][MB];  // each lane a sub-block's: dmin * its min * x's sum there
+      for (int r = 0; r < R; ++r)
+        for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_setzero_ps(), mins[r][m] = _mm256_setzero_ps();
+      for (int64_t b = 0; b < NB; ++b) {
+        for (int r = 0; r < R; ++r) {
+          const uint8_t* blk = w + r * rb + b * B::BYTES;
+          if (PF8) for (int64_t o = 0; o < B::BYTES; o += 64) _mm_prefetch((const char*)blk + PF8 + o, _MM_HINT_T0);
+          const KHead h = B::head(blk);
+          __m512i ia[MB];
+          for (int m = 0; m < MB; ++m) ia[m] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+          for (int s = 0; s < 8; ++s) {
+            const __m512i sc = B::TWO ? _mm512_mask_blend_epi16(0xFFFF0000u, _mm512_set1_epi16((int16_t)B::sc(h, blk, s, 0)),
+                                                                 _mm512_set1_epi16((int16_t)B::sc(h, blk, s, 1)))
+                                       : _mm512_set1_epi16((int16_t)B::sc(h, blk, s, 0));
+            const __m512i c = _mm512_mullo_epi16(_mm512_cvtepi8_epi16(B::code(blk, s)), sc);
+            for (int m = 0; m < MB; ++m)
+              ia[m] = _mm512_dpwssd_epi32(ia[m], c, _mm512_loadu_si512(xq + m * K + 256 * b + 32 * s));
+          }
+          const float d = B::d(blk);
+          const __m256 dm = _mm256_mul_ps(_mm256_set1_ps(B::dmin(blk)), B::mins(h));
+          for (int m = 0; m < MB; ++m) {
+            acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[m]), _mm512_set1_ps(d * xd[m * NB + b]), acc[r][m]);
+            if (B::MIN) mins[r][m] = _mm256_fmadd_ps(dm, _mm256_loadu_ps(xs + m * G + 8 * b), mins[r][m]);
+          }
+        }
+      }
+      for (int r = 0; r < R; ++r)
+        for (int m = 0; m < MB; ++m) {
+          __m128 s = _mm_add_ps(_mm256_castps256_ps128(mins[r][m]), _mm256_extractf128_ps(mins[r][m], 1));
+          s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+          y[m * N + r] = _mm512_reduce_add_ps(acc[r][m]) - _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+        }
+    }
+  };
+
+  template <int R, int MB>
+  struct KTileAvx2 {
+    __attribute__((target("avx2,fma,f16c")))
+    static void run(const uint8_t* w, int64_t rb, const int16_t* xq, const float* xd, const float* xs, int64_t K,
+                    int64_t N, float* y) {
+      const int64_t G = K / 32, NB = K / 256;
+      __m256 acc[R][MB], mins[R][MB];
+      for (int r = 0; r < R; ++r)
+        for (int m = 0; m < MB; ++m) acc[r][m] = _mm256_setzero_ps(), mins[r][m] = _mm256_setzero_ps();
+      for (int64_t b = 0; b < NB; ++b) {
+        for (int r = 0; r < R; ++r) {
+          const uint8_t* blk = w + r * rb + b * B::BYTES;
+          if (PF8) for (int64_t o = 0; o < B::BYTES; o += 64) _mm_prefetch((const char*)blk + PF8 + o, _MM_HINT_T0);
+          const KHead h = B::head(blk);
+          __m256i ia[MB];
+          for (int m = 0; m < MB; ++m) ia[m] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+          for (int s = 0; s < 8; ++s) {
+            const __m256i code = B::code(blk, s);
+            const __m256i c0 = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(code)),
+                                                  _mm256_set1_epi16((int16_t)B::sc(h, blk, s, 0)));
+            const __m256i c1 = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm256_extracti128_si256(code, 1)),
+                                                  _mm256_set1_epi16((int16_t)B::sc(h, blk, s, B::TWO)));
+            for (int m = 0; m < MB; ++m) {
+              const int16_t* xm = xq + m * K + 256 * b + 32 * s;
+              ia[m] = _mm256_add_epi32(ia[m], _mm256_add_epi32(
+                  _mm256_madd_epi16(c0, _mm256_loadu_si256((const __m256i*)xm)),
+                  _mm256_madd_epi16(c1, _mm256_loadu_si256((const __m256i*)(xm + 16)))));
+            }
+          }
+          const float d = B::d(blk);
+          const __m256 dm = _mm256_mul_ps(_mm256_set1_ps(B::dmin(blk)), B::mins(h));
+          for (int m = 0; m < MB; ++m) {
+            acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[m]), _mm256_set1_ps(d * xd[m * NB + b]), acc[r][m]);
+            if (B::MIN) mins[r][m] = _mm256_fmadd_ps(dm, _mm256_loadu_ps(xs + m * G + 8 * b), mins[r][m]);
+          }
+        }
+      }
+      for (int r = 0; r < R; ++r)
+        for (int m = 0; m < MB; ++m) {
+          const __m256 a = _mm256_sub_ps(acc[r][m], mins[r][m]);
+          __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+          s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+          y[m * N + r] = _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+        }
+    }
+  };
+
+  // the values of x a scale: a K-quant block's 256, else 32
+  static constexpr int64_t group() { return B::QK == 256 ? 256 : 32; }
+
   template <template <int, int> class Tile, int R, int MB>
   static void rows(const uint8_t* w, int64_t rb, const int16_t* xq, const float* xd, const float* xs, int64_t K,
                    int64_t N, int64_t n0, int64_t n1, float* y) {
@@ -250,15 +365,28 @@ struct X16Tiles {
   static void run(const uint8_t* W, int64_t rb, const XHeld& x, int64_t K, int64_t M, int64_t N, int64_t n0,
                   int64_t n1, float* Y) {
     const int64_t G = K / 32;
+    constexpr bool KQ = B::QK == 256;
     for (int64_t m0 = 0; m0 < M; m0 += 4) {
       const int16_t* xq = x.q.data_ptr<int16_t>() + m0 * K;
-      const float* xd = x.d.data_ptr<float>() + m0 * G;
+      const float* xd = x.d.data_ptr<float>() + m0 * (K / group());
       const float* xs = x.sum.data_ptr<float>() + m0 * G;
       float* ym = Y + m0 * N;
       const int64_t mb = std::min<int64_t>(4, M - m0);
       // one row of x: one row of W at a time, a single sequential stream (4 rows' interleaved streams
       // read a cold 170 MB head at half ggml's rate on Zen 4)
-      if (g_isa == 2) switch (mb) {
+      if constexpr (KQ) {
+        if (g_isa == 2) switch (mb) {
+          case 1: rows<KTile512, 1, 1>(W, rb, xq, xd, xs, K, N, n0, n1, ym); break;
+          case 2: rows<KTile512, 4, 2>(W, rb, xq, xd, xs, K, N, n0, n1, ym); break;
+          case 3: rows<KTile512, 2, 3>(W, rb, xq, xd, xs, K, N, n0, n1, ym); break;
+          default: rows<KTile512, 2, 4>(W, rb, xq, xd, xs, K, N, n0, n1, ym);
+        } else switch (mb) {
+          case 1: rows<KTileAvx2, 1, 1>(W, rb, xq, xd, xs, K, N, n0, n1, ym); break;
+          case 2: rows<KTileAvx2, 2, 2>(W, rb, xq, xd, xs, K, N, n0, n1, ym); break;
+          case 3: rows<KTileAvx2, 1, 3>(W, rb, xq, xd, xs, K, N, n0, n1, ym); break;
+          default: rows<KTileAvx2, 1, 4>(W, rb, xq, xd, xs, K, N, n0, n1, ym);
+        }
+      } else if (g_isa == 2) switch (mb) {
         case 1: rows<Tile512, 1, 1>(W, rb, xq, xd, xs, K, N, n0, n1, ym); break;
         case 2: rows<Tile512, 4, 2>(W, rb, xq, xd, xs, K, N, n0, n1, ym); break;
         case 3: rows<Tile512, 2, 3>(W, rb, xq, xd, xs, K, N, n0, n1, ym); break;
@@ -280,11 +408,11 @@ at::Tensor gguf_linear_x16(const at::Tensor& x, const at::Tensor& w, int64_t N, 
                             const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(g_isa > 0, "layerline_cpu: no kernel for this CPU (AVX2 + FMA or AVX-512 BF16 needed)");
   using Run = void (*)(const uint8_t*, int64_t, const XHeld&, int64_t, int64_t, int64_t, int64_t, int64_t, float*);
-  int64_t qk = 0, bytes = 0;
+  int64_t qk = 0, bytes = 0, group = 32;
   Run run = nullptr;
   auto pick = [&](auto b) {
     using B = decltype(b);
-    qk = B::QK, bytes = B::BYTES, run = &X16Tiles<B>::run;
+    qk = B::QK, bytes = B::BYTES, group = X16Tiles<B>::group(), run = &X16Tiles<B>::run;
   };
   switch (type) {
     case 2: pick(Q4_0B{}); break;
@@ -308,7 +436,7 @@ at::Tensor gguf_linear_x16(const at::Tensor& x, const at::Tensor& w, int64_t N, 
   const int64_t M = x2.size(0);
   Out out(xf, M, N, at::kFloat, bias);
   const uint8_t* W = w.data_ptr<uint8_t>();
-  const XHeld X(x2, M, K);
+  const XHeld X(x2, M, K, group);
   float* Y = out.sums.data_ptr<float>();
   over_rows(N, K, [&](int64_t n0, int64_t n1) {
     run(W, rb, X, K, M, N, n0, n1, Y);
