@@ -54,8 +54,9 @@ X16_DECODE __m256i fifth_bits(const uint8_t* p) {
   return _mm256_and_si256(_mm256_cmpeq_epi8(v, bit), _mm256_set1_epi8(0x10));
 }
 
-// One struct a block type: QK weights and BYTES bytes a block, sub(block, s) its s-th 32 weights;
-// MIN: its weights have a min (mn), TWO: its halves of 16 their own scales (s0 != s1)
+// One struct a block type: QK weights and BYTES bytes a block; MIN: its weights have a min, TWO: its
+// halves of 16 their own scales. The types of 32: sub(block, 0) its weights with their fp32 scale
+// (and min); the K-quants (QK 256, below): their codes and their scales as integers
 struct Q8_0B {
   static constexpr int64_t QK = 32, BYTES = 34; static constexpr bool MIN = false, TWO = false;
   X16_DECODE Sub sub(const uint8_t* b, int) {
