@@ -46,13 +46,12 @@ def in_features(call) -> int:
 
 
 def run_call(x, call):
-    """One product as csrc/layer.h's LayerLinear runs it (its kind numbers: gguf_blocks.LAYOUT_KIND, DENSE)."""
+    """One product as csrc/layer.h's LayerLinear runs it (its kinds: gguf_blocks' layouts, llama.DENSE)."""
     import torch
-    from layerline.model import gguf_blocks, llama
+    from layerline.model import llama
     kind, w, ints, bias = call
     ops = torch.ops.layerline_cpu
-    op = {gguf_blocks.LAYOUT_KIND["int4"]: ops.gguf_linear_q4, gguf_blocks.LAYOUT_KIND["x16"]: ops.gguf_linear_x16,
-          gguf_blocks.LAYOUT_KIND["x8"]: ops.gguf_linear_x8, gguf_blocks.LAYOUT_KIND["file"]: ops.gguf_linear,
+    op = {"int4": ops.gguf_linear_q4, "x16": ops.gguf_linear_x16, "x8": ops.gguf_linear_x8, "file": ops.gguf_linear,
           llama.DENSE: None}[kind]
     return torch.nn.functional.linear(x, w, bias) if op is None else op(x, w, *ints, bias)
 

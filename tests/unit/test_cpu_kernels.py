@@ -397,3 +397,15 @@ def test_the_layers_in_one_call_keep_each_layers_window_and_rope_table(tmp_path,
     fast = run(True)
     assert stage._stack is not None
     assert all(torch.equal(a, b) for a, b in zip(fast, run(False)))
+
+
+def test_a_layers_linear_kinds_are_the_layouts_by_name(isa):
+    """`DecodeLayer.linear` takes each projection's kind by the name Python holds (every gguf_blocks
+    layout, and llama.DENSE) and refuses any other, naming the kinds; the numbers live in C++ only."""
+    from layerline.model import gguf_blocks, llama
+    layer = torch.classes.layerline_cpu.DecodeLayer(4, 2, 32, 96, 1.0, 1e-6, False, False)
+    for kind in (*gguf_blocks.LAYOUTS, llama.DENSE):  # known: only the ints' count is wrong here
+        with pytest.raises(RuntimeError, match=f"o kind {kind} takes"):
+            layer.linear("o", kind, torch.zeros(2, 2), [1] * 9, None)
+    with pytest.raises(RuntimeError, match="linear kind 'int5' is not int4, x16, x8, file or dense"):
+        layer.linear("o", "int5", torch.zeros(2, 2), [], None)

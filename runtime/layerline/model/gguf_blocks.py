@@ -170,7 +170,6 @@ REPACKED = {"q4_0": ("ggml_gemv_q4_0_8x8_q8_0", "ggml_gemm_q4_0_8x8_q8_0", "ggml
 _repack_ok: dict[str, bool] = {}
 LAYOUTS = ("file", "x8", "int4", "x16")
 # how csrc/layer.h's LayerLinear names each layout's kernel (its Kind)
-LAYOUT_KIND = {"int4": 0, "x16": 1, "x8": 2, "file": 3}
 # blocks of 32 four-bit codes and fp16 scales, layerline's int4 kernel's groups: gguf_linear_q4's reading of
 # a group's scales (csrc/int4.h Int4Kind)
 INT4_KIND = {"q4_1": 1, "q4_0": 2}
@@ -377,7 +376,7 @@ class BlockLinear:
 
     def call(self, raw: torch.Tensor, bias: torch.Tensor | None = None) -> tuple:
         """What `run(x, raw, bias)` calls, for a C++ caller (csrc/layer.h's LayerLinear): (kind, raw, ints, bias)."""
-        return LAYOUT_KIND[self.layout], raw, list(self._args), bias
+        return self.layout, raw, list(self._args), bias
 
     def run(self, x: torch.Tensor, raw: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """`__call__` over `raw` (bytes in this one's layout: a module's buffer holding them) and `bias`."""

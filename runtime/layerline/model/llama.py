@@ -548,7 +548,7 @@ class SplitLinear(nn.Module):
         return linear_calls(self.parts[0])
 
 
-DENSE = 4  # csrc/layer.h's LayerLinear kind for a float32 matrix (at::linear)
+DENSE = "dense"  # csrc/layer.h's LayerLinear kind for a float32 matrix (at::linear); the others: gguf_blocks layouts
 
 
 def linear_calls(m: nn.Module) -> list[tuple] | None:

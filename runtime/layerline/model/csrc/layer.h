@@ -17,10 +17,20 @@
 namespace {
 
 // A linear layer as its module calls it: a GGUF block kernel by layout (the args are
-// gguf_blocks.BlockLinear's) or, for a matrix held as floats, at::linear. y in x's dtype.
+// gguf_blocks.BlockLinear's) or, for a matrix held as floats, at::linear. y in x's dtype. Python
+// names the kind (a gguf_blocks layout, or "dense"); the numbers stay here.
 struct LayerLinear {
   enum Kind : int64_t { Q4 = 0, X16 = 1, X8 = 2, FILE = 3, DENSE = 4 };
   int64_t kind = DENSE;
+
+  static Kind kind_of(const std::string& name) {
+    if (name == "int4") return Q4;
+    if (name == "x16") return X16;
+    if (name == "x8") return X8;
+    if (name == "file") return FILE;
+    TORCH_CHECK(name == "dense", "DecodeLayer: linear kind '", name, "' is not int4, x16, x8, file or dense");
+    return DENSE;
+  }
   at::Tensor w;
   std::vector<int64_t> a;
   c10::optional<at::Tensor> bias;
@@ -31,7 +41,7 @@ struct LayerLinear {
       case X8: return 8;
       case FILE: return 6;
       case DENSE: return 0;
-      default: TORCH_CHECK(false, "DecodeLayer: linear kind ", kind, " is not 0-4");
+      default: TORCH_CHECK(false, "DecodeLayer: linear kind ", kind, " is not 0-4");  // kind_of's
     }
   }
 
@@ -71,12 +81,13 @@ struct DecodeLayer : torch::CustomClassHolder {
     *slot = w;
   }
 
-  void linear(const std::string& name, int64_t kind, const at::Tensor& w, std::vector<int64_t> args,
+  void linear(const std::string& name, const std::string& kind_name, const at::Tensor& w, std::vector<int64_t> args,
               c10::optional<at::Tensor> bias) {
     std::vector<LayerLinear>* slot = name == "qkv" ? &qkv : name == "o" ? &o : name == "gate_up" ? &gate_up
                                    : name == "down" ? &down : nullptr;
     TORCH_CHECK(slot != nullptr, "DecodeLayer.linear: no linear called ", name);
-    TORCH_CHECK(args.size() == LayerLinear::args_of(kind), "DecodeLayer.linear: ", name, " kind ", kind, " takes ",
+    const int64_t kind = LayerLinear::kind_of(kind_name);
+    TORCH_CHECK(args.size() == LayerLinear::args_of(kind), "DecodeLayer.linear: ", name, " kind ", kind_name, " takes ",
                 LayerLinear::args_of(kind), " ints, got ", args.size());
     slot->push_back(LayerLinear{kind, w, std::move(args), std::move(bias)});
   }
