@@ -23,10 +23,10 @@ X16_DECODE float fp16_at(const uint8_t* p) {
   return _cvtsh_ss(h);
 }
 
-// 32 weights of a block, weight i = (i < 16 ? s0 : s1) * code[i] - mn, codes as int8
+// a block of 32 weights, weight i = s * code[i] - mn, codes as int8
 struct Sub {
   __m256i code;
-  float s0, s1, mn;
+  float s, mn;
 };
 
 X16_DECODE __m256i load32(const uint8_t* p) { return _mm256_loadu_si256((const __m256i*)p); }
@@ -54,43 +54,43 @@ X16_DECODE __m256i fifth_bits(const uint8_t* p) {
   return _mm256_and_si256(_mm256_cmpeq_epi8(v, bit), _mm256_set1_epi8(0x10));
 }
 
-// One struct a block type: QK weights and BYTES bytes a block; MIN: its weights have a min, TWO: its
-// halves of 16 their own scales. The types of 32: sub(block, 0) its weights with their fp32 scale
-// (and min); the K-quants (QK 256, below): their codes and their scales as integers
+// One struct a block type: QK weights and BYTES bytes a block; MIN: its weights have a min. The types
+// of 32: sub(block) its weights with their fp32 scale (and min); the K-quants (QK 256, below): their
+// codes and their scales as integers, TWO: a sub-block's halves of 16 have scales of their own
 struct Q8_0B {
-  static constexpr int64_t QK = 32, BYTES = 34; static constexpr bool MIN = false, TWO = false;
-  X16_DECODE Sub sub(const uint8_t* b, int) {
+  static constexpr int64_t QK = 32, BYTES = 34; static constexpr bool MIN = false;
+  X16_DECODE Sub sub(const uint8_t* b) {
     const float d = fp16_at(b);
-    return {load32(b + 2), d, d, 0.f};
+    return {load32(b + 2), d, 0.f};
   }
 };
 struct Q4_0B {  // fp16 d, 16 bytes of nibbles; codes less 8
-  static constexpr int64_t QK = 32, BYTES = 18; static constexpr bool MIN = false, TWO = false;
-  X16_DECODE Sub sub(const uint8_t* b, int) {
+  static constexpr int64_t QK = 32, BYTES = 18; static constexpr bool MIN = false;
+  X16_DECODE Sub sub(const uint8_t* b) {
     const float d = fp16_at(b);
-    return {_mm256_sub_epi8(nibbles16(b + 2), _mm256_set1_epi8(8)), d, d, 0.f};
+    return {_mm256_sub_epi8(nibbles16(b + 2), _mm256_set1_epi8(8)), d, 0.f};
   }
 };
 struct Q4_1B {  // fp16 d and m, nibbles; weight = d * code + m
-  static constexpr int64_t QK = 32, BYTES = 20; static constexpr bool MIN = true, TWO = false;
-  X16_DECODE Sub sub(const uint8_t* b, int) {
+  static constexpr int64_t QK = 32, BYTES = 20; static constexpr bool MIN = true;
+  X16_DECODE Sub sub(const uint8_t* b) {
     const float d = fp16_at(b);
-    return {nibbles16(b + 4), d, d, -fp16_at(b + 2)};
+    return {nibbles16(b + 4), d, -fp16_at(b + 2)};
   }
 };
 struct Q5_0B {  // fp16 d, 32 fifth bits, 16 bytes of nibbles; codes less 16
-  static constexpr int64_t QK = 32, BYTES = 22; static constexpr bool MIN = false, TWO = false;
-  X16_DECODE Sub sub(const uint8_t* b, int) {
+  static constexpr int64_t QK = 32, BYTES = 22; static constexpr bool MIN = false;
+  X16_DECODE Sub sub(const uint8_t* b) {
     const float d = fp16_at(b);
     const __m256i c = _mm256_or_si256(nibbles16(b + 6), fifth_bits(b + 2));
-    return {_mm256_sub_epi8(c, _mm256_set1_epi8(16)), d, d, 0.f};
+    return {_mm256_sub_epi8(c, _mm256_set1_epi8(16)), d, 0.f};
   }
 };
 struct Q5_1B {  // fp16 d and m, fifth bits, nibbles; weight = d * code + m
-  static constexpr int64_t QK = 32, BYTES = 24; static constexpr bool MIN = true, TWO = false;
-  X16_DECODE Sub sub(const uint8_t* b, int) {
+  static constexpr int64_t QK = 32, BYTES = 24; static constexpr bool MIN = true;
+  X16_DECODE Sub sub(const uint8_t* b) {
     const float d = fp16_at(b);
-    return {_mm256_or_si256(nibbles16(b + 8), fifth_bits(b + 4)), d, d, -fp16_at(b + 2)};
+    return {_mm256_or_si256(nibbles16(b + 8), fifth_bits(b + 4)), d, -fp16_at(b + 2)};
   }
 };
 // The K-quants for the K tiles below, their scales as integers: weight i of sub-block s is
@@ -178,8 +178,6 @@ struct XHeld {
 // of them, where fp32 weights took a conversion and an FMA per 16 weights besides (docs/kernels.md)
 template <class B>
 struct X16Tiles {
-  static constexpr int64_t SUBS = B::QK / 32;
-
   template <int R, int MB>
   struct Tile512 {
     __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
@@ -190,22 +188,16 @@ struct X16Tiles {
       float mins[R][MB];
       for (int r = 0; r < R; ++r)
         for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_setzero_ps(), mins[r][m] = 0.f;
-      for (int64_t b = 0, nb = K / B::QK; b < nb; ++b) {
+      for (int64_t g = 0; g < G; ++g) {
         for (int r = 0; r < R; ++r) {
-          const uint8_t* blk = w + r * rb + b * B::BYTES;
+          const uint8_t* blk = w + r * rb + g * B::BYTES;
           if (PF8) for (int64_t o = 0; o < B::BYTES; o += 64) _mm_prefetch((const char*)blk + PF8 + o, _MM_HINT_T0);
-          for (int s = 0; s < SUBS; ++s) {
-            const Sub u = B::sub(blk, s);
-            const int64_t g = b * SUBS + s;
-            const __m512i c = _mm512_cvtepi8_epi16(u.code);  // lanes 0-7 sum weights 0-15 (s0), 8-15 the rest (s1)
-            for (int m = 0; m < MB; ++m) {
-              const float dx = xd[m * G + g];
-              const __m512 sc = B::TWO ? _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(u.s0 * dx), _mm512_set1_ps(u.s1 * dx))
-                                       : _mm512_set1_ps(u.s0 * dx);
-              const __m512i p = _mm512_madd_epi16(c, _mm512_loadu_si512(xq + m * K + 32 * g));
-              acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), sc, acc[r][m]);
-              if (B::MIN) mins[r][m] += u.mn * xs[m * G + g];
-            }
+          const Sub u = B::sub(blk);
+          const __m512i c = _mm512_cvtepi8_epi16(u.code);
+          for (int m = 0; m < MB; ++m) {
+            const __m512i p = _mm512_madd_epi16(c, _mm512_loadu_si512(xq + m * K + 32 * g));
+            acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_set1_ps(u.s * xd[m * G + g]), acc[r][m]);
+            if (B::MIN) mins[r][m] += u.mn * xs[m * G + g];
           }
         }
       }
@@ -220,28 +212,25 @@ struct X16Tiles {
     static void run(const uint8_t* w, int64_t rb, const int16_t* xq, const float* xd, const float* xs, int64_t K,
                     int64_t N, float* y) {
       const int64_t G = K / 32;
-      __m256 acc[R][MB][2];  // a sub-block's two halves of 16 weights (s0's, s1's)
+      __m256 acc[R][MB][2];  // a block's two halves of 16 weights
       float mins[R][MB];
       for (int r = 0; r < R; ++r)
         for (int m = 0; m < MB; ++m) acc[r][m][0] = acc[r][m][1] = _mm256_setzero_ps(), mins[r][m] = 0.f;
-      for (int64_t b = 0, nb = K / B::QK; b < nb; ++b) {
+      for (int64_t g = 0; g < G; ++g) {
         for (int r = 0; r < R; ++r) {
-          const uint8_t* blk = w + r * rb + b * B::BYTES;
+          const uint8_t* blk = w + r * rb + g * B::BYTES;
           if (PF8) for (int64_t o = 0; o < B::BYTES; o += 64) _mm_prefetch((const char*)blk + PF8 + o, _MM_HINT_T0);
-          for (int s = 0; s < SUBS; ++s) {
-            const Sub u = B::sub(blk, s);
-            const int64_t g = b * SUBS + s;
-            const __m256i c[2] = {_mm256_cvtepi8_epi16(_mm256_castsi256_si128(u.code)),
-                                  _mm256_cvtepi8_epi16(_mm256_extracti128_si256(u.code, 1))};
-            for (int m = 0; m < MB; ++m) {
-              const float dx = xd[m * G + g];
-              const int16_t* xm = xq + m * K + 32 * g;
-              for (int h = 0; h < 2; ++h) {
-                const __m256i p = _mm256_madd_epi16(c[h], _mm256_loadu_si256((const __m256i*)(xm + 16 * h)));
-                acc[r][m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps((h ? u.s1 : u.s0) * dx), acc[r][m][h]);
-              }
-              if (B::MIN) mins[r][m] += u.mn * xs[m * G + g];
+          const Sub u = B::sub(blk);
+          const __m256i c[2] = {_mm256_cvtepi8_epi16(_mm256_castsi256_si128(u.code)),
+                                _mm256_cvtepi8_epi16(_mm256_extracti128_si256(u.code, 1))};
+          for (int m = 0; m < MB; ++m) {
+            const __m256 sc = _mm256_set1_ps(u.s * xd[m * G + g]);
+            const int16_t* xm = xq + m * K + 32 * g;
+            for (int h = 0; h < 2; ++h) {
+              const __m256i p = _mm256_madd_epi16(c[h], _mm256_loadu_si256((const __m256i*)(xm + 16 * h)));
+              acc[r][m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), sc, acc[r][m][h]);
             }
+            if (B::MIN) mins[r][m] += u.mn * xs[m * G + g];
           }
         }
       }
