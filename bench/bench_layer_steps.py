@@ -48,12 +48,11 @@ def in_features(call) -> int:
 def run_call(x, call):
     """One product as csrc/layer.h's LayerLinear runs it (its kinds: gguf_blocks' layouts, llama.DENSE)."""
     import torch
-    from layerline.model import llama
+    from layerline.model import gguf_blocks, llama
     kind, w, ints, bias = call
-    ops = torch.ops.layerline_cpu
-    op = {"int4": ops.gguf_linear_q4, "x16": ops.gguf_linear_x16, "x8": ops.gguf_linear_x8, "file": ops.gguf_linear,
-          llama.DENSE: None}[kind]
-    return torch.nn.functional.linear(x, w, bias) if op is None else op(x, w, *ints, bias)
+    if kind == llama.DENSE:
+        return torch.nn.functional.linear(x, w, bias)
+    return gguf_blocks.layout_op(kind)(x, w, *ints, bias)
 
 
 def one_file(path: Path, a) -> dict:

@@ -168,8 +168,16 @@ def _fn(name: str) -> int:
 REPACKED = {"q4_0": ("ggml_gemv_q4_0_8x8_q8_0", "ggml_gemm_q4_0_8x8_q8_0", "ggml_quantize_mat_q8_0_4x8"),
             "q4_K": ("ggml_gemv_q4_K_8x8_q8_K", "ggml_gemm_q4_K_8x8_q8_K", "ggml_quantize_mat_q8_K_4x8")}
 _repack_ok: dict[str, bool] = {}
-LAYOUTS = ("file", "x8", "int4", "x16")
-# how csrc/layer.h's LayerLinear names each layout's kernel (its Kind)
+# the layouts and each one's op in csrc/ (csrc/layer.h's LayerLinear runs the same op for the layout's name)
+LAYOUT_OPS = {"file": "gguf_linear", "x8": "gguf_linear_x8", "int4": "gguf_linear_q4", "x16": "gguf_linear_x16"}
+LAYOUTS = tuple(LAYOUT_OPS)
+
+
+def layout_op(layout: str):
+    """The op that multiplies x by weights held in `layout`: op(x, raw, *ints, bias) (`BlockLinear.call`)."""
+    return getattr(torch.ops.layerline_cpu, LAYOUT_OPS[layout])
+
+
 # blocks of 32 four-bit codes and fp16 scales, layerline's int4 kernel's groups: gguf_linear_q4's reading of
 # a group's scales (csrc/int4.h Int4Kind)
 INT4_KIND = {"q4_1": 1, "q4_0": 2}
@@ -340,11 +348,9 @@ class BlockLinear:
         if layout == "int4":
             self.raw = raw if packed else torch.from_numpy(to_int4(raw.numpy(), bt.name, out_features, in_features))
             self._args = (out_features, in_features, INT4_KIND[bt.name])
-            self._op = torch.ops.layerline_cpu.gguf_linear_q4
         elif layout == "x16":
             self.raw = raw
             self._args = (out_features, in_features, bt.id)
-            self._op = torch.ops.layerline_cpu.gguf_linear_x16
         elif layout == "x8":
             gemv, gemm, quant4 = (_fn(f) for f in REPACKED[bt.name])
             self.raw = raw if packed else torch.ops.layerline_cpu.gguf_repack_x8(raw, bt.id, out_features,
@@ -353,12 +359,11 @@ class BlockLinear:
             # row's bits would depend on the rows beside it, so it is used only when asked for
             self._args = (out_features, in_features, self.row_bytes, self.xrow_bytes, gemv,
                           0 if batch_invariant else gemm, quant4, self._from_float)
-            self._op = torch.ops.layerline_cpu.gguf_linear_x8
         else:
             self.raw = raw
             self._args = (out_features, in_features, self.row_bytes, self.xrow_bytes, self._vec_dot,
                           self._from_float)
-            self._op = torch.ops.layerline_cpu.gguf_linear
+        self._op = layout_op(layout)
 
     @property
     def repacked(self) -> bool:
