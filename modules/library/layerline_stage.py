@@ -14,7 +14,8 @@ description:
     the stage's manifest does not list - the files of a stage it held before, or of another model (a
     Hugging Face stage's config.json and *.safetensors where a GGUF stage's model.gguf now goes), and
     what a failed copy left. The stage manifest (layerline-stage.json) goes too when it is not this
-    stage's.
+    stage's. It returns the listed files the dir lacks (missing, or of another size or SHA-1) as
+    RV(send), what the copy sends, and makes those it holds whole mode 0600.
   - O(state=complete), after the copy, checks that every listed file is there at its size and writes
     the manifest; the checkpoint opener reads the stage's format and files from it, so a dir whose
     staging did not finish is refused, never opened as the model it held before.
@@ -76,6 +77,12 @@ removed:
   type: list
   elements: str
   sample: [config.json, model.safetensors]
+send:
+  description: With O(state=pruned), the listed files the dir lacks (missing, or of another size or SHA-1),
+    each with its manifest entry; the copy sends only these (C(layerline.staging.files_to_send)).
+  returned: always
+  type: dict
+  sample: {model.safetensors: {bytes: 1048576, sha1: 3f786850e387550fdab836ed7e6dc881de23001b}}
 path:
   description: The stage dir (the stage root, swept).
   returned: always
@@ -91,7 +98,7 @@ from ansible.module_utils.basic import AnsibleModule
 LAYERLINE_IMPORT_ERROR = None
 try:
     from layerline.errors import LayerlineError
-    from layerline.staging import finish_stage, has_manifest, prune_stage, sweep_stages
+    from layerline.staging import files_to_send, finish_stage, has_manifest, prune_stage, sweep_stages
 except ImportError:
     LAYERLINE_IMPORT_ERROR = traceback.format_exc()
 
@@ -110,7 +117,7 @@ def main():
         module.fail_json(msg="layerline_stage: this host's Python interpreter cannot import layerline; run the "
                              "layerline_runtime role for it, or set ansible_python_interpreter to one that can",
                          exception=LAYERLINE_IMPORT_ERROR, path=path)
-    changed, removed = False, []
+    changed, removed, send = False, [], {}
     try:
         if p["state"] == "swept":
             removed = sweep_stages(path, p["keep"], dry_run=module.check_mode)
@@ -123,12 +130,14 @@ def main():
                 os.makedirs(path, mode=0o700, exist_ok=True)
                 os.chmod(path, 0o700)
             removed = prune_stage(path, p["manifest"], dry_run=module.check_mode)
+            send, modes = files_to_send(path, p["manifest"], dry_run=module.check_mode)
+            changed = changed or bool(modes)
     except LayerlineError as e:
         module.fail_json(msg="layerline_stage %s: %s" % (path, e), path=path)
     except OSError as e:
         module.fail_json(msg="layerline_stage %s: %s; fix its permissions, or set layerline_stage_dir to a dir "
                              "this user may write" % (path, e.strerror or e), path=path)
-    module.exit_json(changed=bool(changed or removed), removed=removed, path=path)
+    module.exit_json(changed=bool(changed or removed), removed=removed, send=send, path=path)
 
 
 if __name__ == "__main__":

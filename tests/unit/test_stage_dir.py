@@ -14,7 +14,7 @@ from helpers import tiny_gguf
 from layerline.checkpoint import (STAGE_MANIFEST, CheckpointError, GGUFCheckpoint, HFCheckpoint, open_checkpoint,
                                   write_demo_checkpoint)
 from layerline.errors import LayerlineError
-from layerline.staging import finish_stage, prune_stage, stage_checkpoint
+from layerline.staging import files_to_send, finish_stage, prune_stage, stage_checkpoint
 from layerline.planner import Plan
 
 
@@ -26,12 +26,38 @@ def models(tmp_path_factory) -> dict[str, Path]:
 
 
 def ship(src: Path, host_dir: Path, manifest: dict) -> list[str]:
-    """What playbooks/tasks/stage.yml does on a host: prune, copy each listed file, finish."""
+    """What playbooks/tasks/stage.yml does on a host: prune, copy each file the dir lacks, finish."""
     removed = prune_stage(host_dir, manifest)
-    for name in manifest["files"]:
+    for name in files_to_send(host_dir, manifest)[0]:
         shutil.copyfile(src / name, host_dir / name)
+        (host_dir / name).chmod(0o600)   # the copy's mode
     finish_stage(host_dir, manifest)
     return removed
+
+
+def test_the_copy_sends_only_the_files_the_dir_lacks_whole(models, tmp_path):
+    """A rerun sends nothing; a file missing, cut short, of other bytes at its size, or not a file is
+    sent again; a whole file of another mode is made 0600 (not in a dry run) and not sent."""
+    cut = tmp_path / "cut"
+    man = stage_checkpoint(str(models["hf"]), 0, 2, True, True, str(cut))
+    host = tmp_path / "host"
+    host.mkdir()
+    assert files_to_send(host, man) == (man["files"], [])
+    ship(cut, host, man)
+    assert files_to_send(host, man) == ({}, [])
+    w = host / "model.safetensors"
+    w.chmod(0o644)
+    assert files_to_send(host, man, dry_run=True) == ({}, ["model.safetensors"]) and w.stat().st_mode & 0o777 == 0o644
+    assert files_to_send(host, man) == ({}, ["model.safetensors"]) and w.stat().st_mode & 0o777 == 0o600
+    data = bytearray(w.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    w.write_bytes(bytes(data))                                     # its size, other bytes
+    (host / "config.json").write_bytes((host / "config.json").read_bytes()[:-1])   # cut short
+    assert files_to_send(host, man)[0] == {n: man["files"][n] for n in ("config.json", "model.safetensors")}
+    ship(cut, host, man)
+    w.unlink()
+    w.mkdir()                                                      # not a file
+    assert list(files_to_send(host, man)[0]) == ["model.safetensors"]
 
 
 def test_a_dir_staged_hf_then_gguf_holds_and_opens_as_the_gguf(models, tmp_path):
