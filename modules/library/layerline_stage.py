@@ -83,6 +83,12 @@ send:
   returned: always
   type: dict
   sample: {model.safetensors: {bytes: 1048576, sha1: 3f786850e387550fdab836ed7e6dc881de23001b}}
+whole:
+  description: With O(state=pruned), whether the dir holds the whole stage already (nothing to send, this
+    stage's manifest there): O(state=complete) has nothing to do.
+  returned: always
+  type: bool
+  sample: true
 path:
   description: The stage dir (the stage root, swept).
   returned: always
@@ -117,7 +123,7 @@ def main():
         module.fail_json(msg="layerline_stage: this host's Python interpreter cannot import layerline; run the "
                              "layerline_runtime role for it, or set ansible_python_interpreter to one that can",
                          exception=LAYERLINE_IMPORT_ERROR, path=path)
-    changed, removed, send = False, [], {}
+    changed, removed, send, whole = False, [], {}, False
     try:
         if p["state"] == "swept":
             removed = sweep_stages(path, p["keep"], dry_run=module.check_mode)
@@ -132,12 +138,13 @@ def main():
             removed = prune_stage(path, p["manifest"], dry_run=module.check_mode)
             send, modes = files_to_send(path, p["manifest"], dry_run=module.check_mode)
             changed = changed or bool(modes)
+            whole = not send and has_manifest(path, p["manifest"])
     except LayerlineError as e:
         module.fail_json(msg="layerline_stage %s: %s" % (path, e), path=path)
     except OSError as e:
         module.fail_json(msg="layerline_stage %s: %s; fix its permissions, or set layerline_stage_dir to a dir "
                              "this user may write" % (path, e.strerror or e), path=path)
-    module.exit_json(changed=bool(changed or removed), removed=removed, send=send, path=path)
+    module.exit_json(changed=bool(changed or removed), removed=removed, send=send, whole=whole, path=path)
 
 
 if __name__ == "__main__":
