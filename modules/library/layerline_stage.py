@@ -85,7 +85,7 @@ send:
   sample: {model.safetensors: {bytes: 1048576, sha1: 3f786850e387550fdab836ed7e6dc881de23001b}}
 whole:
   description: With O(state=pruned), whether the dir holds the whole stage already (nothing to send, this
-    stage's manifest there): O(state=complete) has nothing to do.
+    stage's manifest there), so that O(state=complete) has nothing to do.
   returned: always
   type: bool
   sample: true
