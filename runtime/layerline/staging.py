@@ -126,9 +126,8 @@ def files_to_send(dest: str | os.PathLike, manifest: dict, dry_run: bool = False
     """The files of the stage `manifest` that the stage dir `dest` lacks: missing, not a regular file,
     or of another size or SHA-1 than listed (name -> its manifest entry); the copy sends only these.
     Those it holds whole are made mode 0600, as the copy leaves a file (not with dry_run): their names
-    come second. Asking here
-    once saves the copy a checksum and a mode check a file, two module runs each (a rerun's staging
-    took 7 of its 39 s over four hosts)."""
+    come second. Asked here once, in the module that prunes the dir, so the copy need not ask each
+    file's checksum and mode on the host (two module runs a file; docs/testing.md)."""
     root = Path(dest)
     files = manifest.get("files") or {}
     send, modes = {}, []
