@@ -262,6 +262,9 @@ def tiny_gguf(hf_dir: Path, out: Path, qtype: str | None = None) -> Path:
     return out
 
 
+PHASE_LOG = ROOT / ".cache" / "test-phases.log"
+
+
 class Phases:
     """Wall time of a long test's phases, printed (shown with -s, and in a failure's captured output):
     `phase = Phases("drain")`, then `phase("w2 drained")` at the end of each phase."""
@@ -272,5 +275,11 @@ class Phases:
 
     def __call__(self, name: str) -> None:
         now = time.perf_counter()
-        print(f"[phase] {self.test}: {name}: {now - self.last:.1f} s (at {now - self.t0:.1f} s)")
+        line = f"[phase] {self.test}: {name}: {now - self.last:.1f} s (at {now - self.t0:.1f} s)"
+        print(line)
+        # and into PHASE_LOG, which .ci/run prints: a passing test's output is not shown, and a slow
+        # phase in CI must be found without a rerun
+        PHASE_LOG.parent.mkdir(parents=True, exist_ok=True)
+        with open(PHASE_LOG, "a") as f:
+            f.write(f"{time.strftime('%H:%M:%S')} {line}\n")
         self.last = now
