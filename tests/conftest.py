@@ -59,6 +59,13 @@ SLOW_FIRST = ("test_deployment", "test_collection", "test_gemma3_gguf", "test_co
               "test_cluster", "test_bad_deploys", "test_gguf", "test_families", "test_generate", "test_int4")
 
 
+def pytest_sessionstart(session):
+    """A run's phase log (tests/helpers.py PHASE_LOG, printed by .ci/run) starts empty: once, in the
+    process that runs the xdist workers, before they start."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        (TESTS.parent / ".cache" / "test-phases.log").unlink(missing_ok=True)
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         item.add_marker(getattr(pytest.mark, _tier(item)))
