@@ -392,7 +392,7 @@ def layerline_plan_table(plan):
 
 def layerline_drive_report(result):
     _need_runtime()
-    from layerline.driver import drive_report  # imports torch: only when a drive report is made
+    from layerline.drive_report import drive_report
     return drive_report(_plain(result))
 
 

@@ -74,3 +74,23 @@ def test_user_mistakes_are_one_line(args, field):
     r = cli(*args, ok=False)
     assert r.returncode == 2 and field in r.stderr and "Traceback" not in r.stderr
     assert r.stderr.strip().count("\n") == 0
+
+
+def test_the_drive_report_filter_does_not_import_torch():
+    """deploy.yml's "Show per-stage times" runs the filter in the controller's Ansible process: it reads the
+    drive's JSON and prints its lines, and never imports torch (a second a run, layerline.driver's)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[2]
+    code = ("import importlib.util, sys; spec = importlib.util.spec_from_file_location('f', sys.argv[1]); "
+            "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); "
+            "r = {'stages': [{'stage': 'w1', 'layers': [0, 2], 's': 0.001}], 'tokens': 4, 'wall_s': 0.01, "
+            "'hop_s': 0.002, 'max_abs_diff': 0.0, 'tolerance': 1e-3, 'ok': True, 'precision': 'fp32'}; "
+            "print(m.FilterModule().filters()['layerline_drive_report'](r)); print('torch' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code, str(root / "modules" / "filter_plugins" / "layerline.py")],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    *lines, imported = r.stdout.strip().splitlines()
+    assert lines[0].split() == ["w1", "layers", "0:2", "1.00", "ms"] and lines[-1].endswith(": matches"), lines
+    assert imported == "False"
