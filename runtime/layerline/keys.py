@@ -17,14 +17,15 @@ everyone's allowed/ and peers/. The keys role makes every keypair once on the co
 a store dir, with this module's command line:
 
     python -m layerline.keys make --store STORE [--controller-dir DIR] NAME [NAME ...]
-    python -m layerline.keys place --dest DIR --name NAME --public '{"NAME": "z85 key", ...}'
+    python -m layerline.keys place --dest DIR --name NAME --public '{"NAME": "z85 key", ...}' [--secret-stdin]
     python -m layerline.keys install --store STORE --name NAME --dest DIR [--peer NAME ...]
     python -m layerline.keys local --dest DIR NAME [NAME ...]
     python -m layerline.keys public DIR_OR_FILE
 
 `make` makes the keypairs that are missing (NAME... and `controller`; existing ones are kept)
 and, with --controller-dir, lays out the controller's keys dir; `place` lays out the public
-half of a host's keys dir (the role runs it on each host, then copies the host its secret);
+half of a host's keys dir and, with --secret-stdin, its keypair read from stdin (the role runs it
+on each host, the secret on stdin: never in an argv, a log or a file outside the keys dir);
 `install` lays out a whole keys dir from the store (for local stages that share its disk);
 `local` does all of it for processes on one machine (DIR/store, DIR/NAME, DIR/controller).
 A worker's control socket runs CURVE always, loopback included, and lets in only the key in
@@ -119,6 +120,11 @@ def read_key_file(path: str) -> tuple[bytes, bytes | None]:
         raise KeysError(f"{path}: no such key file; run playbooks/keys.yml to make the keys") from None
     except OSError as e:
         raise KeysError(f"{path}: cannot read ({e.strerror})") from None
+    return parse_key_text(text, path)
+
+
+def parse_key_text(text: bytes, where: str) -> tuple[bytes, bytes | None]:
+    """(public, secret or None) of a certificate's text, both z85; `where` names it in errors."""
     found: dict[bytes, bytes] = {}
     for line in text.splitlines():
         m = KEY_RE.match(line)
@@ -126,9 +132,9 @@ def read_key_file(path: str) -> tuple[bytes, bytes | None]:
             found.setdefault(m.group(1), m.group(2))
     public, secret = found.get(b"public"), found.get(b"secret")
     if public is None or not _z85_ok(public):
-        raise KeysError(f"{path}: no valid public-key line (40 z85 characters); re-make it with playbooks/keys.yml")
+        raise KeysError(f"{where}: no valid public-key line (40 z85 characters); re-make it with playbooks/keys.yml")
     if secret is not None and not _z85_ok(secret):
-        raise KeysError(f"{path}: the secret-key line is not 40 z85 characters; re-make it with playbooks/keys.yml")
+        raise KeysError(f"{where}: the secret-key line is not 40 z85 characters; re-make it with playbooks/keys.yml")
     return public, secret
 
 
@@ -304,9 +310,10 @@ def make_store(store: str, names: list[str]) -> tuple[dict[str, bytes], list[str
     return public, made
 
 
-def place(dest: str, name: str, public: dict[str, bytes | str]) -> bool:
+def place(dest: str, name: str, public: dict[str, bytes | str], secret_text: bytes | None = None) -> bool:
     """The public half of a keys dir: self.key (public[name]), and every key of `public` in
-    allowed/ and peers/ (keys not in it removed: they may connect no more). True when it changed."""
+    allowed/ and peers/ (keys not in it removed: they may connect no more); with secret_text (NAME's
+    keypair file), self.key_secret too. True when it changed."""
     check_name(name)
     keys = {}
     for n, k in public.items():
@@ -317,6 +324,12 @@ def place(dest: str, name: str, public: dict[str, bytes | str]) -> bool:
         keys[n] = k
     if name not in keys:
         raise KeysError(f"public: has no key for {name!r}, this keys dir's own name")
+    secret = None
+    if secret_text is not None:
+        own, secret = parse_key_text(secret_text, f"{name}'s keypair")
+        if secret is None or zmq.curve_public(secret) != own or own != keys[name]:
+            raise KeysError(f"{name}'s keypair: its secret key is not the one of public[{name!r}]; re-run "
+                            "playbooks/keys.yml (the store's keypair and the public keys it handed out disagree)")
     changed = ensure_dir(dest)
     changed |= _write(os.path.join(dest, f"{SELF}.key"), _public_text(keys[name]), 0o644)
     for sub in ("allowed", "peers"):
@@ -328,19 +341,19 @@ def place(dest: str, name: str, public: dict[str, bytes | str]) -> bool:
             if os.path.basename(f)[:-4] not in keys:
                 os.unlink(f)
                 changed = True
+    if secret is not None:
+        changed |= _write(secret_file(dest), _secret_text(keys[name], secret), 0o600)
     return changed
 
 
 def install(store: str, name: str, dest: str, peers: list[str]) -> bool:
-    """Lay out one whole keys dir from the store: self.key_secret and place() of the peers' keys."""
+    """Lay out one whole keys dir from the store: place() of the peers' keys and NAME's keypair."""
     check_name(name)
     pub, sec = read_key_file(secret_file(store, name))
     if sec is None:
         raise KeysError(f"{store}/{name}.key_secret: holds no secret-key line; remove it and run make again")
     public = {p: read_key_file(os.path.join(store, f"{check_name(p, 'peer')}.key"))[0] for p in [name, *peers]}
-    changed = place(dest, name, public)
-    changed |= _write(secret_file(dest), _secret_text(pub, sec), 0o600)
-    return changed
+    return place(dest, name, public, _secret_text(pub, sec))
 
 
 def local_keys(root: str, names: list[str]) -> dict[str, str]:
@@ -440,6 +453,8 @@ def main(argv: list[str] | None = None) -> int:
     pl.add_argument("--dest", required=True, help="the keys dir (0700)")
     pl.add_argument("--name", required=True, help="this keys dir's own name (its key becomes self.key)")
     pl.add_argument("--public", required=True, help='JSON {"NAME": "z85 public key", ...}: who may connect')
+    pl.add_argument("--secret-stdin", action="store_true",
+                    help="also write self.key_secret (0600) from NAME's keypair file read on stdin")
     lo = sub.add_parser("local", help="keys for processes on this machine: DEST/NAME per name and DEST/controller")
     lo.add_argument("--dest", required=True, help="the root of the local keys (0700): DEST/store, DEST/NAME")
     lo.add_argument("names", nargs="+", metavar="NAME", help="worker names (their --keys is DEST/NAME)")
@@ -467,7 +482,8 @@ def main(argv: list[str] | None = None) -> int:
                 assert isinstance(public, dict)
             except (ValueError, AssertionError):
                 raise KeysError('--public: must be a JSON object {"NAME": "z85 public key"}') from None
-            changed = place(a.dest, a.name, public)
+            secret = sys.stdin.buffer.read(64 * 1024) if a.secret_stdin else None
+            changed = place(a.dest, a.name, public, secret)
             print(json.dumps({"changed": changed, "name": a.name, "dest": a.dest, "peers": sorted(public)}))
         else:
             path = os.path.join(a.path, f"{SELF}.key") if os.path.isdir(a.path) else a.path

@@ -193,11 +193,10 @@ def index_argv(hvars: SettingsLike, python: str = "python3", host: str = "contro
 @dataclass(frozen=True)
 class KeysSpec:
     """The keys role's commands and files for one host (layerline.keys: make on the controller, place on the
-    host, then the host's secret copied from the controller's store)."""
+    host with its keypair from the controller's store on stdin)."""
     make_argv: tuple[str, ...]   # on the controller: every missing keypair and the controller's keys dir
     keys_dir: str                # the host's keys dir (the worker's --keys)
-    secret_src: str              # on the controller: the host's keypair in the store (0600)
-    secret_dest: str             # on the host: KEYS_DIR/self.key_secret (0600)
+    secret_src: str              # on the controller: the host's keypair in the store (0600), place's stdin
 
     def to_dict(self) -> dict:
         return asdict(self) | {"make_argv": list(self.make_argv)}
@@ -210,18 +209,18 @@ def keys_spec(host: str, hvars: SettingsLike, hosts: list[str], python: str = "p
     home = hs.controller_home
     return KeysSpec(make_argv=(python, "-m", "layerline.keys", "make", "--store", home.keys_store,
                                "--controller-dir", home.keys_controller, "--", *[str(h) for h in hosts]),
-                    keys_dir=hs.worker_keys_dir, secret_src=secret_file(home.keys_store, host),
-                    secret_dest=secret_file(hs.worker_keys_dir))
+                    keys_dir=hs.worker_keys_dir, secret_src=secret_file(home.keys_store, host))
 
 
 def keys_place_argv(host: str, hvars: SettingsLike, public: dict) -> list[str]:
-    """The host's command (under its runtime interpreter) that lays out the public half of its keys dir."""
+    """The host's command (under its runtime interpreter) that lays out its keys dir: the public keys in its
+    argv, its own keypair (KeysSpec.secret_src's text) on its stdin."""
     hs = HostSettings.of(host, hvars)
     if not isinstance(public, dict) or host not in public:
         raise LayerlineError(f"{host}: the keys made on the controller hold no public key for it (is it in "
                              "layerline_keys_hosts?); re-run playbooks/keys.yml")
     return [hs.runtime_interpreter, "-m", "layerline.keys", "place", "--dest", hs.worker_keys_dir, "--name", host,
-            "--public", json.dumps(public, sort_keys=True)]
+            "--public", json.dumps(public, sort_keys=True), "--secret-stdin"]
 
 
 # what the runtime role asks a host's interpreter, which may not have layerline yet (plain Python only)
@@ -367,7 +366,10 @@ def server_spec(hvars: SettingsLike, python: str = "python3", host: str = "contr
     argv = [python, "-m", "layerline.cli", "serve", "--plan", home.plan, "--checkpoint", checkpoint,
             "--host", bind, "--port", str(port), "--keys", home.keys_controller, "--curve", hs.curve,
             "--ready-file", os.path.join(state, "ready.json"), "--log-file", os.path.join(state, "requests.log"),
-            "--admin-keys", home.admin_key]
+            "--admin-keys", home.admin_key,
+            # the controller's code: the server restarts when it changes, as the workers do (it refuses workers
+            # on other code than its own)
+            "--layerline-version", version.full()]
     argv += ["--api-keys", home.api_keys] if keyed else []
     argv += ["--tls-cert", hs.serve_tls_cert, "--tls-key", hs.serve_tls_key] if tls else []
     argv += ["--restart-wait", _num(hs.serve_restart_wait), "--health-deadline", _num(hs.serve_health_deadline)]

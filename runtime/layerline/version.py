@@ -10,8 +10,8 @@ A host runs the controller's code only when `full()` matches: the package versio
 hash of the package's .py and .cpp files, so a host that kept old code after the controller's was
 updated differs even when nobody bumped the version. The runtime role compares a host's `full()`
 with the controller's (`needs_install`) and reinstalls exactly the hosts that differ; a worker's
-argv names the controller's version (`--layerline-version`), so exactly those workers restart,
-and a worker started on other code refuses to run.
+argv and the server's name the controller's version (`--layerline-version`), so exactly those
+workers, and the server, restart when it changes, and one started on other code refuses to run.
 
 Every ZeroMQ socket carries this side's version and wire protocol in its handshake (`stamp`: ZMTP
 metadata, exchanged once per connection inside CURVE's handshake), and every receiver checks the
@@ -102,6 +102,18 @@ def full() -> str:
     """The version this process runs: PACKAGE_VERSION+HASH (e.g. 0.1.0+3f9a0c1b2d4e)."""
     from . import __version__
     return f"{__version__}+{content_hash()}"
+
+
+def refuse_other(controller: str | None) -> None:
+    """--layerline-version's check in a worker or the server: stop, in one line, when this process runs
+    other code than the controller that launched it (None: not asked)."""
+    if controller and controller != full():
+        import sys
+
+        from .errors import LayerlineError
+        raise LayerlineError(f"--layerline-version: the controller runs layerline {controller}, this host's "
+                             f"{sys.executable} has {full()}; re-run deploy.yml so the runtime role installs the "
+                             "controller's version here")
 
 
 def describe(version: str | None, protocol: str | int | None) -> str:

@@ -217,6 +217,9 @@ def test_the_servers_launch_is_built_in_python(tmp_path):
     assert flags["--keys"] == str(tmp_path / "keys" / "controller") and flags["--restart-wait"] == "10"
     assert flags["--health-deadline"] == "2" and "--api-keys" not in flags and s.url == "http://127.0.0.1:29190"
     assert flags["--prefix-cache"] == "on"
+    # the controller's code: a server started under other code restarts with the workers after an upgrade
+    from layerline import version
+    assert flags["--layerline-version"] == version.full()
     assert dict(zip(*[iter(_server(tmp_path, layerline_serve_prefix_cache=False).argv[4:])] * 2))["--prefix-cache"] == "off"
     open_ = _server(tmp_path, layerline_serve_bind="0.0.0.0")
     assert open_.keyed and "--api-keys" in open_.argv and open_.url == "http://127.0.0.1:8000"
@@ -360,19 +363,38 @@ def test_the_controllers_commands_are_built_in_python(tmp_path):
     home = ControllerHome.of(tmp_path)
     assert k.make_argv == ("/py", "-m", "layerline.keys", "make", "--store", home.keys_store, "--controller-dir",
                            home.keys_controller, "--", "w1", "w2")
-    assert (k.keys_dir, k.secret_dest) == ("/s/w2/keys", "/s/w2/keys/self.key_secret")
+    assert k.keys_dir == "/s/w2/keys"
     assert k.secret_src == f"{home.keys_store}/w2.key_secret"
 
 
 def test_the_keys_spec_names_the_files_the_keys_module_makes(tmp_path):
-    """keys_spec's secret_src is the file `layerline.keys make` writes, and place lays out what it names."""
+    """keys_spec's secret_src is the file `layerline.keys make` writes; place, run as the role runs it (that
+    file on its stdin), lays out the whole keys dir a worker loads: the secret 0600, and a re-run changes
+    nothing. Another host's keypair on its stdin is refused in one line, and nothing is written."""
+    import subprocess
+    import sys
     from layerline import keys
     from layerline.spec import keys_place_argv, keys_spec
-    k = keys_spec("w1", {"layerline_home": str(tmp_path), "layerline_state_dir": str(tmp_path / "s")}, ["w1"])
-    public, _ = keys.make_store(ControllerHome.of(tmp_path).keys_store, ["w1"])
+    k = keys_spec("w1", {"layerline_home": str(tmp_path), "layerline_state_dir": str(tmp_path / "s")}, ["w1", "w2"])
+    public, _ = keys.make_store(ControllerHome.of(tmp_path).keys_store, ["w1", "w2"])
     assert keys.read_key_file(k.secret_src)[1], "the store holds w1's secret where the spec says"
-    argv = keys_place_argv("w1", {"layerline_state_dir": str(tmp_path / "s")}, {n: p.decode() for n, p in public.items()})
-    assert keys.main(argv[3:]) == 0 and (tmp_path / "s" / "keys" / "allowed" / "controller.key").is_file()
+    pub = {n: p.decode() for n, p in public.items()}
+
+    def place(host: str, secret_of: str) -> subprocess.CompletedProcess:
+        argv = keys_place_argv(host, {"layerline_state_dir": str(tmp_path / host)}, pub)
+        with open(keys_spec(secret_of, {"layerline_home": str(tmp_path)}, []).secret_src, "rb") as f:
+            return subprocess.run([sys.executable, *argv[1:]], stdin=f, capture_output=True, text=True, timeout=60)
+
+    first, again = place("w1", "w1"), place("w1", "w1")
+    assert first.returncode == 0 and json.loads(first.stdout)["changed"], first.stderr
+    assert again.returncode == 0 and not json.loads(again.stdout)["changed"], again.stderr
+    d = tmp_path / "w1" / "keys"
+    assert (d / "allowed" / "controller.key").is_file() and oct((d / "self.key_secret").stat().st_mode & 0o777) == "0o600"
+    hk = keys.load_host_keys(str(d))
+    assert hk.public == public["w1"] and keys.read_key_file(str(d / "self.key_secret")) == keys.read_key_file(k.secret_src)
+    wrong = place("w2", "w1")
+    assert wrong.returncode == 2 and "w2's keypair: its secret key is not the one of public['w2']" in wrong.stderr
+    assert len(wrong.stderr.strip().splitlines()) == 1 and not (tmp_path / "w2" / "keys").exists()
     with pytest.raises(LayerlineError, match="no public key for it"):
         keys_place_argv("w9", {}, {"w1": "k"})
 

@@ -61,6 +61,23 @@ def test_the_filter_decides_not_yaml():
         assert "!= (layerline_runtime_version" not in task.read_text(), f"{task}: the decision belongs in Python"
 
 
+def test_a_server_on_other_code_than_the_controllers_refuses_to_start(tmp_path, capsys):
+    """The server's --layerline-version (in its argv as the workers', so an upgrade restarts it): other code
+    than the controller's stops it in one line naming both versions, before it listens or reads a plan."""
+    import argparse
+
+    from layerline.server import cli
+    a = cli.add_arguments(argparse.ArgumentParser()).parse_args(
+        ["--plan", str(tmp_path / "none.json"), "--port", "0", "--layerline-version", "0.0.9+0123456789ab"])
+    assert cli.run(a) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith(f"--layerline-version: the controller runs layerline 0.0.9+0123456789ab, this host's "
+                        f"{sys.executable} has {version.full()}; re-run deploy.yml so the runtime role installs "
+                        "the controller's version here") and len(err.splitlines()) == 1, err
+    a.layerline_version = version.full()   # the same code passes that check (and stops later: no --keys)
+    assert cli.run(a) == 2 and "--layerline-version" not in capsys.readouterr().err
+
+
 def pair(tmp_path, sender_version: str | None):
     """A CURVE ROUTER (this side, stamped) and a DEALER into it whose handshake says sender_version
     (None: stamped as this process)."""

@@ -82,6 +82,10 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="json: one JSON object per log line (a request's fields as keys), for log shippers")
     p.add_argument("--ready-file", default=None,
                    help="written (JSON: pid, url, model, stages) once the server listens; removed when it stops")
+    p.add_argument("--layerline-version", default=None, metavar="V",
+                   help="the controller's layerline version (layerline.version.full()): a server on other code "
+                        "refuses to start; in the argv, so the server restarts when the controller's code changes "
+                        "(it checks the workers' versions against its own)")
     return p
 
 
@@ -112,7 +116,9 @@ def _fail(msg: str) -> int:
 
 
 def _check(a) -> None:
+    from .. import version
     from .auth import is_loopback
+    version.refuse_other(a.layerline_version)
     if bool(a.plan) == bool(a.first):
         raise LayerlineError("give the pipeline as --plan PLAN.json or as --first tcp://HOST:PORT (one of them)")
     if not 0 <= a.port <= 65535:

@@ -158,10 +158,7 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(probe(args.checkpoint, device=args.device)))
             return 0
         from .. import version
-        if args.layerline_version and args.layerline_version != version.full():
-            raise LayerlineError(f"--layerline-version: the controller runs layerline {args.layerline_version}, this "
-                                 f"host's {sys.executable} has {version.full()}; re-run deploy.yml so the runtime role "
-                                 "installs the controller's version here")
+        version.refuse_other(args.layerline_version)
         from ..model import cpu_kernels
         from .serve import Worker
         w = Worker(args)
