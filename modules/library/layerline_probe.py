@@ -14,7 +14,7 @@ description:
     (and O_DIRECT where the filesystem allows it). A speed that was not measured is
     returned as null, never as 0.
   - The probe makes no network traffic; the node's address comes from its interface table.
-  - The module changes nothing on the target apart from the optional O(cache_file).
+  - The module changes nothing on the target apart from the optional O(cache_file) and its dir.
 version_added: "0.1.0"
 author:
   - layerline authors
@@ -61,7 +61,8 @@ options:
     default: []
   cache_file:
     description:
-      - File on the target that keeps the last result (written with mode C(0600)).
+      - File on the target that keeps the last result (written with mode C(0600)); its dir is made, and
+        kept, mode C(0700) (the host's state dir).
       - When it holds a result measured with the same options and the same layerline
         version, that result is returned without measuring again, unless O(refresh=true).
       - Not written in check mode.
@@ -272,7 +273,7 @@ LAYERLINE_IMPORT_ERROR = None
 try:
     import layerline
     from layerline.errors import LayerlineError
-    from layerline.files import atomic_write_json
+    from layerline.files import atomic_write_json, ensure_private_dir
     from layerline.cost import step_factor, step_mode
     from layerline.probe import carry_step_factors, machine_id, measure_rtt, probe, with_step_factor
 except ImportError:
@@ -330,7 +331,7 @@ def record_step(module, path, step):
 
 def write_cache(module, path, key, caps):
     try:
-        os.makedirs(os.path.dirname(path) or ".", mode=0o700, exist_ok=True)
+        ensure_private_dir(os.path.dirname(path) or ".")
         atomic_write_json(path, {"key": key, "caps": caps})  # mode 0600
     except OSError as e:
         module.fail_json(msg=f"cannot write cache_file {path}: {e}; choose a path the remote user can write, "
@@ -374,6 +375,13 @@ def main():
 
     key = cache_key(params)
     cache_file = params["cache_file"]
+    if cache_file and not module.check_mode:
+        # the host's state dir (the cache's dir): made, and kept private, here rather than by a task of its own
+        try:
+            ensure_private_dir(os.path.dirname(cache_file) or ".")
+        except OSError as e:
+            module.fail_json(msg=f"cache_file {cache_file}: cannot make its dir private ({e}); choose a path the "
+                                 "remote user can write, or leave cache_file out")
     if params["record_step"] is not None:
         step = dict(params["record_step"])
         for k in ("measured_s", "predicted_s"):  # raw: templating may hand over a string or None

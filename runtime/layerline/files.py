@@ -6,6 +6,7 @@ target, is flushed to disk, and is renamed over it.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import stat
@@ -50,6 +51,21 @@ def atomic_write(path: str | os.PathLike, data: bytes | str, mode: int = 0o600, 
 
 def atomic_write_json(path: str | os.PathLike, value, mode: int = 0o600, **kw) -> bool:
     return atomic_write(path, json.dumps(value, indent=2, sort_keys=True) + "\n", mode, **kw)
+
+
+def ensure_private_dir(path: str | os.PathLike) -> bool:
+    """A dir of mode 0700 (made with its parents when missing, made private when it was wider, as a
+    state dir another run or umask left); True when it changed."""
+    path = os.fspath(path)
+    made = not os.path.isdir(path)
+    os.makedirs(path, 0o700, exist_ok=True)
+    mode = stat.S_IMODE(os.stat(path).st_mode)
+    if mode & stat.S_ISVTX:   # /tmp and its like are everyone's: never narrow them
+        raise OSError(errno.EPERM, f"{path} is a shared dir (mode {mode:04o}); give a dir of its own")
+    if mode != 0o700:
+        os.chmod(path, 0o700)
+        return True
+    return made
 
 
 def user_cache_dir(env: str, name: str) -> os.PathLike:

@@ -325,7 +325,6 @@ class ServerSpec:
     ca_path: str | None       # with HTTPS: the CA file the playbooks check the server's certificate with
     api_keys_file: str
     admin_key_file: str
-    key_dirs: tuple[str, ...]  # dirs to make (0700) before the key files
     request: dict             # an example request (kept in request.json; the curl line sends it)
     request_path: str
     curl: str                 # one shell line that sends it
@@ -348,8 +347,7 @@ class ServerSpec:
         return [p for p in (keys, self.admin_key_file, self.api_keys_file if self.keyed else None) if p]
 
     def to_dict(self) -> dict:
-        return asdict(self) | {"argv": list(self.argv), "key_dirs": list(self.key_dirs),
-                               "endpoint": self.endpoint, "banner": self.banner, "inputs": self.inputs}
+        return asdict(self) | {"argv": list(self.argv), "endpoint": self.endpoint, "banner": self.banner, "inputs": self.inputs}
 
 
 def server_spec(hvars: SettingsLike, python: str = "python3", host: str = "controller") -> ServerSpec:
@@ -386,8 +384,6 @@ def server_spec(hvars: SettingsLike, python: str = "python3", host: str = "contr
                       bind=bind, port=port, url=url, keyed=keyed, api_keys_file=home.api_keys,
                       ca_path=(hs.serve_tls_ca or hs.serve_tls_cert) if tls else None,
                       admin_key_file=home.admin_key,
-                      key_dirs=tuple(dict.fromkeys(os.path.dirname(p) for p in
-                                                   ([home.api_keys] if keyed else []) + [home.admin_key])),
                       request=request, request_path=home.request,
                       curl=curl_line(f"{url}/v1/{'chat/completions' if chat else 'completions'}", request,
                                      home.api_keys if keyed else None,

@@ -51,7 +51,7 @@ import sys
 import threading
 import time
 
-from .files import atomic_write, atomic_write_json
+from .files import atomic_write, atomic_write_json, ensure_private_dir
 
 BACKOFF_START_S = 0.5
 BACKOFF_MAX_S = 10.0
@@ -574,7 +574,7 @@ def cmd_start(paths: Paths, ns, argv: list[str]) -> tuple[int, dict]:
            "argv": argv, "ready": None, "ready_file": ready_file, "log": paths.log,
            "state_dir": paths.state_dir, "log_tail": []}
     try:
-        os.makedirs(paths.state_dir, 0o700, exist_ok=True)
+        ensure_private_dir(paths.state_dir)
     except OSError as exc:
         out["msg"] = (f"{name}: cannot create state dir {paths.state_dir}: {exc}; choose one the user "
                       "may write to")

@@ -154,9 +154,12 @@ def test_module_returns_caps_and_uses_its_cache(checkpoint, tmp_path):
     assert caps["devices"][0]["flops_per_s"] > 0
     assert caps["disk_read_bytes_per_s"] is None or caps["disk_read_bytes_per_s"] > 0
     assert stat.S_IMODE(cache.stat().st_mode) == 0o600
+    # the cache's dir is the host's state dir: made 0700, and made private again on a cached run
+    assert stat.S_IMODE(cache.parent.stat().st_mode) == 0o700
+    cache.parent.chmod(0o755)
 
     _, second = _run_module(args)
-    assert second["cached"] is True
+    assert second["cached"] is True and stat.S_IMODE(cache.parent.stat().st_mode) == 0o700
     assert second["ansible_facts"]["layerline_caps"]["probe_seconds"] == caps["probe_seconds"]
 
     # refresh=true measures again; so do different options (in-process, to keep this fast).
@@ -173,6 +176,13 @@ def test_module_returns_caps_and_uses_its_cache(checkpoint, tmp_path):
     code, fifth = _call_module({"cache_file": str(cache), "budget_s": 0.05, "_ansible_check_mode": True})
     assert code == 0 and "layerline_caps" in fifth["ansible_facts"]
     assert cache.read_bytes() == before
+    # a shared dir (sticky, as /tmp) is never narrowed: the module says so and leaves it
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o1777)
+    shared.chmod(0o1777)
+    code, sixth = _call_module({"cache_file": str(shared / "caps.json"), "budget_s": 0.05})
+    assert code == 1 and "is a shared dir (mode 1777); give a dir of its own" in sixth["msg"]
+    assert stat.S_IMODE(shared.stat().st_mode) == 0o1777 and not (shared / "caps.json").exists()
 
 
 def _load_module():

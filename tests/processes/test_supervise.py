@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -117,9 +118,13 @@ def test_start_is_idempotent_on_argv_and_restarts_on_change(rig):
     assert (rec["pid"], rec["worker_pid"], rec["argv"], rec["name"]) == (sup, worker, first["argv"], "stage0")
     assert rec["restarts"] == 0 and rec["started_at"] <= time.time()
 
+    # start made the state dir private (the role has no task of its own for it) and keeps it so
+    assert stat.S_IMODE(rig.state_dir.stat().st_mode) == 0o700
+    rig.state_dir.chmod(0o755)
     rc, again = rig.start("--layers", "0:2")
     assert rc == 0 and again["changed"] is False, again
     assert (again["supervisor_pid"], again["worker_pid"], again["ready"]["pid"]) == (sup, worker, worker)
+    assert stat.S_IMODE(rig.state_dir.stat().st_mode) == 0o700
 
     rc, status = rig.sv("status")
     assert rc == 0 and status["running"] is True, status

@@ -411,6 +411,8 @@ def test_the_servers_key_files_are_made_once_0600(tmp_path):
     assert ensure_key_file(path) and Path(path).stat().st_mode & 0o777 == 0o600 and load_keys(path) == key
     Path(path).write_text("\n")
     assert ensure_key_file(path) and load_keys(path) != key, "an empty file gets a key"
+    (tmp_path / "keys").chmod(0o755)   # the dir is kept private too (the role has no task of its own for it)
+    assert ensure_key_file(path) and (tmp_path / "keys").stat().st_mode & 0o777 == 0o700
 
 
 def test_the_wheel_dir_is_decided_once(tmp_path):

@@ -18,7 +18,7 @@ import string
 
 from ..endpoints import is_loopback  # noqa: F401 - the one definition (server/cli imports it from here)
 from ..errors import LayerlineError
-from ..files import atomic_write
+from ..files import atomic_write, ensure_private_dir
 
 log = logging.getLogger("layerline.server")
 
@@ -33,12 +33,8 @@ def new_key() -> str:
 
 def ensure_key_file(path: str) -> bool:
     """A key file at path: kept when it holds a key (its mode made 0600), else written atomically (0600) with
-    a new key, its dir made 0700. True when anything changed. The key is never returned."""
-    changed = False
-    d = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(d):
-        os.makedirs(d, mode=0o700, exist_ok=True)
-        changed = True
+    a new key, its dir made (or kept) 0700. True when anything changed. The key is never returned."""
+    changed = ensure_private_dir(os.path.dirname(os.path.abspath(path)))
     try:
         st = os.stat(path)
         if stat.S_IMODE(st.st_mode) != 0o600:
