@@ -51,7 +51,8 @@ try:
     from layerline.planner import Plan, plan_table
     from layerline.routes import begin, commit, decide, load_pending, load_route, plan_to_keep
     from layerline.settings import ANSIBLE_KEYS, PREFIX, HostSettings, server_host
-    from layerline.units import server_launch, server_probe_argv, service_state, worker_launch, worker_probe_argv
+    from layerline.units import (server_launch, server_probe_argv, service_state, worker_launch, worker_probe_argv,
+                                 worker_unit_files)
     from layerline.spec import (demo_checkpoint_argv, drive_argv, health_gate, host_report, index_argv, keys_place_argv,
                                 keys_spec, planned_worker, runtime_install_argv, runtime_spec, server_spec,
                                 ships_stage, stage_checkpoint_argv, stage_dir, stages_kept,
@@ -156,6 +157,13 @@ def layerline_worker_probe(hvars, host, slots=None):
     _need_runtime()
     return _adapt("layerline_worker_probe", lambda: worker_probe_argv(
         str(host), _vars(hvars), None if slots is None else [int(x) for x in _plain(slots)]))
+
+
+def layerline_worker_unit_files(host, slots):
+    """The paths of the host's worker units of `slots` (layerline.units.worker_unit_files): what the stop's
+    layerline_worker run reports the host holds."""
+    _need_runtime()
+    return _adapt("layerline_worker_unit_files", lambda: worker_unit_files(str(host), [int(x) for x in _plain(slots)]))
 
 
 def layerline_worker_launch(plan, host, hvars, facts):
@@ -400,8 +408,8 @@ class FilterModule:
     def filters(self):
         return {f.__name__: f for f in (
             layerline_plan, layerline_route_plan, layerline_check_vars, layerline_settings, layerline_server_host, layerline_home_paths,
-            layerline_worker_spec, layerline_ships_stage, layerline_argv, layerline_host_report, layerline_server_spec,
-            layerline_drive_argv, layerline_worker_probe, layerline_worker_launch, layerline_server_probe,
+            layerline_worker_spec, layerline_ships_stage, layerline_argv, layerline_worker_unit_files, layerline_host_report,
+            layerline_server_spec, layerline_drive_argv, layerline_worker_probe, layerline_worker_launch, layerline_server_probe,
             layerline_server_launch, layerline_service_state,
             layerline_demo_checkpoint_argv, layerline_index_argv, layerline_keys_spec, layerline_keys_place_argv,
             layerline_wheel_dir, layerline_version, layerline_health_gate, layerline_runtime_spec,

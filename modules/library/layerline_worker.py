@@ -91,6 +91,14 @@ options:
         V(0) means the first exit is final.
     type: int
     default: 5
+  unit_files:
+    description:
+      - With O(state=stopped), systemd unit files of this worker's (their paths, as the
+        C(layerline_worker_unit_files) filter names them) whose presence on the host to report
+        as RV(units), so stopping a worker and finding its units is one module run.
+    type: list
+    elements: path
+    default: []
 attributes:
   check_mode:
     support: full
@@ -186,6 +194,12 @@ argv:
   type: list
   elements: str
   sample: ["/usr/bin/python3", "-m", "layerline.worker", "--layers", "0:8"]
+units:
+  description: The O(unit_files) the host holds, each as C(name) (the file's name) and C(path).
+  returned: when O(state) is V(stopped)
+  type: list
+  elements: dict
+  sample: [{"name": "layerline-worker-w1.service", "path": "/etc/systemd/system/layerline-worker-w1.service"}]
 state_dir:
   description: The state directory.
   returned: always
@@ -276,6 +290,7 @@ def main():
             env=dict(type="dict", default={}),
             inputs=dict(type="list", elements="path", default=[]),
             max_restarts=dict(type="int", default=5),
+            unit_files=dict(type="list", elements="path", default=[]),
         ),
         required_if=[("state", "started", ["argv"]), ("state", "restarted", ["argv"])],
         supports_check_mode=True,
@@ -289,6 +304,8 @@ def main():
                              "to an interpreter that can import layerline" % (name, python))
     result = dict(changed=False, name=name, state=state, state_dir=state_dir, supervisor_pid=None,
                   log=os.path.join(state_dir, "worker.log"))
+    if state == "stopped":   # a read, in check mode too: the units the role stops and removes next
+        result["units"] = [{"name": os.path.basename(f), "path": f} for f in p["unit_files"] if os.path.exists(f)]
     if state != "stopped":
         if not p["argv"]:
             module.fail_json(msg="layerline_worker %s: argv is empty; give the worker's command line, "

@@ -260,6 +260,11 @@ def worker_probe_argv(host: str, hvars: SettingsLike, slots: list[int] | None = 
     return host_probe_argv(hs.host_python, [unit_name("worker", host, s) for s in slots], [hs.worker_keys_dir])
 
 
+def worker_unit_files(host: str, slots: list[int]) -> list[str]:
+    """The paths the worker units of `slots` would have on the host (what the stop asks the host it holds)."""
+    return [os.path.join(UNIT_DIR, unit_name("worker", host, int(s))) for s in slots]
+
+
 JOURNAL_LINES = 30   # what a role shows of a unit's journal when it did not become ready
 
 

@@ -181,9 +181,14 @@ def test_killed_worker_is_restarted_then_stopped(rig):
     assert f"child pid {old} killed by signal SIGKILL" in log
     assert "supervise: restarting in 0.5s" in log
 
-    # Check mode: would stop, stops nothing.
-    checked = run_module(rig.args(state="stopped"), check=True)
+    # Check mode: would stop, stops nothing; it reads which of the given unit files the host holds (the
+    # stop play's systemd units: one module run finds them)
+    held = rig.root / "layerline-worker-stage0.service"
+    held.write_text("[Unit]\n")
+    unit_files = [str(held), str(rig.root / "layerline-worker-stage0.1.service")]
+    checked = run_module(rig.args(state="stopped", unit_files=unit_files), check=True)
     assert checked["changed"] is True and checked["msg"].startswith("would stop"), checked
+    assert checked["units"] == [{"name": held.name, "path": str(held)}], checked
     assert alive(new) and alive(sup)
 
     stopped = run_module(rig.args(state="stopped"))
@@ -194,8 +199,8 @@ def test_killed_worker_is_restarted_then_stopped(rig):
     assert not processes_mentioning(str(rig.root))
     assert "supervise: stopped" in (rig.state_dir / "worker.log").read_text()
 
-    again = run_module(rig.args(state="stopped"))
-    assert again["_rc"] == 0 and again["changed"] is False, again
+    again = run_module(rig.args(state="stopped", unit_files=unit_files))
+    assert again["_rc"] == 0 and again["changed"] is False and again["units"] == checked["units"], again
 
 
 def test_crashing_worker_fails_with_log_tail(rig):

@@ -181,6 +181,10 @@ def test_the_other_slot_has_its_own_unit(plan, filters, tmp_path):
     Path(launch["state_dir"]).mkdir(exist_ok=True)
     from layerline.units import Unit
     assert verify(tmp_path, Unit(launch["unit"]["name"], launch["unit"]["text"])) == ""
+    # the stop asks the host for the files each slot's launch writes
+    launch0 = filters["layerline_worker_launch"](p.to_dict(), "w2", {**vars1, "layerline_slot": 0},
+                                                 json.dumps(SYSTEMD_HOST))
+    assert filters["layerline_worker_unit_files"]("w2", [0, 1]) == [launch0["unit"]["path"], launch["unit"]["path"]]
 
 
 def test_this_machine_and_the_test_hosts_resolve_to_the_supervisor(plan, filters):

@@ -1,0 +1,119 @@
+"""Where a served token's time goes: the server, each stage's compute and the rest of each worker.
+
+    .venv/bin/python bench/bench_serve_profile.py [--gguf FILE] [--clients 1,4,16] [--requests 32]
+        [--prompt 128] [--new 64]
+
+The same setup and client as bench_serve_llamacpp.py's layerline (three local workers at the file's own
+bits, `python -m layerline.server` over them, token-id prompts, greedy, eos ignored, streamed; each client
+sends its next request when one ends), no llama.cpp. For each client count it reads, before and after the
+level, each process's CPU time (psutil: user + system, all threads) and the server's /metrics, and prints
+per generated token, in ms:
+  wall      the level's seconds / its tokens (what the aggregate tokens/s inverts);
+  server    the server process's CPU: HTTP, the engine, sampling, streaming, its ZeroMQ threads;
+  stageN    stage N's compute as its worker times it (layerline_stage_step_seconds: the forward of
+            prompt chunks and decode steps alike) / its worker process's CPU (the forward's threads,
+            message checks, KV bookkeeping, ZeroMQ; its idle-priority spinners are processes of their
+            own, left out: they take only CPU nothing else wants);
+  client    this process's CPU (the benchmark's own client, which a real client's machine would pay);
+  busy      all of the above, against the machine's capacity (wall x cores).
+The steps a level ran at each stage, per token, say how many tokens a step carried (prefill chunks
+count once). The CPU is named: figures move with it.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import re
+import shutil
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "runtime"))
+
+from bench_serve_llamacpp import cpu_name, level  # noqa: E402
+
+STEP_SUM = re.compile(r'^layerline_stage_step_seconds_(sum|count)\{stage="([^"]+)"\} (\S+)$', re.M)
+
+
+def stage_steps(url: str) -> dict[str, tuple[float, float]]:
+    """Each stage's (compute seconds, steps) so far, from the server's /metrics."""
+    import httpx
+    out: dict[str, list[float]] = {}
+    for kind, stage, value in STEP_SUM.findall(httpx.get(url + "/metrics", timeout=30).text):
+        out.setdefault(stage, [0.0, 0.0])[0 if kind == "sum" else 1] = float(value)
+    return {k: (v[0], v[1]) for k, v in out.items()}
+
+
+def cpu_s(proc) -> float:
+    t = proc.cpu_times()
+    return t.user + t.system
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--gguf", default=None, help="default: the packaged SmolLM2-135M-Instruct Q4_1 file")
+    p.add_argument("--clients", default="1,4,16")
+    p.add_argument("--requests", type=int, default=32, help="requests per level (at least one per client)")
+    p.add_argument("--prompt", type=int, default=128)
+    p.add_argument("--new", type=int, default=64)
+    a = p.parse_args(argv)
+    import psutil
+
+    from layerline.checkpoint import open_checkpoint
+    from layerline.cli import packaged_smollm2
+    from layerline.local import controller_keys, local_server, local_stages, stop_local, stop_server
+    gguf = a.gguf or packaged_smollm2()
+    levels = [int(x) for x in a.clients.split(",")]
+    vocab = int(open_checkpoint(gguf).index.config.get("vocab_size") or 32000)
+    rng = random.Random(0)
+    n = sum(max(c, a.requests) for c in levels) + 1
+    prompts = [[rng.randrange(100, vocab - 100) for _ in range(a.prompt)] for _ in range(n)]
+    cores = os.cpu_count() or 1
+    print(f"CPU: {cpu_name()}, {cores} logical cores; file {Path(gguf).name}; prompt {a.prompt}, new {a.new}; "
+          "three local workers at precision gguf", flush=True)
+    procs, first, tmp, depth = local_stages(gguf, 3, "gguf")
+    server = None
+    try:
+        server, url = local_server(["--first", first, "--first-key", "stage0", "--keys", controller_keys(tmp),
+                                    "--checkpoint", gguf, "--model-name", "bench", "--microbatches", str(depth),
+                                    "--log-file", os.path.join(tmp, "server.log")], tmp)
+        me, srv = psutil.Process(), psutil.Process(server.pid)
+        workers = [psutil.Process(w.pid) for w in procs]
+        asyncio.run(level(url, "bench", 1, 1, prompts[-1:], 4))  # warm, with a prompt no level sends
+        stages = sorted(stage_steps(url))
+        head = "".join(f" {s + ' comp/cpu':>18}" for s in stages)
+        print(f"{'clients':>7} {'tok/s':>7} {'wall':>6} {'server':>7}{head} {'client':>7} {'busy':>12} "
+              f"{'tokens a step':>14}  (ms a generated token)")
+        at = 0
+        for c in levels:
+            k = max(c, a.requests)
+            before = (cpu_s(srv), [cpu_s(w) for w in workers], cpu_s(me), stage_steps(url))
+            r = asyncio.run(level(url, "bench", c, k, prompts[at:at + k], a.new))
+            after = (cpu_s(srv), [cpu_s(w) for w in workers], cpu_s(me), stage_steps(url))
+            at += k
+            tok = r["tokens"]
+            wall = tok / r["tokens_per_s"]
+            ms = 1e3 / tok
+            server_ms = (after[0] - before[0]) * ms
+            worker_ms = [(x1 - x0) * ms for x0, x1 in zip(before[1], after[1])]
+            comp = [(after[3][s][0] - before[3].get(s, (0, 0))[0]) * ms for s in stages]
+            steps = [after[3][s][1] - before[3].get(s, (0, 0))[1] for s in stages]
+            client_ms = (after[2] - before[2]) * ms
+            busy = server_ms + sum(worker_ms) + client_ms
+            cols = "".join(f" {f'{cp:.2f} / {w:.2f}':>18}" for cp, w in zip(comp, worker_ms))
+            per_step = "/".join(f"{tok / s:.1f}" for s in steps if s)
+            print(f"{c:7d} {r['tokens_per_s']:7.1f} {wall * ms:6.2f} {server_ms:7.2f}{cols} {client_ms:7.2f} "
+                  f"{busy:5.2f} of {wall * ms * cores:5.2f} {per_step:>14}", flush=True)
+    finally:
+        stop_server(server)
+        stop_local(procs)
+        shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
