@@ -16,8 +16,8 @@ per generated token, in ms:
             own, left out: they take only CPU nothing else wants);
   client    this process's CPU (the benchmark's own client, which a real client's machine would pay);
   busy      all of the above, against the machine's capacity (wall x cores).
-The steps a level ran at each stage, per token, say how many tokens a step carried (prefill chunks
-count once). The CPU is named: figures move with it.
+And `generated a step`: the generated tokens over the steps each stage ran (a prefill chunk is a step
+that generates none, so this is below the decode batch). The CPU is named: figures move with it.
 """
 from __future__ import annotations
 
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         stages = sorted(stage_steps(url))
         head = "".join(f" {s + ' comp/cpu':>18}" for s in stages)
         print(f"{'clients':>7} {'tok/s':>7} {'wall':>6} {'server':>7}{head} {'client':>7} {'busy':>12} "
-              f"{'tokens a step':>14}  (ms a generated token)")
+              f"{'generated a step':>16}  (ms a generated token)")
         at = 0
         for c in levels:
             k = max(c, a.requests)
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
             cols = "".join(f" {f'{cp:.2f} / {w:.2f}':>18}" for cp, w in zip(comp, worker_ms))
             per_step = "/".join(f"{tok / s:.1f}" for s in steps if s)
             print(f"{c:7d} {r['tokens_per_s']:7.1f} {wall * ms:6.2f} {server_ms:7.2f}{cols} {client_ms:7.2f} "
-                  f"{busy:5.2f} of {wall * ms * cores:5.2f} {per_step:>14}", flush=True)
+                  f"{busy:5.2f} of {wall * ms * cores:5.2f} {per_step:>16}", flush=True)
     finally:
         stop_server(server)
         stop_local(procs)
