@@ -121,28 +121,41 @@ def layerline_levels(gguf: str, threads: int, levels, requests, prompts, new, se
         return run_levels("layerline (3 workers, gguf)", url, "bench", levels, requests, prompts, new)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def load_args(description: str) -> argparse.ArgumentParser:
+    """The load's options (this bench's and bench_serve_profile.py's): the file, client counts, requests, sizes."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--gguf", default=None, help="default: the packaged SmolLM2-135M-Instruct Q4_1 file")
     p.add_argument("--clients", default="1,4,16")
     p.add_argument("--requests", type=int, default=32, help="requests per level (at least one per client)")
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--new", type=int, default=64)
+    return p
+
+
+def load_prompts(a: argparse.Namespace) -> tuple[str, list[int], list[list[int]]]:
+    """(the GGUF file, the client counts, the prompts): token-id prompts, each sent once in a run (a repeat
+    would be answered from a prompt cache), one more for the warm-up."""
+    import random
+
+    from layerline.checkpoint import open_checkpoint
+    from layerline.cli import packaged_smollm2
+    gguf = a.gguf or packaged_smollm2()
+    levels = [int(x) for x in a.clients.split(",")]
+    vocab = int(open_checkpoint(gguf).index.config.get("vocab_size") or 32000)
+    rng = random.Random(0)
+    n = sum(max(c, a.requests) for c in levels) + 1
+    return gguf, levels, [[rng.randrange(100, vocab - 100) for _ in range(a.prompt)] for _ in range(n)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = load_args(__doc__.split("\n")[0])
     p.add_argument("--threads", type=int, default=2, help="llama.cpp's threads (each rpc-server's too)")
     p.add_argument("--server-args", default="", help="more flags for layerline's server (e.g. \"--busy-chunk 32\"); "
                    "default: none, a deploy's settings")
     a = p.parse_args(argv)
-    from layerline.checkpoint import open_checkpoint
-    from layerline.cli import packaged_smollm2
-    gguf = a.gguf or packaged_smollm2()
+    gguf, levels, prompts = load_prompts(a)
     if not llamacpp.built():
         llamacpp.build()
-    levels = [int(x) for x in a.clients.split(",")]
-    vocab = open_checkpoint(gguf).index.config.get("vocab_size") or 32000
-    import random
-    rng = random.Random(0)
-    n = sum(max(c, a.requests) for c in levels) + 1
-    prompts = [[rng.randrange(100, int(vocab) - 100) for _ in range(a.prompt)] for _ in range(n)]
     logs = ROOT / ".cache" / "bench-serve-llamacpp"
     logs.mkdir(parents=True, exist_ok=True)
     print(f"CPU: {cpu_name()}, {os.cpu_count()} logical cores; file {Path(gguf).name}; prompt {a.prompt}, "

@@ -21,10 +21,8 @@ that generates none, so this is below the decode batch). The CPU is named: figur
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
-import random
 import re
 import shutil
 import sys
@@ -34,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "runtime"))
 
-from bench_serve_llamacpp import cpu_name, level  # noqa: E402
+from bench_serve_llamacpp import cpu_name, level, load_args, load_prompts  # noqa: E402
 
 STEP_SUM = re.compile(r'^layerline_stage_step_seconds_(sum|count)\{stage="([^"]+)"\} (\S+)$', re.M)
 
@@ -54,24 +52,11 @@ def cpu_s(proc) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--gguf", default=None, help="default: the packaged SmolLM2-135M-Instruct Q4_1 file")
-    p.add_argument("--clients", default="1,4,16")
-    p.add_argument("--requests", type=int, default=32, help="requests per level (at least one per client)")
-    p.add_argument("--prompt", type=int, default=128)
-    p.add_argument("--new", type=int, default=64)
-    a = p.parse_args(argv)
+    a = load_args(__doc__.split("\n")[0]).parse_args(argv)
     import psutil
 
-    from layerline.checkpoint import open_checkpoint
-    from layerline.cli import packaged_smollm2
     from layerline.local import controller_keys, local_server, local_stages, stop_local, stop_server
-    gguf = a.gguf or packaged_smollm2()
-    levels = [int(x) for x in a.clients.split(",")]
-    vocab = int(open_checkpoint(gguf).index.config.get("vocab_size") or 32000)
-    rng = random.Random(0)
-    n = sum(max(c, a.requests) for c in levels) + 1
-    prompts = [[rng.randrange(100, vocab - 100) for _ in range(a.prompt)] for _ in range(n)]
+    gguf, levels, prompts = load_prompts(a)
     cores = os.cpu_count() or 1
     print(f"CPU: {cpu_name()}, {cores} logical cores; file {Path(gguf).name}; prompt {a.prompt}, new {a.new}; "
           "three local workers at precision gguf", flush=True)

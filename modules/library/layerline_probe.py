@@ -330,8 +330,8 @@ def record_step(module, path, step):
 
 
 def write_cache(module, path, key, caps):
+    """The cache file; its dir main() made private already."""
     try:
-        ensure_private_dir(os.path.dirname(path) or ".")
         atomic_write_json(path, {"key": key, "caps": caps})  # mode 0600
     except OSError as e:
         module.fail_json(msg=f"cannot write cache_file {path}: {e}; choose a path the remote user can write, "

@@ -54,18 +54,29 @@ def atomic_write_json(path: str | os.PathLike, value, mode: int = 0o600, **kw) -
 
 
 def ensure_private_dir(path: str | os.PathLike) -> bool:
-    """A dir of mode 0700 (made with its parents when missing, made private when it was wider, as a
-    state dir another run or umask left); True when it changed."""
+    """A dir of mode 0700: made when missing (the parents it makes are private too), made private again
+    when wider (a state or keys dir another run or umask left); True when it changed. A shared dir
+    (sticky, as /tmp) is refused, never narrowed."""
     path = os.fspath(path)
-    made = not os.path.isdir(path)
-    os.makedirs(path, 0o700, exist_ok=True)
+    if not os.path.isdir(path):
+        parent = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(parent):
+            ensure_private_dir(parent)
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:  # made meanwhile by a neighbour (local hosts share parents), or not a dir
+            if not os.path.isdir(path):
+                raise NotADirectoryError(errno.ENOTDIR, f"{path} is not a directory", path) from None
+            return ensure_private_dir(path)
+        os.chmod(path, 0o700)  # whatever the umask
+        return True
     mode = stat.S_IMODE(os.stat(path).st_mode)
     if mode & stat.S_ISVTX:   # /tmp and its like are everyone's: never narrow them
         raise OSError(errno.EPERM, f"{path} is a shared dir (mode {mode:04o}); give a dir of its own")
     if mode != 0o700:
         os.chmod(path, 0o700)
         return True
-    return made
+    return False
 
 
 def user_cache_dir(env: str, name: str) -> os.PathLike:

@@ -50,7 +50,7 @@ from zmq.utils import z85
 from . import version
 from .endpoints import CURVE_MODES, endpoint_host, is_loopback  # noqa: F401 - decided in endpoints, used via keys too
 from .errors import LayerlineError
-from .files import atomic_write
+from .files import atomic_write, ensure_private_dir
 
 CONTROLLER = "controller"         # the driver's name in every allowed/ and peers/
 CONTROL_DOMAIN = "layerline-control"  # the ZAP domain of a worker's control socket: the controller's key only
@@ -158,23 +158,11 @@ def _write(path: str, data: bytes, mode: int) -> bool:
 
 
 def ensure_dir(path: str) -> bool:
-    """A dir of mode 0700 (made with its parents when missing); True when it changed."""
+    """A keys dir of mode 0700 (files.ensure_private_dir: its parents made private too, a shared dir
+    refused); True when it changed."""
     if os.path.islink(path):
         raise KeysError(f"{path}: is a symlink; a keys dir must be a real directory")
-    if not os.path.isdir(path):
-        parent = os.path.dirname(os.path.abspath(path))
-        if not os.path.isdir(parent):
-            ensure_dir(parent)  # parents this makes are private too
-        try:
-            os.mkdir(path, 0o700)
-        except FileExistsError:  # made meanwhile by a neighbour (local hosts share parents)
-            return ensure_dir(path)
-        os.chmod(path, 0o700)  # whatever the umask
-        return True
-    if stat.S_IMODE(os.stat(path).st_mode) != 0o700:
-        os.chmod(path, 0o700)
-        return True
-    return False
+    return ensure_private_dir(path)
 
 
 def make_keypair(directory: str, name: str) -> tuple[bytes, bool]:

@@ -493,3 +493,29 @@ def test_the_discover_modules_worker_port_is_the_settings_default():
     import inspect
     assert documented == inspect.signature(mod.discover).parameters["worker_port"].default == \
         HostSettings.from_vars("h", {}).port
+
+
+def test_one_private_dir_for_keys_state_and_caches(tmp_path):
+    """files.ensure_private_dir, which the keys dirs, the state dirs, the probe cache's dir and the server's key
+    files' dir all use: parents it makes are private, a wider dir is narrowed, a shared (sticky) dir is refused
+    and left as it was, a file in the way is an error, not a loop."""
+    import errno
+
+    from layerline import keys
+    from layerline.files import ensure_private_dir
+    d = tmp_path / "a" / "b"
+    assert ensure_private_dir(d) and not ensure_private_dir(d)
+    assert {oct(p.stat().st_mode & 0o777) for p in (d, d.parent)} == {"0o700"}
+    d.chmod(0o755)
+    assert ensure_private_dir(d) and d.stat().st_mode & 0o777 == 0o700
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    for call in (ensure_private_dir, keys.ensure_dir):
+        with pytest.raises(OSError, match="is a shared dir .mode 1777.; give a dir of its own"):
+            call(str(shared))
+    assert shared.stat().st_mode & 0o7777 == 0o1777
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(NotADirectoryError) as e:
+        ensure_private_dir(tmp_path / "file")
+    assert e.value.errno == errno.ENOTDIR
