@@ -234,9 +234,10 @@ def llama_gguf_writer(out, cfg: dict):
     return w
 
 
-def tiny_gguf(hf_dir: Path, out: Path, qtype: str | None = None) -> Path:
+def tiny_gguf(hf_dir: Path, out: Path, qtype: str | None = None, embedding: bool = False) -> Path:
     """A Hugging Face demo dir's tensors as a llama GGUF at `out` (F32, or the layers' matrices in the
-    block type `qtype` such as "Q8_0"; the rows not permuted: for tests where only the format matters)."""
+    block type `qtype` such as "Q8_0", and the token embedding too with `embedding`; the rows not
+    permuted: for tests where only the format matters)."""
     import gguf
     import numpy as np
     from safetensors.torch import load_file
@@ -250,7 +251,8 @@ def tiny_gguf(hf_dir: Path, out: Path, qtype: str | None = None) -> Path:
     for f in sorted(hf_dir.glob("*.safetensors")):
         for name, t in load_file(str(f)).items():
             a = np.ascontiguousarray(t.float().numpy(), dtype=np.float32)
-            if qtype is not None and gguf_of[name].startswith("blk.") and a.ndim == 2:
+            if qtype is not None and a.ndim == 2 and (gguf_of[name].startswith("blk.")
+                                                      or (embedding and gguf_of[name] == "token_embd.weight")):
                 q = gguf.GGMLQuantizationType[qtype]
                 w.add_tensor(gguf_of[name], gguf.quants.quantize(a, q), raw_dtype=q)
             else:

@@ -2,13 +2,17 @@
 that serves every batch and cache length without compiling again."""
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
-from helpers import chained_greedy
+from helpers import chained_greedy, tiny_gguf
 from layerline.checkpoint import read_index, write_demo_checkpoint
 from layerline.errors import LayerlineError
 from layerline.generate import generate
+from layerline.model.blocks import BlockEmbedding
 from layerline.model.loader import load_stage
 from layerline.worker import control_endpoint
 from stage_procs import control, start_workers
@@ -168,6 +172,46 @@ def test_compiled_step_keeps_the_eager_numbers(small_ckpt, precision, one_thread
         assert (got - want).abs().max().item() <= 0.03 * scale, precision
         tok = want[:, -1:].argmax(-1)
     assert fast._cpp_wrapper  # its kernels called from C++ (inductor's cpp_wrapper)
+
+
+@pytest.fixture(scope="module")
+def block_gguf(small_ckpt, tmp_path_factory) -> str:
+    """A GGUF file whose token embedding is in blocks (a BlockEmbedding, as Q4_K_M files have)."""
+    return str(tiny_gguf(small_ckpt, tmp_path_factory.mktemp("gguf") / "m.gguf", qtype="Q8_0", embedding=True))
+
+
+def test_an_eager_worker_never_imports_the_compiler(block_gguf):
+    """torch._dynamo costs a process about 1 s of CPU to import: a worker that does not compile
+    (the default) never imports it, loading a GGUF stage and stepping it included."""
+    code = ("import sys, torch; import layerline.worker.cli, layerline.worker.serve, layerline.server.cli; "
+            "from layerline.model.loader import load_stage; "
+            "st = load_stage(sys.argv[1], 0, 1, True, False, 'gguf'); c = st.new_cache(1, 8); "
+            "st(torch.tensor([[5, 17]]), start_pos=0, cache=c); st(torch.tensor([[3]]), start_pos=2, cache=c); "
+            "print(type(st.embed_tokens).__name__, sorted(m for m in sys.modules if m.startswith('torch._dynamo'))[:3])")
+    r = subprocess.run([sys.executable, "-c", code, block_gguf], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["BlockEmbedding", "[]"], r.stdout
+
+
+def test_a_gguf_stage_compiles_around_its_block_embedding(block_gguf, one_thread):
+    """A GGUF file's quantized token embedding (ggml's dequantizer through ctypes) runs in a compiled
+    stage (outside its graph: blocks.keep_out_of_graphs, applied by compile, not at import); the
+    compiled steps keep the eager numbers."""
+    path = block_gguf
+    n = read_index(path).num_layers
+    eager = load_stage(path, 0, n, True, True, "gguf")
+    fast = load_stage(path, 0, n, True, True, "gguf")
+    assert isinstance(fast.embed_tokens, BlockEmbedding)
+    fast.compile("default")
+    prompt = torch.tensor([[5, 17, 99, 3]])
+    a, b = _prefilled(eager, prompt, 16), _prefilled(fast, prompt, 16)
+    tok = torch.tensor([[11]])
+    for pos in range(4, 7):
+        want = eager(tok, start_pos=pos, cache=a)
+        got = fast(tok, start_pos=pos, cache=b)
+        assert fast.compiled, fast.compile_error
+        assert (got - want).abs().max().item() <= 0.03 * want.abs().max().item()
+        tok = want[:, -1:].argmax(-1)
 
 
 def test_a_graph_without_a_cpp_wrapper_runs_through_the_python_one(tmp_path, monkeypatch, one_thread):

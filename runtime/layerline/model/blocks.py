@@ -82,7 +82,9 @@ class BlockEmbedding(nn.Module):
         m.weight = self.weight
         return m
 
-    @torch.compiler.disable  # ggml's dequantizer through ctypes: outside any compiled graph
+    # ggml's dequantizer through ctypes stays outside any compiled graph: Stage.compile wraps this
+    # in torch.compiler.disable (keep_out_of_graphs), not a decorator here, since the decorator
+    # imports torch._dynamo, about 1 s of CPU in every process that imports this module
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         k = self.kernel
         if self.weight is not k.raw:  # the buffer was replaced (assign, or a tie): look up in it
@@ -92,6 +94,14 @@ class BlockEmbedding(nn.Module):
     def extra_repr(self) -> str:
         k = self.kernel
         return f"{k.out_features}, {k.in_features}, {k.type.name} blocks{f' ({k.layout})' if k.repacked else ''}"
+
+
+def keep_out_of_graphs(model: nn.Module) -> None:
+    """Make model's block embeddings run eagerly inside a torch.compile'd forward (call before
+    compiling it)."""
+    for m in model.modules():
+        if isinstance(m, BlockEmbedding) and "forward" not in vars(m):
+            m.forward = torch.compiler.disable(m.forward)
 
 
 def is_block_module(m: nn.Module) -> bool:

@@ -65,7 +65,7 @@ from ..errors import LayerlineError
 from ..precision import of_dtype, precision, torch_dtype
 from . import COMPILE_MODES, cpu_kernels
 from .kv import KVCache, StageCache, check_write, kv_update
-from .blocks import BlockLinearModule, fuse_blocks
+from .blocks import BlockLinearModule, fuse_blocks, keep_out_of_graphs
 from .moe import ExpertStore, SparseMoE
 from .quant import (Int4Linear, Int8Embedding, Int8Linear, Linear, int4_linear, int8_linear, make_linear,
                     quant_name, require_int4)
@@ -882,6 +882,7 @@ class Stage(nn.Module):
         # options= does not reach it); a worker process compiles nothing but its stage.
         torch._inductor.config.freezing = True
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        keep_out_of_graphs(self)
         self._compile_mode, self._first_step = mode, True
         self._step = self._compiled_step(cpp_wrapper=True)
 
