@@ -73,6 +73,14 @@ options:
       - Step factors recorded with O(record_step) are kept across new measurements.
     type: bool
     default: false
+  measure:
+    description:
+      - With V(false), measure nothing. Return the cached result when O(cache_file) holds a
+        matching one (C(cached=true), with the facts), else C(cached=false) and no facts.
+      - Hosts that share a machine's cores probe one at a time; reading their caches needs no such
+        turn, so the probe play reads them all at once and measures only where nothing matched.
+    type: bool
+    default: true
   record_step:
     description:
       - Measure nothing; keep in O(cache_file) what a started worker's step time says about the
@@ -137,6 +145,13 @@ EXAMPLES = r"""
       measured_s: "{{ started.ready.step_s }}"
       predicted_s: 0.0123
       factor: 1.0
+
+- name: Only read the cached result (cached=false when there is none to use)
+  layerline_probe:
+    checkpoint: /srv/models/llama
+    cache_file: /var/lib/layerline/caps.json
+    measure: false
+  register: probe_cache
 
 - name: Show what each node can do
   ansible.builtin.debug:
@@ -348,6 +363,7 @@ def main():
             measure_disk=dict(type="bool", default=True),
             cache_file=dict(type="path"),
             refresh=dict(type="bool", default=False),
+            measure=dict(type="bool", default=True),
             peers=dict(type="list", elements="str", default=[]),
             record_step=dict(type="dict", options=dict(
                 device=dict(type="str", default="cpu"),
@@ -395,6 +411,8 @@ def main():
         if caps is not None:
             caps["machine_id"] = machine_id()  # a reboot changes it; the measurements stand
             module.exit_json(changed=False, cached=True, ansible_facts={"layerline_caps": caps})
+    if not params["measure"]:
+        module.exit_json(changed=False, cached=False)
 
     try:
         caps = probe(

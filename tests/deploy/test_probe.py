@@ -162,6 +162,20 @@ def test_module_returns_caps_and_uses_its_cache(checkpoint, tmp_path):
     assert second["cached"] is True and stat.S_IMODE(cache.parent.stat().st_mode) == 0o700
     assert second["ansible_facts"]["layerline_caps"]["probe_seconds"] == caps["probe_seconds"]
 
+    # measure=false only reads: a matching cache's facts, else cached false, no facts and nothing written
+    # (the probe play reads every host's cache at once, then measures in turn where none matched)
+    code, read = _call_module({"checkpoint": str(checkpoint), "cache_file": str(cache), "budget_s": BUDGET,
+                               "measure": False})
+    assert code == 0 and read["cached"] is True
+    assert read["ansible_facts"]["layerline_caps"]["probe_seconds"] == caps["probe_seconds"]
+    for other in ({"budget_s": 0.05}, {"budget_s": BUDGET, "refresh": True}):
+        before = cache.read_bytes()
+        code, miss = _call_module({"checkpoint": str(checkpoint), "cache_file": str(cache), **other, "measure": False})
+        assert code == 0 and miss["cached"] is False and "ansible_facts" not in miss, miss
+        assert cache.read_bytes() == before
+    code, none = _call_module({"cache_file": str(tmp_path / "none" / "caps.json"), "measure": False})
+    assert code == 0 and none["cached"] is False and not (tmp_path / "none" / "caps.json").exists()
+
     # refresh=true measures again; so do different options (in-process, to keep this fast).
     code, third = _call_module({"checkpoint": str(checkpoint), "cache_file": str(cache), "budget_s": BUDGET,
                                 "refresh": True})
