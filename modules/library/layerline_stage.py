@@ -6,10 +6,17 @@ from __future__ import annotations
 DOCUMENTATION = r"""
 ---
 module: layerline_stage
-short_description: Make a host's stage dir hold only what its current stage lists, its stage root only the stages that run
+short_description: Ship a host its stage's files, keep its stage dir to its current stage and its stage root to the stages that run
 description:
-  - Runs on the host around the copy of its stage's files (playbooks/tasks/stage.yml), and once a deploy
-    or drain committed to a plan (O(state=swept)).
+  - O(state=shipped) (playbooks/tasks/stage.yml) ships the host its stage from O(src) on the controller, in
+    one task - the collection's action plugin of the same name runs the module with O(state=pruned), sends
+    each file of RV(send) into Ansible's temporary dir on the host, and runs the module with
+    O(state=installed), which checks each file's size and SHA-1 against the manifest, moves it into the
+    stage dir (mode 0600; across filesystems through a temporary file there that a failure removes) and
+    writes the manifest (as O(state=complete)). Nothing is sent when the dir holds the stage whole; a
+    failed or cut-off transfer leaves no partial file under a stage file's name.
+  - Runs on the host around the transfer of its stage's files, and once a deploy or drain committed to a
+    plan (O(state=swept)).
   - O(state=pruned), before the copy, makes the stage dir (mode 0700) and removes from it everything
     the stage's manifest does not list - the files of a stage it held before, or of another model (a
     Hugging Face stage's config.json and *.safetensors where a GGUF stage's model.gguf now goes), and
@@ -44,14 +51,34 @@ options:
     type: list
     elements: str
     default: []
+  src:
+    description:
+      - With O(state=shipped), the dir on the controller that holds the stage's files (what
+        C(layerline stage-checkpoint) wrote).
+    type: path
+  sent:
+    description:
+      - With O(state=installed), where each transferred file landed on the host (name -> path); the action
+        plugin fills it in.
+    type: dict
   state:
-    description: C(pruned) before the copy, C(complete) after it, C(swept) once a plan committed.
+    description:
+      - C(shipped) ships the stage (through the action plugin); C(pruned) before a transfer, C(installed)
+        after it (the action plugin's two module runs); C(complete) marks a stage whole; C(swept) once a
+        plan committed.
     type: str
     default: pruned
-    choices: [pruned, complete, swept]
+    choices: [shipped, pruned, installed, complete, swept]
 """
 
 EXAMPLES = r"""
+- name: Ship the stage's files the host lacks and mark the stage whole
+  layerline_stage:
+    path: /tmp/layerline-w2/checkpoint/layers-2-4-of-6
+    manifest: "{{ layerline_stage_made.stdout | from_json }}"
+    src: /home/me/.layerline/stage/w2
+    state: shipped
+
 - name: Make the stage dir hold only this stage's files
   layerline_stage:
     path: /tmp/layerline-w2/checkpoint/layers-2-4-of-6
@@ -89,6 +116,17 @@ whole:
   returned: always
   type: bool
   sample: true
+shipped:
+  description: With O(state=shipped) or O(state=installed), the files moved into the stage dir, by name.
+  returned: with O(state=shipped) or O(state=installed)
+  type: list
+  elements: str
+  sample: [model.safetensors]
+shipped_bytes:
+  description: With O(state=shipped) or O(state=installed), their bytes (0 when the dir held the stage whole).
+  returned: with O(state=shipped) or O(state=installed)
+  type: int
+  sample: 1048576
 path:
   description: The stage dir (the stage root, swept).
   returned: always
@@ -104,7 +142,7 @@ from ansible.module_utils.basic import AnsibleModule
 LAYERLINE_IMPORT_ERROR = None
 try:
     from layerline.errors import LayerlineError
-    from layerline.staging import files_to_send, finish_stage, has_manifest, prune_stage, sweep_stages
+    from layerline.staging import files_to_send, finish_stage, has_manifest, install_files, prune_stage, sweep_stages
 except ImportError:
     LAYERLINE_IMPORT_ERROR = traceback.format_exc()
 
@@ -113,9 +151,13 @@ def main():
     module = AnsibleModule(argument_spec=dict(path=dict(type="path", required=True),
                                               manifest=dict(type="dict"),
                                               keep=dict(type="list", elements="str", default=[]),
+                                              src=dict(type="path"),
+                                              sent=dict(type="dict"),
                                               state=dict(type="str", default="pruned",
-                                                         choices=["pruned", "complete", "swept"])),
-                           required_if=[("state", "pruned", ["manifest"]), ("state", "complete", ["manifest"])],
+                                                         choices=["shipped", "pruned", "installed", "complete",
+                                                                  "swept"])),
+                           required_if=[("state", "pruned", ["manifest"]), ("state", "complete", ["manifest"]),
+                                        ("state", "installed", ["manifest", "sent"])],
                            supports_check_mode=True)
     p = module.params
     path = os.path.abspath(p["path"])
@@ -123,9 +165,20 @@ def main():
         module.fail_json(msg="layerline_stage: this host's Python interpreter cannot import layerline; run the "
                              "layerline_runtime role for it, or set ansible_python_interpreter to one that can",
                          exception=LAYERLINE_IMPORT_ERROR, path=path)
-    changed, removed, send, whole = False, [], {}, False
+    if p["state"] == "shipped":  # the action plugin runs pruned and installed in its place
+        module.fail_json(msg="layerline_stage: state shipped runs through the layerline.layerline collection's "
+                             "action plugin of the same name; call it as layerline.layerline.layerline_stage",
+                         path=path)
+    changed, removed, send, whole, extra = False, [], {}, False, {}
     try:
-        if p["state"] == "swept":
+        if p["state"] == "installed":
+            if module.check_mode:
+                module.exit_json(changed=bool(p["sent"]), removed=[], path=path, shipped=sorted(p["sent"]),
+                                 shipped_bytes=0)
+            done = install_files(path, p["manifest"], p["sent"])
+            changed = finish_stage(path, p["manifest"]) or bool(p["sent"])
+            extra = {"shipped": sorted(p["sent"]), "shipped_bytes": done}
+        elif p["state"] == "swept":
             removed = sweep_stages(path, p["keep"], dry_run=module.check_mode)
         elif p["state"] == "complete":
             changed = not has_manifest(path, p["manifest"]) if module.check_mode else finish_stage(path, p["manifest"])
@@ -142,9 +195,12 @@ def main():
     except LayerlineError as e:
         module.fail_json(msg="layerline_stage %s: %s" % (path, e), path=path)
     except OSError as e:
+        if p["state"] == "installed":   # a full disk, most often: the OS error as it is (staging.copy_failure reads it)
+            module.fail_json(msg="layerline_stage %s: cannot take the stage's files ([Errno %s] %s)"
+                                 % (path, e.errno, e.strerror or e), path=path)
         module.fail_json(msg="layerline_stage %s: %s; fix its permissions, or set layerline_stage_dir to a dir "
                              "this user may write" % (path, e.strerror or e), path=path)
-    module.exit_json(changed=bool(changed or removed), removed=removed, send=send, whole=whole, path=path)
+    module.exit_json(changed=bool(changed or removed), removed=removed, send=send, whole=whole, path=path, **extra)
 
 
 if __name__ == "__main__":

@@ -6,8 +6,8 @@ final norm and head on the last, written by the source checkpoint itself (`Check
 streamed; layerline.checkpoint.stagefile): from a Hugging Face dir, the full config.json, the text
 files and one `model.safetensors` of byte ranges of its files; from a GGUF file, one `model.gguf`
 of the file's own blocks copied as byte ranges, with all its metadata and the model's config. A
-manifest records where it came from and each file's SHA-1 (what Ansible's copy checks after
-transfer); a stage already made from the same source and range is reused. The controller's
+manifest records where it came from and each file's SHA-1 (what the host checks after transfer,
+`install_files`); a stage already made from the same source and range is reused. The controller's
 memory grows by a chunk, not by the stage.
 
 A host keeps each stage in a dir of its own under its stage root, named by the layers it holds
@@ -16,6 +16,10 @@ running worker opened, never over them, so a drain that fails leaves that worker
 (and one of its restarts loads what it ran), and a host whose layers stay opens the stage it has (nothing
 is copied twice). Once a change commits (a deploy's server routes through its plan, a drain's switch is
 kept), `sweep_stages` removes from the root every stage that plan does not run there.
+
+Shipping (the layerline_stage action, state shipped) runs the module twice a host: before the transfer
+(`prune_stage`, `files_to_send`: what the host lacks) and after it (`install_files`, `finish_stage`),
+with each file it lacks sent into Ansible's temporary dir on the host in between (no module run a file).
 
 On the host (the layerline_stage module, before the copy) `prune_stage` makes the stage dir hold
 nothing but what the current stage lists: a dir that once held another stage, or another model (a
@@ -26,6 +30,7 @@ the format and the files from it).
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -190,6 +195,42 @@ def _remove_all_but(root: Path, keep: set[str], dry_run: bool) -> list[str]:
     return gone
 
 
+def install_files(dest: str | os.PathLike, manifest: dict, sent: dict[str, str]) -> int:
+    """Move the files `sent` (name -> where its transfer landed on this host) into the stage dir `dest`,
+    each checked against the manifest's size and SHA-1 first and made mode 0600; across filesystems
+    through a temporary file in `dest` that a failure (a full disk) removes, so the dir never holds part
+    of a file under its name. Returns the bytes installed. Raises LayerlineError for a file the manifest
+    does not list or one that arrived other than listed; OSError where the dir cannot take a file."""
+    root = Path(dest)
+    files = manifest.get("files") or {}
+    listed = set(stage_files(manifest))
+    done = 0
+    for name in sorted(sent):
+        if name not in listed:
+            raise LayerlineError(f"{name}: not a file of this stage ({', '.join(sorted(listed))}); stage again")
+        src, entry = Path(sent[name]), files[name] if isinstance(files[name], dict) else {}
+        size = src.stat().st_size
+        if ("bytes" in entry and size != int(entry["bytes"])) or entry.get("sha1") != _sha1(src):
+            raise LayerlineError(f"{root / name}: arrived as {size} bytes with another SHA-1 than the stage lists "
+                                 f"({entry.get('bytes')} bytes, {entry.get('sha1')}); run again to send it again")
+        os.chmod(src, 0o600)
+        try:
+            os.rename(src, root / name)
+        except OSError as e:
+            if e.errno != errno.EXDEV:
+                raise
+            part = root / f".{name}.part-{os.getpid()}"
+            try:
+                shutil.copyfile(src, part)
+                os.chmod(part, 0o600)
+                os.replace(part, root / name)
+            except BaseException:
+                part.unlink(missing_ok=True)
+                raise
+        done += size
+    return done
+
+
 def finish_stage(dest: str | os.PathLike, manifest: dict) -> bool:
     """Write the stage manifest into the host's stage dir `dest` once every file it lists is there at
     its size (the copy checked their SHA-1); True when it was written (it differed)."""
@@ -207,14 +248,6 @@ def finish_stage(dest: str | os.PathLike, manifest: dict) -> bool:
     return atomic_write_json(root / MANIFEST, _stored(manifest), if_changed=True)
 
 
-def _results(copied: object) -> list[dict]:
-    """The per-file results of Ansible's copy over the stage's files (a loop), or the one result."""
-    if not isinstance(copied, dict):
-        return []
-    items = copied.get("results")
-    return [r for r in items if isinstance(r, dict)] if isinstance(items, list) else [copied]
-
-
 def _cause(result: dict) -> str:
     """What a failed copy said, on one line: the OS error where it names one, else its message, cut short."""
     msg = " ".join(str(result.get("msg") or result.get("module_stderr") or "copy failed").split())
@@ -225,20 +258,18 @@ def _cause(result: dict) -> str:
 
 def copy_failure(host: str, stage_dir: str, stage_bytes: int, copied: object) -> str:
     """The one line naming the host that could not take its stage, why, and the fix; `copied` is what
-    Ansible's copy of the stage's files registered (a loop result: one result per file).
+    the shipping task (layerline_stage, state shipped) registered.
 
     A copy cut off (the connection, or the copy process on the host, gone mid-transfer: Ansible calls
     the host unreachable) is run again: the files already there whose SHA-1 matches are not sent
     again. Any other failure (a full disk, a dir it may not write) names the OS error and the room
     the stage needs."""
-    results = _results(copied)
-    cut = next((r for r in results if r.get("unreachable")), None)
-    if cut is not None:
+    result = copied if isinstance(copied, dict) else {}
+    if result.get("unreachable"):
         return (f"{host}: the copy of its stage ({stage_bytes} bytes) into {stage_dir} was cut off "
-                f"({_cause(cut)}); run deploy.yml again once the host is up: files already staged there "
+                f"({_cause(result)}); run deploy.yml again once the host is up: files already staged there "
                 "whose SHA-1 matches are not sent again")
-    failed = next((r for r in results if r.get("failed")), results[0] if results else {})
-    return (f"{host}: could not write its stage to {stage_dir} ({_cause(failed)}); the stage needs "
+    return (f"{host}: could not write its stage to {stage_dir} ({_cause(result)}); the stage needs "
             f"{stage_bytes} bytes there: free space, or set layerline_stage_dir to a disk with room, and run again")
 
 

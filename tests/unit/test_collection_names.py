@@ -33,6 +33,7 @@ def test_the_checkout_is_laid_out_as_the_collection():
     dev = ROOT / "collections" / "ansible_collections" / "layerline" / "layerline"
     assert (dev / "plugins" / "modules").resolve() == (ROOT / "modules" / "library").resolve()
     assert (dev / "plugins" / "filter").resolve() == (ROOT / "modules" / "filter_plugins").resolve()
+    assert (dev / "plugins" / "action").resolve() == (ROOT / "modules" / "action_plugins").resolve()
     assert (dev / "roles").resolve() == (ROOT / "roles").resolve()
     assert (dev / "playbooks").resolve() == (ROOT / "playbooks").resolve()
     assert "collections_path = collections" in (ROOT / "ansible.cfg").read_text()

@@ -14,7 +14,7 @@ from helpers import tiny_gguf
 from layerline.checkpoint import (STAGE_MANIFEST, CheckpointError, GGUFCheckpoint, HFCheckpoint, open_checkpoint,
                                   write_demo_checkpoint)
 from layerline.errors import LayerlineError
-from layerline.staging import files_to_send, finish_stage, prune_stage, stage_checkpoint
+from layerline.staging import files_to_send, finish_stage, install_files, prune_stage, stage_checkpoint
 from layerline.planner import Plan
 
 
@@ -25,14 +25,58 @@ def models(tmp_path_factory) -> dict[str, Path]:
     return {"hf": hf, "gguf": tiny_gguf(hf, root / "model.gguf")}
 
 
-def ship(src: Path, host_dir: Path, manifest: dict) -> list[str]:
-    """What playbooks/tasks/stage.yml does on a host: prune, copy each file the dir lacks, finish."""
+def ship(src: Path, host_dir: Path, manifest: dict, landing: Path | None = None) -> list[str]:
+    """What layerline_stage's state shipped does on a host: prune, send each file the dir lacks into a
+    temporary dir (`landing`; Ansible's on the host), install them, finish."""
     removed = prune_stage(host_dir, manifest)
+    landing = landing or host_dir.parent / f"{host_dir.name}-landing"
+    landing.mkdir(exist_ok=True)
+    sent = {}
     for name in files_to_send(host_dir, manifest)[0]:
-        shutil.copyfile(src / name, host_dir / name)
-        (host_dir / name).chmod(0o600)   # the copy's mode
+        sent[name] = str(shutil.copyfile(src / name, landing / name))
+    install_files(host_dir, manifest, sent)
     finish_stage(host_dir, manifest)
     return removed
+
+
+@pytest.mark.parametrize("landing", ["same filesystem", "another filesystem"])
+def test_installing_checks_each_file_and_never_leaves_part_of_one(models, tmp_path, landing, monkeypatch):
+    """install_files moves what was sent into the stage dir, 0600, after checking its size and SHA-1
+    against the manifest (a file that arrived other than listed is refused and not installed); from
+    another filesystem (/dev/shm here) it goes through a temporary file in the dir, which a failure
+    removes, and the files installed before the failure stay whole."""
+    import tempfile
+    cut = tmp_path / "cut"
+    man = stage_checkpoint(str(models["hf"]), 0, 2, True, True, str(cut))
+    host = tmp_path / "host"
+    host.mkdir(mode=0o700)
+    with tempfile.TemporaryDirectory(dir="/dev/shm" if landing == "another filesystem" else tmp_path) as d:
+        land = Path(d)
+        bad = bytearray((cut / "model.safetensors").read_bytes())
+        bad[100] ^= 1
+        (land / "model.safetensors").write_bytes(bytes(bad))
+        with pytest.raises(LayerlineError, match="arrived as .* with another SHA-1"):
+            install_files(host, man, {"model.safetensors": str(land / "model.safetensors")})
+        assert not (host / "model.safetensors").exists()
+        with pytest.raises(LayerlineError, match="not a file of this stage"):
+            install_files(host, man, {"other.bin": str(land / "model.safetensors")})
+        assert ship(cut, host, man, land) == []
+        assert files_to_send(host, man) == ({}, [])
+        assert all((host / n).stat().st_mode & 0o777 == 0o600 for n in man["files"])
+        assert open_checkpoint(str(host)).index.num_layers == 2
+        if landing == "another filesystem":   # a copy that fails part-way (a full disk) leaves nothing partial
+            (host / "model.safetensors").unlink()
+            shutil.copyfile(cut / "model.safetensors", land / "model.safetensors")
+            real = shutil.copyfile
+
+            def full(a, b):
+                real(a, b)
+                raise OSError(28, "No space left on device")
+            with monkeypatch.context() as m, pytest.raises(OSError, match="No space left"):
+                m.setattr(shutil, "copyfile", full)
+                install_files(host, man, {"model.safetensors": str(land / "model.safetensors")})
+            assert sorted(p.name for p in host.iterdir()) == sorted(n for n in [*man["files"], STAGE_MANIFEST]
+                                                                    if n != "model.safetensors")
 
 
 def test_the_copy_sends_only_the_files_the_dir_lacks_whole(models, tmp_path):
