@@ -197,7 +197,8 @@ def _remove_all_but(root: Path, keep: set[str], dry_run: bool) -> list[str]:
 
 def install_files(dest: str | os.PathLike, manifest: dict, sent: dict[str, str]) -> int:
     """Move the files `sent` (name -> where its transfer landed on this host) into the stage dir `dest`,
-    each checked against the manifest's size and SHA-1 first and made mode 0600; across filesystems
+    each checked against the manifest's size and SHA-1 first and made mode 0600 (and this process's
+    user's, where the transfer's login user was another); across filesystems
     through a temporary file in `dest` that a failure (a full disk) removes, so the dir never holds part
     of a file under its name. Returns the bytes installed. Raises LayerlineError for a file the manifest
     does not list or one that arrived other than listed; OSError where the dir cannot take a file."""
@@ -214,6 +215,8 @@ def install_files(dest: str | os.PathLike, manifest: dict, sent: dict[str, str])
             raise LayerlineError(f"{root / name}: arrived as {size} bytes with another SHA-1 than the stage lists "
                                  f"({entry.get('bytes')} bytes, {entry.get('sha1')}); run again to send it again")
         os.chmod(src, 0o600)
+        if src.stat().st_uid != os.geteuid():   # sent as the login user, installed by become: the runner's, as a copy's
+            os.chown(src, os.geteuid(), os.getegid())
         try:
             os.rename(src, root / name)
         except OSError as e:

@@ -5,6 +5,7 @@ and a staging that did not finish is refused, never opened as the model that was
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -64,6 +65,12 @@ def test_installing_checks_each_file_and_never_leaves_part_of_one(models, tmp_pa
         assert files_to_send(host, man) == ({}, [])
         assert all((host / n).stat().st_mode & 0o777 == 0o600 for n in man["files"])
         assert open_checkpoint(str(host)).index.num_layers == 2
+        if os.geteuid() == 0:   # sent as the login user, installed through become: the file is root's, as a copy's
+            (host / "config.json").unlink()
+            shutil.copyfile(cut / "config.json", land / "config.json")
+            os.chown(land / "config.json", 65534, 65534)
+            install_files(host, man, {"config.json": str(land / "config.json")})
+            assert (host / "config.json").stat().st_uid == 0
         if landing == "another filesystem":   # a copy that fails part-way (a full disk) leaves nothing partial
             (host / "model.safetensors").unlink()
             shutil.copyfile(cut / "model.safetensors", land / "model.safetensors")
