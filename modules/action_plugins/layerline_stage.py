@@ -37,13 +37,13 @@ class ActionModule(ActionBase):
         send = sorted(pruned.get("send") or {})
         result.update(removed=pruned.get("removed", []), path=pruned.get("path"), send=pruned.get("send", {}),
                       shipped=[], shipped_bytes=0)
+        if self._task.check_mode or (not send and pruned.get("whole")):
+            result["changed"] = bool(pruned.get("changed") or send or not pruned.get("whole"))
+            return result
         missing = [n for n in send if not os.path.isfile(os.path.join(src, n))]
         if missing:
             raise AnsibleActionFail(f"layerline_stage: {os.path.join(src, missing[0])} is not on the controller; "
                                     "cut the stage again (playbooks/stage.yml)")
-        if self._task.check_mode or (not send and pruned.get("whole")):
-            result["changed"] = bool(pruned.get("changed") or send or not pruned.get("whole"))
-            return result
         sent = {}
         if send:
             tmpdir = self._connection._shell.tmpdir or self._make_tmp_path()

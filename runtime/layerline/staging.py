@@ -217,6 +217,8 @@ def install_files(dest: str | os.PathLike, manifest: dict, sent: dict[str, str])
         os.chmod(src, 0o600)
         if src.stat().st_uid != os.geteuid():   # sent as the login user, installed by become: the runner's, as a copy's
             os.chown(src, os.geteuid(), os.getegid())
+        if (root / name).is_dir() and not (root / name).is_symlink():   # a dir in a file's place (files_to_send)
+            shutil.rmtree(root / name)
         try:
             os.rename(src, root / name)
         except OSError as e:

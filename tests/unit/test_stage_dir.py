@@ -108,7 +108,10 @@ def test_the_copy_sends_only_the_files_the_dir_lacks_whole(models, tmp_path):
     ship(cut, host, man)
     w.unlink()
     w.mkdir()                                                      # not a file
+    (w / "x").write_text("x")
     assert list(files_to_send(host, man)[0]) == ["model.safetensors"]
+    ship(cut, host, man)                                           # the dir goes, the file takes its place
+    assert w.is_file() and files_to_send(host, man) == ({}, [])
 
 
 def test_a_dir_staged_hf_then_gguf_holds_and_opens_as_the_gguf(models, tmp_path):
