@@ -23,8 +23,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
-import tomllib
-from importlib import metadata
 
 DISTRIBUTION = "layerline"
 # build_wheel.py's SOURCE for "no checkout: repack the distribution this interpreter has installed"
@@ -40,6 +38,7 @@ def source_root() -> str | None:
 
 def pyproject_project(path: str) -> dict:
     """The [project] table of a pyproject.toml ({} where there is none)."""
+    import tomllib   # here, not at the top: most imports of layerline never ask the version
     try:
         with open(path, "rb") as f:
             return dict(tomllib.load(f).get("project", {}))
@@ -49,6 +48,7 @@ def pyproject_project(path: str) -> dict:
 
 def package_version() -> str:
     """The source checkout's pyproject.toml version, else the installed distribution's metadata."""
+    from importlib import metadata
     root = source_root()
     if root is not None:
         return str(pyproject_project(os.path.join(root, "pyproject.toml"))["version"])

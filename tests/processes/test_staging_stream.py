@@ -23,7 +23,8 @@ from safetensors import safe_open
 
 from layerline.checkpoint import demo_config, demo_tensor_shapes, read_index, write_demo_checkpoint
 from layerline.model.loader import load_stage, stage_tensor_names
-from layerline.staging import CHUNK, stage_checkpoint
+from layerline.checkpoint.stagefile import CHUNK
+from layerline.staging import stage_checkpoint
 
 BIG = os.environ.get("LAYERLINE_BIG_STAGE") == "1"
 HIDDEN, MIN_BYTES = (4096, 2 * 10**9) if BIG else (2048, 5 * 10**8)  # ~354 / ~88 MB a layer (bf16)

@@ -94,3 +94,25 @@ def test_the_drive_report_filter_does_not_import_torch():
     *lines, imported = r.stdout.strip().splitlines()
     assert lines[0].split() == ["w1", "layers", "0:2", "1.00", "ms"] and lines[-1].endswith(": matches"), lines
     assert imported == "False"
+
+
+def test_what_the_modules_import_on_a_host_stays_light():
+    """Each module run on a host starts an interpreter that imports layerline's part of it: staging (the stage
+    module, three runs a host and deploy), probe and cost (the probe module), supervise (the worker module's
+    command). None loads numpy, torch, safetensors or gguf (a checkpoint reader's, 0.15 s and more a run), nor
+    importlib.metadata and tomllib (the version's, 0.1 s): the package and the checkpoint package load those
+    only when asked for."""
+    import subprocess
+    import sys
+    heavy = ("numpy", "torch", "safetensors", "gguf", "tomllib", "importlib.metadata")
+    code = ("import sys; import layerline.errors, layerline.staging, layerline.files, layerline.cost, layerline.probe, "
+            "layerline.supervise; from layerline.checkpoint import STAGE_MANIFEST, CheckpointIndex; "
+            f"print(sorted(m for m in {heavy!r} if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]", r.stdout
+    # and what loads them lazily still answers
+    code = ("import layerline; from layerline.checkpoint import HFCheckpoint, GGUFCheckpoint, open_checkpoint; "
+            "from layerline.version import package_version; print(layerline.__version__ == package_version())")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "True", r.stdout + r.stderr

@@ -14,6 +14,7 @@ text side of every format lives in layerline.text.
 """
 from __future__ import annotations
 
+import importlib
 import json
 import os
 from pathlib import Path
@@ -22,8 +23,18 @@ from ..errors import CheckpointError
 from .base import (DTYPE_BYTES, LAYER_RE, ROW_CHUNK_BYTES, STAGE_MANIFEST, SUPPORTED_MODEL_TYPES, Checkpoint,
                    CheckpointIndex, TensorEntry)
 from .demo import DEMO_ARCHS, DEMO_DEFAULTS, demo_config, demo_tensor_shapes, write_demo_checkpoint
-from .gguf import GGUFCheckpoint, has_gguf_magic
-from .hf import MAX_HEADER_BYTES, HFCheckpoint, check_index, read_safetensors_header
+
+# the formats' modules load when first named: the GGUF reader brings numpy, the HF one safetensors
+# (about 0.15 s), and the Ansible modules on a host that import the package for its constants
+# (staging's manifest name, cost's dtype sizes) open no checkpoint
+_LAZY = {"GGUFCheckpoint": "gguf", "has_gguf_magic": "gguf", "MAX_HEADER_BYTES": "hf", "HFCheckpoint": "hf",
+         "check_index": "hf", "read_safetensors_header": "hf"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def open_checkpoint(path: str | os.PathLike, *, check: bool = True) -> Checkpoint:
@@ -33,6 +44,8 @@ def open_checkpoint(path: str | os.PathLike, *, check: bool = True) -> Checkpoin
     file (a GGUF stage staged without its manifest).
     Nothing is read beyond that until asked for. check (a dir): its index also refuses files cut
     short and a config that disagrees with the weights."""
+    from .gguf import GGUFCheckpoint, has_gguf_magic
+    from .hf import HFCheckpoint
     p = Path(path)
     if p.is_dir():
         staged = _staged_files(p)
