@@ -55,5 +55,7 @@ class ActionModule(ActionBase):
         installed = self._execute_module(module_name=MODULE, module_args={**args, "state": "installed",
                                                                           "sent": sent}, task_vars=task_vars)
         result.update(installed)
+        # what the first run removed stays reported (the second removes nothing)
+        result["removed"] = pruned.get("removed", [])
         result["changed"] = bool(installed.get("changed") or pruned.get("changed"))
         return result
