@@ -57,28 +57,25 @@ from ansible.module_utils.basic import AnsibleModule
 
 LAYERLINE_IMPORT_ERROR = None
 try:
-    from layerline.operations import drive_verdict
+    from layerline.operations import DRIVE_ARGUMENT_SPEC as ARGUMENT_SPEC, run_drive
 except ImportError:
     LAYERLINE_IMPORT_ERROR = traceback.format_exc()
+    ARGUMENT_SPEC = dict(argv=dict(type="list", elements="str", required=True), what=dict(type="str"))
 
 
 def main():
-    module = AnsibleModule(argument_spec=dict(argv=dict(type="list", elements="str", required=True),
-                                              what=dict(type="str", default="the pipeline")),
-                           supports_check_mode=True)
+    # on the controller the action plugin of the same name runs the drive from ansible's own process;
+    # this runs where it cannot (another connection, become, a task environment)
+    module = AnsibleModule(argument_spec=ARGUMENT_SPEC, supports_check_mode=True)
     p = module.params
     if LAYERLINE_IMPORT_ERROR:
         module.fail_json(msg="layerline_drive: cannot import layerline here; run it on the controller "
                              "(delegate_to: localhost) from the venv made by `make setup`",
                          exception=LAYERLINE_IMPORT_ERROR)
-    if module.check_mode:
-        module.exit_json(changed=False, msg="check mode: %s not driven" % p["what"])
-    rc, out, err = module.run_command(p["argv"])
-    passed, msg, result = drive_verdict(rc, out, err, p["what"])
-    extra = {} if result is None else {"drive": result}
-    if not passed:
-        module.fail_json(msg=msg, rc=rc, **extra)
-    module.exit_json(changed=False, rc=rc, msg=msg, **extra)
+    result = run_drive(p["argv"], p["what"], check=module.check_mode)
+    if result.pop("failed", False):
+        module.fail_json(**result)
+    module.exit_json(**result)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ Pure functions over JSON data: no Ansible, no torch.
 from __future__ import annotations
 
 import json
+import subprocess
 
 from .routes import DrainState
 
@@ -36,6 +37,26 @@ def drive_verdict(rc: int, stdout: str, stderr: str, what: str = "the pipeline")
     said = next((ln.strip() for ln in reversed((stderr or "").splitlines()) if ln.strip()), "") or \
         (stdout or "").strip()[-300:] or "no output"
     return False, f"the drive through {what} failed (exit status {rc}): {said}", result
+
+
+# the layerline_drive task's options, for its module's AnsibleModule and its action's validate_argument_spec
+DRIVE_ARGUMENT_SPEC = dict(argv=dict(type="list", elements="str", required=True),
+                           what=dict(type="str", default="the pipeline"))
+
+
+def run_drive(argv: list[str], what: str = "the pipeline", check: bool = False) -> dict:
+    """The layerline_drive task's result (its module's and, on the controller, its action's): the drive
+    run with ARGV, its verdict (drive_verdict); failed set where it did not pass."""
+    if check:
+        return {"changed": False, "msg": f"check mode: {what} not driven"}
+    try:
+        r = subprocess.run(argv, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+        rc, out, err = r.returncode, r.stdout, r.stderr
+    except OSError as e:
+        rc, out, err = 127, "", f"{argv[0] if argv else 'argv'}: {e.strerror or e}"
+    passed, msg, result = drive_verdict(rc, out, err, what)
+    return {"changed": False, "rc": rc, "msg": msg, **({} if result is None else {"drive": result}),
+            **({} if passed else {"failed": True})}
 
 
 def drain_outcome(noted: dict[str, dict], drain=None) -> dict:

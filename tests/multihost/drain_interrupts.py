@@ -25,6 +25,8 @@ import json
 import os
 import signal
 import subprocess
+import threading
+import time
 from pathlib import Path
 
 from helpers import BIN, ROOT, ansible_env
@@ -35,6 +37,8 @@ AT_SWITCH = "Switch the server to the plan's stages"
 AFTER_SWITCH = "Keep the new route state, nothing pending"
 # deploy.yml -e layerline_rejoin=HOST: the server's switch and the commit after it (playbooks/serve.yml)
 REJOIN_AFTER_SWITCH = "Keep the route state, nothing pending"
+# how long a stopped run may take to end once the task starts (a SIGINT's run ends its own way in seconds)
+ENDS_WITHIN = 90.0
 
 
 def _task_started(line: str, at: str) -> bool:
@@ -55,11 +59,33 @@ def stop_partway(home: Path, args: list[str], drained: list[str], at: str, sig: 
     # its own process group (start_new_session): what a SIGKILL of the controller's group takes
     p = subprocess.Popen([str(BIN / "ansible-playbook"), *args], cwd=ROOT, env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        out, _ = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        out, _ = p.communicate(timeout=30)
+    lines: list[str] = []
+    at_started = threading.Event()
+
+    def read() -> None:
+        for line in p.stdout:
+            lines.append(line)
+            if _task_started(line, at):
+                at_started.set()
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    deadline = time.monotonic() + timeout
+    while p.poll() is None and not at_started.wait(0.5) and time.monotonic() < deadline:
+        pass
+    # once the task starts, the run ends its own way in seconds; after a Ctrl-C ansible-playbook once sat
+    # in its cleanup until the timeout (CI run 34, 626 s). As a user does then: a second Ctrl-C (the
+    # first made SIGINT's default action its exit), and at last SIGKILL
+    for then in (None, signal.SIGINT, signal.SIGKILL):
+        if then is not None and p.poll() is None:
+            print(f"[interrupt] the run went on after {at!r}: {signal.Signals(then).name}")
+            (os.killpg if then == signal.SIGKILL else os.kill)(p.pid, then)
+        try:
+            p.wait(ENDS_WITHIN if then is None else 30)
+            break
+        except subprocess.TimeoutExpired:
+            pass
+    reader.join(30)
+    out = "".join(lines)
     reached = any(_task_started(line, at) for line in out.splitlines())
     assert reached, f"the run never reached {at!r}:\n{out[-3000:]}"
     assert p.returncode != 0, f"the run was not stopped at {at!r}:\n{out[-3000:]}"
