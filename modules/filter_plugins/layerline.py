@@ -20,7 +20,6 @@
     {{ hostvars[inventory_hostname] | layerline_keys_place_argv(inventory_hostname, public_keys) }}
     {{ layerline_runtime_source | layerline_wheel_dir(layerline_home | default(none)) }}
     {{ ansible_playbook_python | layerline_version }}
-    {{ uri_result | layerline_health_gate(url, may_be_down) }}
     {{ hostvars[inventory_hostname] | layerline_runtime_spec(inventory_hostname, deps, python, role_path, source, wheels) }}
     {{ hostvars[inventory_hostname] | layerline_runtime_install_argv(inventory_hostname, wheel) }}
     {{ plan | layerline_drive_argv(hostvars[inventory_hostname], ansible_playbook_python) }}
@@ -53,7 +52,7 @@ try:
     from layerline.settings import ANSIBLE_KEYS, PREFIX, HostSettings, server_host
     from layerline.units import (server_launch, server_probe_argv, service_state, worker_launch, worker_probe_argv,
                                  worker_unit_files)
-    from layerline.spec import (demo_checkpoint_argv, drive_argv, health_gate, host_report, index_argv, keys_place_argv,
+    from layerline.spec import (demo_checkpoint_argv, drive_argv, host_report, index_argv, keys_place_argv,
                                 keys_spec, planned_worker, runtime_install_argv, runtime_spec, server_spec,
                                 ships_stage, stage_checkpoint_argv, stage_dir, stages_kept,
                                 worker_spec)
@@ -244,14 +243,6 @@ def layerline_wheel_dir(source, home=None):
     return _adapt("layerline_wheel_dir", lambda: wheel_dir(None if home in (None, "") else str(home), str(source)))
 
 
-def layerline_health_gate(result, url, may_be_down=None):
-    """A uri task's result for the server's /health as the gate's verdict (layerline.spec.health_gate)."""
-    _need_runtime()
-    r = _plain(result) if isinstance(result, dict) else {}
-    return _adapt("layerline_health_gate", health_gate, str(url), r.get("status"), r.get("json"),
-                  [str(h) for h in (_plain(may_be_down) or [])])
-
-
 def layerline_runtime_spec(hvars, host, dependencies, controller_python, role_path, source, wheel_dir):
     """The runtime role's commands for a host (layerline.spec.RuntimeSpec as a dict)."""
     _need_runtime()
@@ -412,7 +403,7 @@ class FilterModule:
             layerline_server_spec, layerline_drive_argv, layerline_worker_probe, layerline_worker_launch, layerline_server_probe,
             layerline_server_launch, layerline_service_state,
             layerline_demo_checkpoint_argv, layerline_index_argv, layerline_keys_spec, layerline_keys_place_argv,
-            layerline_wheel_dir, layerline_version, layerline_health_gate, layerline_runtime_spec,
+            layerline_wheel_dir, layerline_version, layerline_runtime_spec,
             layerline_runtime_install_argv, layerline_runtime_needs_install,
             layerline_stage_argv, layerline_stage_dir, layerline_stages_kept, layerline_stage_copy_error,
             layerline_state_dir, layerline_saved_plan,

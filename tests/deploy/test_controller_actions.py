@@ -116,3 +116,24 @@ def test_the_drive_runs_from_the_controllers_process_with_the_modules_verdict(tm
         assert says in m["msg"] and m.get("failed", False) == (rc != 0), m
     r = task("layerline_drive", {"argv": [str(tmp_path / "no-such-drive")]}, "--check")
     assert r.returncode == 0 and "check mode: the pipeline not driven" in r.stdout, r.stdout[-2000:]
+
+
+def test_the_server_admin_task_says_in_one_line_what_did_not_answer(tmp_path):
+    """layerline_server_admin's ops where nothing listens (the answers of a live server:
+    tests/processes/test_route_switch.py; the drains of tests/multihost and test_collection switch through it)."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    cases = (({"op": "wait", "timeout": 2}, f"the server at {url} did not answer /health with 200 in 2 s"),
+             ({"op": "gate"}, f"nothing answers at {url} (deploy.yml starts the server)"),
+             ({"op": "route", "admin_key_file": str(tmp_path / "none"), "plan": {"stages": []}},
+              "the server's admin key cannot be read (No such file or directory); run deploy.yml"))
+    for args, says in cases:
+        r = task("layerline_server_admin", {"url": url, **args})
+        assert r.returncode == 2 and says in " ".join(r.stdout.split()), r.stdout[-2000:]
+        assert "EXEC" not in r.stdout + r.stderr and "Traceback" not in r.stdout + r.stderr, r.stdout[-2000:]
+        m = module_run("layerline_server_admin", {"url": url, **args}, tmp_path)
+        assert m["failed"] and says in m["msg"], m
+    r = task("layerline_server_admin", {"url": url, "op": "route", "admin_key_file": "x", "plan": {}}, "--check")
+    assert r.returncode == 0 and "check mode: the route was not switched" in r.stdout, r.stdout[-2000:]

@@ -29,7 +29,7 @@ import threading
 import time
 from pathlib import Path
 
-from helpers import BIN, ROOT, ansible_env
+from helpers import BIN, PHASE_LOG, ROOT, ansible_env
 
 CALLBACKS = Path(__file__).resolve().parent / "callback_plugins"
 BEFORE_SWITCH = "Start this host's worker in the new slot"
@@ -77,7 +77,10 @@ def stop_partway(home: Path, args: list[str], drained: list[str], at: str, sig: 
     # first made SIGINT's default action its exit), and at last SIGKILL
     for then in (None, signal.SIGINT, signal.SIGKILL):
         if then is not None and p.poll() is None:
-            print(f"[interrupt] the run went on after {at!r}: {signal.Signals(then).name}")
+            note = f"[interrupt] the run went on after {at!r}: {signal.Signals(then).name}"
+            print(note)
+            with open(PHASE_LOG, "a") as f:   # .ci/run prints it: a passing test's output is not shown
+                f.write(f"{time.strftime('%H:%M:%S')} {note}\n")
             (os.killpg if then == signal.SIGKILL else os.kill)(p.pid, then)
         try:
             p.wait(ENDS_WITHIN if then is None else 30)

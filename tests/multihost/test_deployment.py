@@ -583,6 +583,7 @@ def test_drain_and_rejoin_under_load_lose_nothing(deployed):
     # the controller SIGKILLed as the new slot's workers start: route.json keeps the drain pending, and the
     # drain under load below is the same command run again, which resumes it (issue 37 item 6)
     stop_partway(home, ["drain.yml", *extra, "-e", "layerline_drain=h2"], ["h2"], BEFORE_SWITCH, signal.SIGKILL)
+    phase("h2's drain SIGKILLed as its workers start")
     replays = metric("layerline_replays_total")
     with Load() as load:
         r = playbook("drain.yml", *extra, "-e", "layerline_drain=h2")
@@ -663,6 +664,7 @@ def test_drain_and_rejoin_under_load_lose_nothing(deployed):
     # run under load below resumes it
     h4 = ready(home, "h4")["pid"]
     stop_partway(home, ["drain.yml", *extra, "-e", "layerline_drain=h3"], ["h3"], AT_SWITCH, signal.SIGINT)
+    phase("h3's drain stopped by a Ctrl-C as the switch starts")
     with Load() as load:
         r = playbook("drain.yml", *extra, "-e", "layerline_drain=h3")
     run_again_resumed(r.stdout)

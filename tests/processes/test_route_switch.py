@@ -92,3 +92,30 @@ def test_admin_route_needs_the_admin_key(two):
                    headers={"Authorization": "Bearer admin-secret"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "plan"
     assert json.loads(httpx.get(server.url + "/health", timeout=10).text)["status"] == "ok"
+
+
+def test_the_plays_admin_client_switches_gates_and_waits(two, tmp_path):
+    """layerline.server.admin, what the layerline_server_admin task asks (drain.yml's gate and switch,
+    deploy.yml's wait), against this server: its one-line verdicts, the admin key read from its file and
+    never returned."""
+    from layerline.server.admin import ask
+    a, b, server, reference = two
+    endpoints = [s["endpoint"] for s in httpx.get(server.url + "/health", timeout=10).json()["stages"]]
+    serving = next(c.plan for c in (a, b) if [s["endpoint"] for s in c.plan["stages"]] == endpoints)
+    other = b.plan if serving is a.plan else a.plan
+    key, wrong = tmp_path / "admin_key", tmp_path / "wrong_key"
+    key.write_text("admin-secret\n")
+    wrong.write_text("not-the-key\n")
+    assert ask("wait", server.url, timeout=10) == {"changed": False, "status": 200,
+                                                    "msg": f"the server at {server.url} is healthy"}
+    gate = ask("gate", server.url)
+    assert not gate.get("failed") and gate["msg"] == "the pipeline is healthy" and gate["down"] == []
+    same = ask("route", server.url, admin_key_file=str(key), plan=serving)
+    assert not same.get("failed") and same["msg"] == "route unchanged" and same["changed"] is False, same
+    refused = ask("route", server.url, admin_key_file=str(wrong), plan=other)
+    assert refused["failed"] and refused["status"] == 401, refused
+    assert refused["msg"].startswith(f"the server at {server.url} refused the new route (401): ")
+    assert "not-the-key" not in json.dumps(refused) and "admin-secret" not in json.dumps(same)
+    missing = ask("route", server.url, admin_key_file=str(tmp_path / "none"), plan=other)
+    assert missing["failed"] and "the server's admin key cannot be read" in missing["msg"]
+    check_same(reference, run_clients(server.url))   # nothing of that moved the route
