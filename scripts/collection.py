@@ -6,7 +6,8 @@
                                                  # module and filter; ansible-lint's production profile passes
 
 The checkout is the collection already, for development: collections/ansible_collections/layerline/layerline
-links modules/library (plugins/modules), modules/filter_plugins (plugins/filter), roles and playbooks into a
+links modules/library (plugins/modules), modules/action_plugins (plugins/action), modules/plugin_utils
+(plugins/plugin_utils, the actions' shared code), modules/filter_plugins (plugins/filter), roles and playbooks into a
 collection's layout, and ansible.cfg's collections_path finds it. `build` copies that tree with its links
 followed, adds what only the tarball carries -- galaxy.yml with the version from the package metadata
 (layerline.version: pyproject.toml), LICENSE, and each filter's documentation (a YAML file beside the

@@ -101,9 +101,7 @@ def main():
     if LAYERLINE_IMPORT_ERROR:
         module.fail_json(msg="layerline_server_admin: cannot import layerline here; run it where the server runs, "
                              "after the runtime role", exception=LAYERLINE_IMPORT_ERROR)
-    if module.check_mode and p["op"] == "route":
-        module.exit_json(changed=False, status=None, msg="check mode: the route was not switched")
-    result = ask(**p)
+    result = ask(**p, check=module.check_mode)
     if result.pop("failed", False):
         module.fail_json(**result)
     module.exit_json(**result)

@@ -34,6 +34,7 @@ def test_the_checkout_is_laid_out_as_the_collection():
     assert (dev / "plugins" / "modules").resolve() == (ROOT / "modules" / "library").resolve()
     assert (dev / "plugins" / "filter").resolve() == (ROOT / "modules" / "filter_plugins").resolve()
     assert (dev / "plugins" / "action").resolve() == (ROOT / "modules" / "action_plugins").resolve()
+    assert (dev / "plugins" / "plugin_utils").resolve() == (ROOT / "modules" / "plugin_utils").resolve()
     assert (dev / "roles").resolve() == (ROOT / "roles").resolve()
     assert (dev / "playbooks").resolve() == (ROOT / "playbooks").resolve()
     assert "collections_path = collections" in (ROOT / "ansible.cfg").read_text()

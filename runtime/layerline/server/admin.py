@@ -27,7 +27,10 @@ ROUTE_TIMEOUT_S = 180   # a switch checks every new stage's health first
 
 
 def ask(op: str, url: str, ca_path: str | None = None, admin_key_file: str | None = None, plan: dict | None = None,
-        may_be_down: list[str] = (), timeout: int = 30) -> dict:
+        may_be_down: list[str] = (), timeout: int = 30, check: bool = False) -> dict:
+    """The task's result for OP; in check mode a route is not switched (wait and gate only read)."""
+    if check and op == "route":
+        return {"changed": False, "status": None, "msg": "check mode: the route was not switched"}
     if op == "wait":
         return wait_healthy(url, ca_path, timeout)
     if op == "gate":
