@@ -1,6 +1,7 @@
-"""layerline_save and layerline_drive on the controller run in ansible's own process (their action
-plugins call layerline.homesave.keep and layerline.operations.run_drive: no module run, no interpreter
-started), and do exactly what the modules do where they run as modules (another connection, become)."""
+"""layerline_save, layerline_drive and layerline_server_admin on the controller run in ansible's own
+process (their action plugins call layerline.homesave.keep, layerline.operations.run_drive and
+layerline.server.admin.ask: no module run, no interpreter started), and do exactly what the modules do
+where they run as modules (another connection, become)."""
 from __future__ import annotations
 
 import json
