@@ -50,8 +50,8 @@ def wait_healthy(url: str, ca_path: str | None, timeout_s: float) -> dict:
         if status == 200:
             return {"changed": False, "status": status, "msg": f"the server at {url} is healthy"}
         if time.monotonic() >= deadline:
-            down = [str(s.get("name")) for s in (body or {}).get("stages") or [] if isinstance(s, dict)
-                    and not s.get("ok")]
+            from ..spec import health_gate
+            down = health_gate(url, status, body)["down"]   # which stages /health says do not answer
             last = f"it answered {status}" + (f"; stages down: {', '.join(down)}" if down else "") if status else why
             return _failed(f"the server at {url} did not answer /health with 200 in {timeout_s:.0f} s ({last}); "
                            "its log is server.log in its state dir", status=status)
