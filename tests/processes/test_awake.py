@@ -17,7 +17,8 @@ from layerline.awake import Awake
 from layerline.checkpoint import write_demo_checkpoint
 from stage_procs import start_workers
 
-pytestmark = pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's")
+# cold_starts: a worker's spinners are looked for among the children of the pid its starter holds
+pytestmark = [pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's"), pytest.mark.cold_starts]
 
 
 def state(pid: int) -> str:

@@ -23,7 +23,10 @@ REPO = Path(__file__).resolve().parents[2]
 VENV_PY = REPO / ".venv" / "bin" / "python"
 PY = str(VENV_PY if VENV_PY.exists() else Path(sys.executable))
 
-pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
+# cold_starts: the pid a worker reports is checked against the one its supervisor started (a warm start
+# answers from a fork of the template, its starter holding a stand-in)
+pytestmark = [pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc"),
+              pytest.mark.cold_starts]
 
 # Writes its ready file (argv[1]) atomically, then serves until SIGTERM; exits 0 on its own
 # when the file argv[1] + ".quit" appears (removing it first).
