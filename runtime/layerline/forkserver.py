@@ -2,10 +2,11 @@
 process that has torch and layerline loaded already.
 
 Each of those entry points imports torch (1.5-2 s of CPU) before it does anything, and the
-suite's process tier starts about 150 of them. With LAYERLINE_FORKSERVER=DIR in its environment
+suite's process tier starts about 130 of them. With LAYERLINE_FORKSERVER=DIR in its environment
 (tests/conftest.py sets it there; a deployment never does) an entry point, still torch-free,
-looks for a template listening in DIR whose environment equals its own (the variables read
-while torch and Python start must match: OpenMP's spin, locale, paths). If one is there it sends
+looks for a template listening in DIR whose environment equals its own but for a few variables
+read later (_FREE): what torch and Python read as they load (OpenMP's spin, the locale, paths)
+is then what the template loaded with. If one is there it sends
 its argv, environment, working dir and standard streams; the template forks a child that runs
 the same `runpy` main, and the first process stays as the child's stand-in: the pid its starter
 knows, the signals it gets passed on (a SIGSTOP mirrored by the template), its exit status the
@@ -202,7 +203,10 @@ def _serve(where: str) -> dict:
                 conn.settimeout(None)
                 print(f"fork {pid}: {req['module']} {' '.join(req['argv'][:2])}", flush=True)
                 c = children[pid] = _Child(pid, conn, int(req["proxy"]))
-                _send(conn, {"pid": pid})
+                try:
+                    _send(conn, {"pid": pid})
+                except OSError:
+                    pass   # the proxy is gone: its hang-up, seen next, kills the child
                 sel.register(c.pidfd, selectors.EVENT_READ, ("exit", pid))
                 sel.register(conn, selectors.EVENT_READ, pid)
             elif isinstance(key.data, tuple):
