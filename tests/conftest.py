@@ -89,31 +89,18 @@ def _no_step_timing_in_process_tests(request):
 
 @pytest.fixture(scope="session")
 def _fork_templates(tmp_path_factory):
-    """Templates for warm starts (layerline.forkserver): each has torch and layerline loaded and forks
-    `python -m layerline.worker|server|cli` runs whose environment equals its own. One per OpenMP
-    spin a start may load torch with (libgomp reads it once): the worker's default and the plan's
-    two, and none set (the server, the command line)."""
-    import subprocess
+    """The templates warm starts fork from (stage_procs.start_templates), once per xdist worker."""
+    from stage_procs import start_templates, stop_templates
     where = tmp_path_factory.mktemp("fork")
-    procs = []
-    for spin in ("10000", "300000", None):
-        env = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"}
-        if spin:
-            env["GOMP_SPINCOUNT"] = spin
-        with open(where / f"template-{spin}.log", "wb") as log:
-            procs.append(subprocess.Popen([sys.executable, "-m", "layerline.forkserver", str(where)], env=env,
-                                          stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT))
+    procs = start_templates(str(where))
     yield str(where)
-    for p in procs:
-        p.terminate()
-    for p in procs:
-        p.wait(timeout=30)
+    stop_templates(procs)
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _warm_starts_in_process_tests(request):
     """The processes tier's workers, servers and `layerline` runs start as forks of a template that
-    has torch loaded (LAYERLINE_FORKSERVER; about 1.5 s of CPU less a start, and ~150 starts); the
+    has torch loaded (LAYERLINE_FORKSERVER; about 1.5 s of CPU less a start, and ~130 starts); the
     deploy tiers start them as a deployment does. A module marked `cold_starts` starts its own."""
     with pytest.MonkeyPatch.context() as mp:
         if _tier(request.node) == "processes" and request.node.get_closest_marker("cold_starts") is None:

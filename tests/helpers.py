@@ -125,6 +125,12 @@ def alive(pid) -> bool:
     return data[data.rfind(b")") + 2:].split()[0] not in (b"Z", b"X")
 
 
+def proc_state(pid: int) -> str:
+    """Its state letter in /proc: R (running or runnable), S (sleeping), T (stopped), Z, ..."""
+    data = Path(f"/proc/{pid}/stat").read_bytes()
+    return data[data.rfind(b")") + 2:].split()[0].decode()
+
+
 def processes_mentioning(text: str) -> list[int]:
     """Live pids whose command line contains text."""
     pids = []

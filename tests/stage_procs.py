@@ -14,6 +14,29 @@ import time
 from types import SimpleNamespace
 
 _ids = itertools.count()
+
+
+def start_templates(where: str, spins=("10000", "300000", None)) -> list[subprocess.Popen]:
+    """Templates for warm starts (layerline.forkserver) in the dir where, one per OpenMP spin a start
+    may load torch with (libgomp reads GOMP_SPINCOUNT once): by default the worker's own, the plan's
+    two, and none set (the server, the command line). Each logs its forks to template-SPIN.log."""
+    procs = []
+    for spin in spins:
+        env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "LAYERLINE_FORKSERVER")}
+        if spin:
+            env["GOMP_SPINCOUNT"] = spin
+        with open(os.path.join(where, f"template-{spin}.log"), "wb") as log:
+            procs.append(subprocess.Popen([sys.executable, "-m", "layerline.forkserver", str(where)], env=env,
+                                          stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT))
+    return procs
+
+
+def stop_templates(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM: what they still run dies with them (PR_SET_PDEATHSIG)."""
+    for p in procs:
+        p.terminate()
+    for p in procs:
+        p.wait(timeout=30)
 # control endpoint -> (the controller's keys dir, the worker's name): control sockets run CURVE
 # always, so every worker these helpers start has keys, and control() here finds them
 _CONTROL: dict[str, tuple[str, str]] = {}

@@ -12,19 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from helpers import alive, wait_for
+from helpers import alive, proc_state, wait_for
 from layerline.awake import Awake
 from layerline.checkpoint import write_demo_checkpoint
 from stage_procs import start_workers
 
 # cold_starts: a worker's spinners are looked for among the children of the pid its starter holds
 pytestmark = [pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's"), pytest.mark.cold_starts]
-
-
-def state(pid: int) -> str:
-    """R (running or runnable: spinning), S (blocked on its pipe), ..."""
-    data = Path(f"/proc/{pid}/stat").read_bytes()
-    return data[data.rfind(b")") + 2:].split()[0].decode()
 
 
 def spinners_of(pid: int) -> list[int]:
@@ -49,12 +43,12 @@ def test_spinners_idle_priority_spin_after_a_poke_then_block_and_stop_on_close()
         pids = [p.pid for p in a.procs]
         assert len(pids) == 2
         wait_for(lambda: all(os.sched_getscheduler(p) == os.SCHED_IDLE for p in pids), what="SCHED_IDLE")
-        wait_for(lambda: all(state(p) == "S" for p in pids), what="spinners blocked before any poke")
+        wait_for(lambda: all(proc_state(p) == "S" for p in pids), what="spinners blocked before any poke")
         a.poke()
-        wait_for(lambda: all(state(p) == "R" for p in pids), timeout=0.8, what="spinning within the window")
-        wait_for(lambda: all(state(p) == "S" for p in pids), timeout=30, what="spinners blocked after the window")
+        wait_for(lambda: all(proc_state(p) == "R" for p in pids), timeout=0.8, what="spinning within the window")
+        wait_for(lambda: all(proc_state(p) == "S" for p in pids), timeout=30, what="spinners blocked after the window")
         a.poke()  # a second window wakes them again
-        wait_for(lambda: all(state(p) == "R" for p in pids), timeout=0.8, what="spinning again")
+        wait_for(lambda: all(proc_state(p) == "R" for p in pids), timeout=0.8, what="spinning again")
     finally:
         a.close()
     assert not any(alive(p) for p in pids)

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from layerline.driver import greedy_generate
-from stage_procs import start_workers
+from helpers import alive, proc_state, wait_for
+from stage_procs import start_templates, start_workers, stop_templates
 
 pytestmark = pytest.mark.cold_starts   # the starts here choose for themselves
 
@@ -27,24 +28,14 @@ def template(tmp_path):
     GOMP_SPINCOUNT=10000 before torch loads) and one for none set (the command line)."""
     where = tmp_path / "fork"
     where.mkdir()
-    procs = []
-    for spin in ("10000", None):
-        env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "LAYERLINE_FORKSERVER")}
-        if spin:
-            env["GOMP_SPINCOUNT"] = spin
-        log = open(where / f"template-{spin}.log", "wb")
-        procs.append(subprocess.Popen([sys.executable, "-m", "layerline.forkserver", str(where)], env=env,
-                                      stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
-        log.close()
+    procs = start_templates(str(where), ("10000", None))
     deadline = time.time() + 120
     while len(list(where.glob("*.sock"))) < 2:
         assert all(p.poll() is None for p in procs), [(where / f).read_text() for f in os.listdir(where)]
         assert time.time() < deadline, "the templates did not start"
         time.sleep(0.1)
     yield where
-    for p in procs:
-        p.terminate()
-        p.wait(30)
+    stop_templates(procs)
 
 
 def forks(where: Path) -> list[str]:
@@ -94,26 +85,6 @@ def tokens(stages) -> list[int]:
         pipe.close()
 
 
-def alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_bytes()
-    except OSError:
-        return False
-    return stat[stat.rfind(b")") + 2:stat.rfind(b")") + 3] != b"Z"
-
-
-def state(pid: int) -> bytes:
-    stat = Path(f"/proc/{pid}/stat").read_bytes()
-    return stat[stat.rfind(b")") + 2:stat.rfind(b")") + 3]
-
-
-def until(check, what: str, timeout: float = 20.0) -> None:
-    deadline = time.time() + timeout
-    while not check():
-        assert time.time() < deadline, what
-        time.sleep(0.05)
-
-
 def test_a_warm_worker_serves_and_takes_signals_through_its_stand_in(template, small_ckpt):
     """The starter holds a stand-in: SIGTERM reaches the worker, which ends as a cold one does (its
     exit status the stand-in's); SIGSTOP and SIGCONT to the stand-in stop and resume the worker;
@@ -128,9 +99,9 @@ def test_a_warm_worker_serves_and_takes_signals_through_its_stand_in(template, s
             assert pid != warm.procs[0].pid and forks(template) and alive(pid)
             assert tokens(warm) == want   # it serves, as the cold one did
             os.kill(warm.procs[0].pid, signal.SIGSTOP)
-            until(lambda: state(pid) == b"T", "the worker did not stop with its stand-in")
+            wait_for(lambda: proc_state(pid) == "T", 20, what="the worker did not stop with its stand-in")
             os.kill(warm.procs[0].pid, signal.SIGCONT)
-            until(lambda: state(pid) != b"T", "the worker did not go on with its stand-in")
+            wait_for(lambda: proc_state(pid) != "T", 20, what="the worker did not go on with its stand-in")
         finally:
             warm_status = warm.stop()
         assert warm_status == cold_status and not alive(pid)
@@ -138,7 +109,7 @@ def test_a_warm_worker_serves_and_takes_signals_through_its_stand_in(template, s
         warm = worker(template, small_ckpt, mp)
         pid = warm.info[0]["pid"]
         warm.procs[0].kill()
-        until(lambda: not alive(pid), "the worker outlived its SIGKILLed stand-in")
+        wait_for(lambda: not alive(pid), 20, what="the worker outlived its SIGKILLed stand-in")
         warm.stop()
 
         warm = worker(template, small_ckpt, mp)
