@@ -6,9 +6,13 @@ starts (the stdout callback has printed its header; nothing of it has run), it s
 ansible-playbook alone (a Ctrl-C: the run ends its own way) or SIGKILL to its process group (nothing
 runs a handler). From inside the run, so the stop lands at that point however loaded the machine is
 (a test that reads the output and then signals can land later: the run may have gone on).
+
+With LAYERLINE_TEST_STACKS=FILE too, a SIGUSR1 to ansible-playbook writes every thread's stack to FILE
+(faulthandler): where a run that does not end after its Ctrl-C waits.
 """
 from __future__ import annotations
 
+import faulthandler
 import os
 import signal
 
@@ -28,6 +32,13 @@ class CallbackModule(CallbackBase):
     CALLBACK_TYPE = "aggregate"
     CALLBACK_NAME = "interrupt_at"
     CALLBACK_NEEDS_ENABLED = True
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        stacks = os.environ.get("LAYERLINE_TEST_STACKS")
+        if stacks:
+            self._stacks = open(stacks, "w")  # noqa: SIM115 - open while the process lives: faulthandler writes to it
+            faulthandler.register(signal.SIGUSR1, file=self._stacks, all_threads=True)
 
     def v2_playbook_on_task_start(self, task, is_conditional):
         at = os.environ.get("LAYERLINE_TEST_INTERRUPT_AT")
