@@ -45,15 +45,20 @@ def reference(gemma):
 
     transformers opens the file three times (the tokenizer, the config, the weights), and gguf's reader
     spends most of each on the 262,144 vocabulary entries: here it reads the file once and hands the
-    same reader (read-only, a memory map) to all three; what transformers makes of it is unchanged."""
+    same reader (read-only, a memory map) to all three; what transformers makes of it is unchanged. Its
+    map is a plain array over the same pages: numpy's memmap subclass made the vocabulary's parse 2.9x
+    the CPU (7.7 s against 2.7 s)."""
     import gguf
+    import numpy as np
     readers: dict = {}
-    read = gguf.GGUFReader
+    read, memmap = gguf.GGUFReader, np.memmap
 
     def once(path, mode="r"):
         key = (str(path), mode)
         if key not in readers:
-            readers[key] = read(path, mode)
+            with pytest.MonkeyPatch.context() as plain:
+                plain.setattr(np, "memmap", lambda *a, **k: memmap(*a, **k).view(np.ndarray))
+                readers[key] = read(path, mode)
         return readers[key]
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(gguf, "GGUFReader", once)
