@@ -24,6 +24,8 @@ from layerline.model.llama import ModelArgs  # noqa: E402
 from layerline.server.chat import TextSide  # noqa: E402
 from layerline.spec import server_spec  # noqa: E402
 
+from helpers import gguf_read_once  # noqa: E402
+
 PROMPTS = ["What is the capital of France?", "The three primary colors are", "def fibonacci(n):"]
 TEXTS = PROMPTS + ["  two leading spaces,\ttabs\n\nand blank lines", "Ünïcödé 漢字 🙂 12345.67",
                    "<start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n"]
@@ -41,27 +43,9 @@ def gemma() -> Path:
 
 @pytest.fixture(scope="module")
 def reference(gemma):
-    """transformers' tokenizer ids of TEXTS and greedy new tokens of PROMPTS, from the GGUF.
-
-    transformers opens the file three times (the tokenizer, the config, the weights), and gguf's reader
-    spends most of each on the 262,144 vocabulary entries: here it reads the file once and hands the
-    same reader (read-only, a memory map) to all three; what transformers makes of it is unchanged. Its
-    map is a plain array over the same pages: numpy's memmap subclass made the vocabulary's parse 2.9x
-    the CPU (7.7 s against 2.7 s)."""
-    import gguf
-    import numpy as np
-    readers: dict = {}
-    read, memmap = gguf.GGUFReader, np.memmap
-
-    def once(path, mode="r"):
-        key = (str(path), mode)
-        if key not in readers:
-            with pytest.MonkeyPatch.context() as plain:
-                plain.setattr(np, "memmap", lambda *a, **k: memmap(*a, **k).view(np.ndarray))
-                readers[key] = read(path, mode)
-        return readers[key]
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(gguf, "GGUFReader", once)
+    """transformers' tokenizer ids of TEXTS and greedy new tokens of PROMPTS, from the GGUF (read once:
+    helpers.gguf_read_once)."""
+    with gguf_read_once() as readers:
         tok = transformers.AutoTokenizer.from_pretrained(str(gemma.parent), gguf_file=gemma.name)
         model = transformers.AutoModelForCausalLM.from_pretrained(str(gemma.parent), gguf_file=gemma.name,
                                                                   dtype=torch.float32).eval()

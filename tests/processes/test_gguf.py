@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import llama_gguf_writer
+from helpers import gguf_read_once, llama_gguf_writer
 
 import gguf  # noqa: E402
 
@@ -80,7 +80,8 @@ def test_cli_index_of_a_gguf(capsys):
 def test_smollm2_tokenizer_and_template_equal_transformers():
     import transformers
     ours = open_checkpoint(SMOL).tokenizer
-    theirs = transformers.AutoTokenizer.from_pretrained(str(SMOL.parent), gguf_file=SMOL.name)
+    with gguf_read_once():
+        theirs = transformers.AutoTokenizer.from_pretrained(str(SMOL.parent), gguf_file=SMOL.name)
     texts = ["Hello, world!", "  What's 2+2?\n\nIt's 4.", "<|im_start|>user\nhi<|im_end|>\n",
              "naïve café 日本語 🙂", "1234567 tokens, and    spaces\ttabs"]
     for t in texts:
@@ -378,8 +379,9 @@ def smol_reference(tmp_path_factory):
     tok = open_checkpoint(SMOL).tokenizer
     sp = open_checkpoint(SMOL).special_tokens
     prompts = [tok.encode(_render(open_checkpoint(SMOL).chat_template, m, sp)).ids for m in CHATS]
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(SMOL.parent), gguf_file=SMOL.name,
-                                                              dtype=torch.float32).eval()
+    with gguf_read_once():
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(SMOL.parent), gguf_file=SMOL.name,
+                                                                  dtype=torch.float32).eval()
     want = []
     with torch.no_grad():
         for p in prompts:
