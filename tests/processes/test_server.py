@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import math
 import re
 import shutil
 import subprocess
@@ -517,7 +518,19 @@ def test_a_shared_prefix_is_reused_and_answers_as_without_the_cache(servers, cli
     assert count("layerline_prefix_lookups_total", small) == 0
 
 
-def test_metrics_and_log(server):
+def test_metrics_and_log(server, client):
+    """The metrics and the request log show what this test sent (a 200, a 400, a 401, a chat with a
+    user): on its own or after the file's other tests, in any xdist split."""
+    before = server.metric("layerline_generated_tokens_total")  # nan before any request
+    before = 0.0 if math.isnan(before) else before
+    r = post(server, "/v1/completions", {"model": MODEL, "prompt": [3, 1, 4, 1, 5], "max_tokens": 101,
+                                          "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 101, r.text
+    assert post(server, "/v1/completions", {"model": MODEL, "prompt": [1, 2], "max_tokens": -1}).status_code == 400
+    assert httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": [1, 2]},
+                      timeout=30).status_code == 401
+    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                   temperature=0, user="u1")
     text = httpx.get(server.url + "/metrics", timeout=10).text
     for want in ('layerline_requests_total{route="/v1/completions",status="200"}',
                  'layerline_requests_total{route="/v1/completions",status="400"}',
@@ -528,7 +541,7 @@ def test_metrics_and_log(server):
                  "layerline_prefix_lookups_total", "layerline_prefix_hit_ratio", 'layerline_prefix_bytes{host="',
                  'vllm:prefix_cache_hits_total{model_name="tiny-chat"}'):
         assert want in text, want
-    assert server.metric("layerline_generated_tokens_total") > 100
+    assert server.metric("layerline_generated_tokens_total") >= before + 101
     lines = server.log.read_text().splitlines()
     assert any(" POST /v1/completions 200 " in ln and "prompt=5 " in ln for ln in lines)
     assert any(" POST /v1/completions 401 " in ln for ln in lines)
