@@ -127,8 +127,10 @@ def alive(pid) -> bool:
 
 def proc_state(pid: int) -> str:
     """Its state letter in /proc: R (running or runnable), S (sleeping), T (stopped), Z, ..."""
-    data = Path(f"/proc/{pid}/stat").read_bytes()
-    return data[data.rfind(b")") + 2:].split()[0].decode()
+    from layerline.supervise import proc_stat
+    fields = proc_stat(pid)
+    assert fields, f"no process {pid}"
+    return fields[0].decode()
 
 
 def processes_mentioning(text: str) -> list[int]:

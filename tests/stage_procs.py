@@ -37,6 +37,8 @@ def stop_templates(procs: list[subprocess.Popen]) -> None:
         p.terminate()
     for p in procs:
         p.wait(timeout=30)
+
+
 # control endpoint -> (the controller's keys dir, the worker's name): control sockets run CURVE
 # always, so every worker these helpers start has keys, and control() here finds them
 _CONTROL: dict[str, tuple[str, str]] = {}

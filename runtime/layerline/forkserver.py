@@ -113,15 +113,6 @@ def hand_over(module: str) -> None:
     os._exit(os.waitstatus_to_exitcode(status))
 
 
-def _stopped(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return False
-    return stat[stat.rfind(b")") + 2:stat.rfind(b")") + 3] in (b"T", b"t")
-
-
 MODULES = ("layerline.worker", "layerline.server", "layerline.cli")
 
 
@@ -144,6 +135,7 @@ class _Child:
 
 def _serve(where: str) -> dict:
     """The template's loop; returns only in a forked child, with the request it is to run."""
+    from .supervise import proc_stat   # the template's alone: hand_over stays a few imports
     path = os.path.join(where, env_key(dict(os.environ)) + ".sock")
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path + f".{os.getpid()}")
@@ -215,7 +207,8 @@ def _serve(where: str) -> dict:
             elif key.data in children:
                 reap(children[key.data], kill=True)   # the proxy hung up: it died
         for c in list(children.values()):   # a SIGSTOP cannot be caught: mirror the proxy's state
-            stopped = _stopped(c.proxy)
+            stat = proc_stat(c.proxy)
+            stopped = bool(stat) and stat[0] in (b"T", b"t")
             if stopped != c.stopped:
                 c.stopped = stopped
                 try:

@@ -84,8 +84,9 @@ def boot_id() -> str:
         return ""
 
 
-def proc_start(pid) -> int | None:
-    """The start time (clock ticks after boot) of a live, non-zombie process; None otherwise."""
+def proc_stat(pid) -> list[bytes] | None:
+    """/proc/PID/stat's fields after the command name (which may hold anything): [0] the state letter
+    (R, S, T, Z, ...), [19] the start time; None for no such process."""
     if not isinstance(pid, int) or pid <= 0:
         return None
     try:
@@ -93,8 +94,13 @@ def proc_start(pid) -> int | None:
             data = fh.read()
     except OSError:
         return None
-    fields = data[data.rfind(b")") + 2:].split()  # after the command name, which may hold anything
-    if len(fields) < 20 or fields[0] in (b"Z", b"X"):
+    return data[data.rfind(b")") + 2:].split()
+
+
+def proc_start(pid) -> int | None:
+    """The start time (clock ticks after boot) of a live, non-zombie process; None otherwise."""
+    fields = proc_stat(pid)
+    if fields is None or len(fields) < 20 or fields[0] in (b"Z", b"X"):
         return None
     return int(fields[19])
 
