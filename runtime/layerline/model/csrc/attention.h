@@ -236,27 +236,49 @@ void attend_task_avx2(const T* q, int64_t qs, const T* knew, const T* vnew, T* k
   }
 }
 
+// one row's attention as its tasks see it: its query heads (qh apart), new k and v (kh, vh: a kv
+// head's offset), its caches (kch, vch: a kv head's offset; ls: a position's, in both), where it
+// writes (pos) and its first key (lo), and its output [nh * hd]
+template <typename T>
+struct AttendRow {
+  const T *q, *k, *v;
+  int64_t qh, kh, vh;
+  T *kc, *vc;
+  int64_t kch, vch, ls, lo, pos;
+  T* out;
+};
+
+// every row's (row, kv head) tasks over torch's threads
+template <typename T>
+void attend_rows(const AttendRow<T>* rows, int64_t n, int64_t nkv, int64_t g, int64_t hd, double scale) {
+  at::parallel_for(0, n * nkv, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> buf;
+    for (int64_t t = t0; t < t1; ++t) {
+      const AttendRow<T>& r = rows[t / nkv];
+      const int64_t h = t % nkv;
+      const T* qi = r.q + h * g * r.qh;
+      const T* ki = r.k + h * r.kh;
+      const T* vi = r.v + h * r.vh;
+      T* kci = r.kc + h * r.kch;
+      T* vci = r.vc + h * r.vch;
+      T* o = r.out + h * g * hd;
+      if (g_isa == 2) attend_task_512(qi, r.qh, ki, vi, kci, vci, r.ls, r.lo, r.pos, g, hd, (float)scale, o, buf);
+      else attend_task_avx2(qi, r.qh, ki, vi, kci, vci, r.ls, r.lo, r.pos, g, hd, (float)scale, o, buf);
+    }
+  });
+}
+
 template <typename T>
 void attend_all(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::vector<at::Tensor>& kc,
                 const std::vector<at::Tensor>& vc, int64_t n, c10::IntArrayRef pos, c10::IntArrayRef lo, double scale,
                 at::Tensor& out) {
   const int64_t nh = q.size(1), hd = q.size(2), nkv = k.size(1), g = nh / nkv;
-  at::parallel_for(0, n * nkv, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> buf;
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t i = t / nkv, h = t % nkv;
-      const T* qi = q.data_ptr<T>() + i * q.stride(0) + h * g * q.stride(1);
-      const T* ki = k.data_ptr<T>() + i * k.stride(0) + h * k.stride(1);
-      const T* vi = v.data_ptr<T>() + i * v.stride(0) + h * v.stride(1);
-      T* kci = kc[i].data_ptr<T>() + h * kc[i].stride(0);
-      T* vci = vc[i].data_ptr<T>() + h * vc[i].stride(0);
-      T* o = out.data_ptr<T>() + i * nh * hd + h * g * hd;
-      if (g_isa == 2)
-        attend_task_512(qi, q.stride(1), ki, vi, kci, vci, kc[i].stride(1), lo[i], pos[i], g, hd, (float)scale, o, buf);
-      else
-        attend_task_avx2(qi, q.stride(1), ki, vi, kci, vci, kc[i].stride(1), lo[i], pos[i], g, hd, (float)scale, o, buf);
-    }
-  });
+  std::vector<AttendRow<T>> rows;
+  for (int64_t i = 0; i < n; ++i)
+    rows.push_back({q.data_ptr<T>() + i * q.stride(0), k.data_ptr<T>() + i * k.stride(0), v.data_ptr<T>() + i * v.stride(0),
+                    q.stride(1), k.stride(1), v.stride(1), kc[i].data_ptr<T>(), vc[i].data_ptr<T>(), kc[i].stride(0),
+                    vc[i].stride(0), kc[i].stride(1), lo[i], pos[i], out.data_ptr<T>() + i * nh * hd});
+  attend_rows(rows.data(), n, nkv, g, hd, scale);
 }
 
 // q [B, nh, (1,) hd], k/v [B, nkv, (1,) hd]; kc/vc: for the first n <= B rows, each its

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <numeric>
 #include <vector>
 
 namespace {
@@ -89,15 +90,36 @@ void store(const S* sums, int64_t M, int64_t N, int64_t n0, int64_t n1, const fl
     }
 }
 
-// y [..., N] in x's dtype, sums [M, N] (the kernels' scratch), bias as float (or undefined)
+// y[m, n] += bias[n] for n in [n0, n1) (no bias: nothing)
+inline void add_bias(float* y, int64_t M, int64_t N, int64_t n0, int64_t n1, const float* bias) {
+  if (bias)
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t n = n0; n < n1; ++n) y[m * N + n] += bias[n];
+}
+
+// y [..., N] in x's dtype, sums [M, N] (the kernels' scratch: y itself where their types agree),
+// bias as float (or undefined)
 struct Out {
   at::Tensor y, sums, bias;
   Out(const at::Tensor& x, int64_t M, int64_t N, at::ScalarType sum_type, const c10::optional<at::Tensor>& b) {
     auto sizes = x.sizes().vec();
     sizes.back() = N;
     y = at::empty(sizes, x.options());
-    sums = at::empty({M, N}, x.options().dtype(sum_type));
+    sums = x.scalar_type() == sum_type ? y.view({M, N}) : at::empty({M, N}, x.options().dtype(sum_type));
     if (b.has_value() && b->defined()) bias = b->to(at::kFloat).contiguous();
+  }
+  // y once the kernel left its sums (bias added) in `sums`: converted to y's dtype where it is another
+  template <typename S>
+  at::Tensor finish(int64_t M, int64_t N) {
+    if (sums.data_ptr() != y.data_ptr()) {
+      const S* s = sums.data_ptr<S>();
+      switch (y.scalar_type()) {
+        case at::kBFloat16: store(s, M, N, 0, N, nullptr, nullptr, nullptr, y.data_ptr<at::BFloat16>()); break;
+        case at::kHalf: store(s, M, N, 0, N, nullptr, nullptr, nullptr, y.data_ptr<at::Half>()); break;
+        default: store(s, M, N, 0, N, nullptr, nullptr, nullptr, y.data_ptr<float>());
+      }
+    }
+    return y;
   }
   const float* b() const { return bias.defined() ? bias.data_ptr<float>() : nullptr; }
   template <typename S>

@@ -14,25 +14,17 @@ typedef void (*ggml_vec_dot_t)(int n, float* s, size_t bs, const void* x, size_t
                           int nrc);
 typedef void (*ggml_from_float_t)(const float* x, void* y, int64_t k);
 
-// y [M, N] = x [M, K] @ W.T, W's N rows of `row_bytes` stored blocks each: x's rows quantized once by
-// ggml's from_float into its vec_dot_type, then each weight row dotted with every x row while its
-// blocks are in L1 (one pass over W for all M rows); rows split over torch's threads.
-at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t N, int64_t K, int64_t row_bytes,
-                  int64_t xrow_bytes, int64_t vec_dot, int64_t from_float, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.device().is_cpu() && x.size(-1) == K, "gguf_linear: x must be a CPU tensor [..., K]");
-  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.numel() == N * row_bytes,
-              "gguf_linear: w must be contiguous uint8 [N, row_bytes]");
-  auto lead = x.sizes().vec();
-  lead.pop_back();
-  at::Tensor xf = x.reshape({-1, K}).to(at::kFloat).contiguous();
-  const int64_t M = xf.size(0);
-  at::Tensor xq = at::empty({M * xrow_bytes}, at::kByte);
-  reinterpret_cast<ggml_from_float_t>(from_float)(xf.data_ptr<float>(), xq.data_ptr(), M * K);
-  at::Tensor y = at::empty({M, N}, at::kFloat);
+// Y [M, N] = x [M, K] @ W.T (+ bias, fp32 or null), x fp32 contiguous, W's N rows of `row_bytes`
+// stored blocks each: x's rows quantized once by ggml's from_float into its vec_dot_type, then each
+// weight row dotted with every x row while its blocks are in L1 (one pass over W for all M rows);
+// rows split over torch's threads. In place, no tensor made.
+void gguf_into(const float* x, int64_t M, const uint8_t* W, int64_t N, int64_t K, int64_t row_bytes, int64_t xrow_bytes,
+               int64_t vec_dot, int64_t from_float, float* Y, const float* bias) {
+  thread_local std::vector<uint8_t> xq;
+  xq.resize(M * xrow_bytes);
+  const uint8_t* X = xq.data();  // by pointer: in the tasks a thread_local's name is that thread's own
+  reinterpret_cast<ggml_from_float_t>(from_float)(x, xq.data(), M * K);
   const ggml_vec_dot_t dot = reinterpret_cast<ggml_vec_dot_t>(vec_dot);
-  const uint8_t* W = w.data_ptr<uint8_t>();
-  const uint8_t* X = xq.data_ptr<uint8_t>();
-  float* Y = y.data_ptr<float>();
   // at least GGUF_MIN_BYTES of W a thread (smaller shares cost more to hand out than they take)
   const int64_t grain = std::max<int64_t>(std::max<int64_t>(1, GGUF_MIN_BYTES / (row_bytes * std::max<int64_t>(1, M))),
                                           N / std::max<int64_t>(1, at::get_num_threads()));
@@ -40,10 +32,22 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t N, int6
     for (int64_t n = n0; n < n1; ++n)
       for (int64_t m = 0; m < M; ++m)
         dot((int)K, Y + m * N + n, 0, W + n * row_bytes, 0, X + m * xrow_bytes, 0, 1);
+    add_bias(Y, M, N, n0, n1, bias);
   });
-  if (bias.has_value() && bias->defined()) y.add_(bias->to(at::kFloat));
-  lead.push_back(N);
-  return y.view(lead);
+}
+
+at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t N, int64_t K, int64_t row_bytes,
+                  int64_t xrow_bytes, int64_t vec_dot, int64_t from_float, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.device().is_cpu() && x.size(-1) == K, "gguf_linear: x must be a CPU tensor [..., K]");
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.numel() == N * row_bytes,
+              "gguf_linear: w must be contiguous uint8 [N, row_bytes]");
+  const at::Tensor xf = x.to(at::kFloat);
+  const at::Tensor x2 = xf.reshape({-1, K}).contiguous();
+  const int64_t M = x2.size(0);
+  Out out(xf, M, N, at::kFloat, bias);
+  gguf_into(x2.data_ptr<float>(), M, w.data_ptr<uint8_t>(), N, K, row_bytes, xrow_bytes, vec_dot, from_float,
+            out.sums.data_ptr<float>(), out.b());
+  return out.finish<float>(M, N);
 }
 
 typedef void (*ggml_gemx_t)(int n, float* s, size_t bs, const void* vx, const void* vy, int nr, int nc);
@@ -101,27 +105,17 @@ at::Tensor gguf_repack_x8(const at::Tensor& raw, int64_t type, int64_t N, int64_
   return out;
 }
 
-// y [M, N] = x [M, K] @ W.T over W in repack_x8's layout, by ggml's GEMM (4 rows of x at a time,
-// quantized together by quant4; gemm 0: none) and GEMV (the rest); W's 8-row groups split over
-// torch's threads
-at::Tensor gguf_linear_x8(const at::Tensor& x, const at::Tensor& w, int64_t N, int64_t K, int64_t row_bytes,
-                     int64_t xrow_bytes, int64_t gemv, int64_t gemm, int64_t quant4, int64_t from_float,
-                     const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.device().is_cpu() && x.size(-1) == K && N % 8 == 0, "gguf_linear_x8: x must be a CPU tensor [..., K]");
-  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.numel() == N * row_bytes,
-              "gguf_linear_x8: w must be contiguous uint8 [N, row_bytes]");
-  auto lead = x.sizes().vec();
-  lead.pop_back();
-  at::Tensor xf = x.reshape({-1, K}).to(at::kFloat).contiguous();
-  const int64_t M = xf.size(0), M4 = gemm ? M - M % 4 : 0;
-  at::Tensor xq = at::empty({M * xrow_bytes}, at::kByte);
-  const float* XF = xf.data_ptr<float>();
-  uint8_t* XQ = xq.data_ptr<uint8_t>();
-  for (int64_t m = 0; m < M4; m += 4) reinterpret_cast<ggml_from_float_t>(quant4)(XF + m * K, XQ + m * xrow_bytes, K);
-  if (M > M4) reinterpret_cast<ggml_from_float_t>(from_float)(XF + M4 * K, XQ + M4 * xrow_bytes, (M - M4) * K);
-  at::Tensor y = at::empty({M, N}, at::kFloat);
-  float* Y = y.data_ptr<float>();
-  const uint8_t* W = w.data_ptr<uint8_t>();
+// Y [M, N] = x [M, K] @ W.T (+ bias, fp32 or null), x fp32 contiguous, W in repack_x8's layout, by
+// ggml's GEMM (4 rows of x at a time, quantized together by quant4; gemm 0: none) and GEMV (the
+// rest); W's 8-row groups split over torch's threads. In place, no tensor made.
+void x8_into(const float* x, int64_t M, const uint8_t* W, int64_t N, int64_t K, int64_t row_bytes, int64_t xrow_bytes,
+             int64_t gemv, int64_t gemm, int64_t quant4, int64_t from_float, float* Y, const float* bias) {
+  const int64_t M4 = gemm ? M - M % 4 : 0;
+  thread_local std::vector<uint8_t> xq;
+  xq.resize(M * xrow_bytes);
+  uint8_t* XQ = xq.data();  // by pointer: in the tasks a thread_local's name is that thread's own
+  for (int64_t m = 0; m < M4; m += 4) reinterpret_cast<ggml_from_float_t>(quant4)(x + m * K, XQ + m * xrow_bytes, K);
+  if (M > M4) reinterpret_cast<ggml_from_float_t>(from_float)(x + M4 * K, XQ + M4 * xrow_bytes, (M - M4) * K);
   const int64_t groups = N / 8;
   const int64_t grain = std::max<int64_t>(std::max<int64_t>(1, GGUF_MIN_BYTES / (8 * row_bytes)),
                                           groups / std::max<int64_t>(1, at::get_num_threads()));
@@ -130,10 +124,23 @@ at::Tensor gguf_linear_x8(const at::Tensor& x, const at::Tensor& w, int64_t N, i
     if (M4) reinterpret_cast<ggml_gemx_t>(gemm)((int)K, Y + n0, N, W + n0 * row_bytes, XQ, (int)M4, (int)nc);
     for (int64_t m = M4; m < M; ++m)
       reinterpret_cast<ggml_gemx_t>(gemv)((int)K, Y + m * N + n0, N, W + n0 * row_bytes, XQ + m * xrow_bytes, 1, (int)nc);
+    add_bias(Y, M, N, n0, n0 + nc, bias);
   });
-  if (bias.has_value() && bias->defined()) y.add_(bias->to(at::kFloat));
-  lead.push_back(N);
-  return y.view(lead);
+}
+
+at::Tensor gguf_linear_x8(const at::Tensor& x, const at::Tensor& w, int64_t N, int64_t K, int64_t row_bytes,
+                     int64_t xrow_bytes, int64_t gemv, int64_t gemm, int64_t quant4, int64_t from_float,
+                     const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.device().is_cpu() && x.size(-1) == K && N % 8 == 0, "gguf_linear_x8: x must be a CPU tensor [..., K]");
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.numel() == N * row_bytes,
+              "gguf_linear_x8: w must be contiguous uint8 [N, row_bytes]");
+  const at::Tensor xf = x.to(at::kFloat);
+  const at::Tensor x2 = xf.reshape({-1, K}).contiguous();
+  const int64_t M = x2.size(0);
+  Out out(xf, M, N, at::kFloat, bias);
+  x8_into(x2.data_ptr<float>(), M, w.data_ptr<uint8_t>(), N, K, row_bytes, xrow_bytes, gemv, gemm, quant4, from_float,
+          out.sums.data_ptr<float>(), out.b());
+  return out.finish<float>(M, N);
 }
 
 // shapes only (torch.compile traces through the op)

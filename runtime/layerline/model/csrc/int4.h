@@ -221,31 +221,27 @@ void int4_rows(const uint8_t* w, int64_t ws, const uint8_t* sz, int64_t ss, cons
   for (; n < n1; ++n) Tile<1, MB, KIND>::run(w + n * ws, ws, sz + n * ss, ss, xq, dx, xs, K, N, y + n);
 }
 
-// x [..., K] (fp32, bf16 or fp16) against N rows of int4 groups: codes at W (rows ws bytes apart), their
-// scales at SZ (rows ss bytes apart), read as KIND says; y in x's dtype
-template <int KIND>
-at::Tensor int4_matmul(const at::Tensor& x, const uint8_t* W, int64_t ws, const uint8_t* SZ, int64_t ss,
-                       int64_t N, int64_t K, const c10::optional<at::Tensor>& bias) {
+// M rows of x [M, K] (fp32, bf16 or fp16, contiguous) against N rows of int4 groups: codes at W (rows
+// ws bytes apart), their scales at SZ (rows ss bytes apart), read as KIND says; Y [M, N] fp32 (+ bias,
+// fp32 or null). Written in place, no tensor made: a decode layer's step calls it per projection
+template <int KIND, typename T>
+void int4_into(const T* x, int64_t M, const uint8_t* W, int64_t ws, const uint8_t* SZ, int64_t ss, int64_t N,
+               int64_t K, float* Y, const float* bias) {
   const int64_t G = K / 32;
-  const auto st = x.scalar_type();
-  TORCH_CHECK(st == at::kFloat || st == at::kBFloat16 || st == at::kHalf, "linear_int4: x fp32, bf16 or fp16");
-  auto x2 = x.reshape({-1, K}).contiguous();
-  const int64_t M = x2.size(0);
-  std::vector<int8_t> xq(M * K);
-  std::vector<float> dx(M * G), xs(M * G);
-  auto quantize = [&](auto* p) {
-    if (g_isa == 2) quantize_groups_x(p, M, K, xq.data(), dx.data(), xs.data());
-    else quantize_groups_x_avx2(p, M, K, xq.data(), dx.data(), xs.data());
-  };
-  if (st == at::kBFloat16) quantize(x2.data_ptr<at::BFloat16>());
-  else if (st == at::kHalf) quantize(x2.data_ptr<at::Half>());
-  else quantize(x2.data_ptr<float>());
-  Out out(x, M, N, at::kFloat, bias);
-  float* Y = out.sums.data_ptr<float>();
+  thread_local std::vector<int8_t> xq;
+  thread_local std::vector<float> dx, xs;
+  xq.resize(M * K);
+  dx.resize(M * G);
+  xs.resize(M * G);
+  // the buffers by pointer: in the tasks below a thread_local's name is that thread's own
+  int8_t* XQ = xq.data();
+  float *DX = dx.data(), *XS = xs.data();
+  if (g_isa == 2) quantize_groups_x(x, M, K, XQ, DX, XS);
+  else quantize_groups_x_avx2(x, M, K, XQ, DX, XS);
   over_rows(N, K, [&](int64_t n0, int64_t n1) {
     for (int64_t m0 = 0; m0 < M; m0 += 4) {  // x in chunks of up to 4 rows
-      const int8_t* xm = xq.data() + m0 * K;
-      const float *dm = dx.data() + m0 * G, *sm = xs.data() + m0 * G;
+      const int8_t* xm = XQ + m0 * K;
+      const float *dm = DX + m0 * G, *sm = XS + m0 * G;
       float* ym = Y + m0 * N;
       const int64_t mb = std::min<int64_t>(4, M - m0);
       if (g_isa == 2) switch (mb) {
@@ -260,9 +256,24 @@ at::Tensor int4_matmul(const at::Tensor& x, const uint8_t* W, int64_t ws, const 
         default: int4_rows<Int4Avx2Tile, 1, 4, KIND>(W, ws, SZ, ss, xm, dm, sm, K, N, n0, n1, ym);
       }
     }
-    out.store_rows<float>(M, N, n0, n1, nullptr, nullptr);
+    add_bias(Y, M, N, n0, n1, bias);
   });
-  return out.y;
+}
+
+// x [..., K] (fp32, bf16 or fp16) against N rows of int4 groups (int4_into); y in x's dtype
+template <int KIND>
+at::Tensor int4_matmul(const at::Tensor& x, const uint8_t* W, int64_t ws, const uint8_t* SZ, int64_t ss,
+                       int64_t N, int64_t K, const c10::optional<at::Tensor>& bias) {
+  const auto st = x.scalar_type();
+  TORCH_CHECK(st == at::kFloat || st == at::kBFloat16 || st == at::kHalf, "linear_int4: x fp32, bf16 or fp16");
+  auto x2 = x.reshape({-1, K}).contiguous();
+  const int64_t M = x2.size(0);
+  Out out(x, M, N, at::kFloat, bias);
+  float* Y = out.sums.data_ptr<float>();
+  if (st == at::kBFloat16) int4_into<KIND>(x2.data_ptr<at::BFloat16>(), M, W, ws, SZ, ss, N, K, Y, out.b());
+  else if (st == at::kHalf) int4_into<KIND>(x2.data_ptr<at::Half>(), M, W, ws, SZ, ss, N, K, Y, out.b());
+  else int4_into<KIND>(x2.data_ptr<float>(), M, W, ws, SZ, ss, N, K, Y, out.b());
+  return out.finish<float>(M, N);
 }
 
 at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sz,

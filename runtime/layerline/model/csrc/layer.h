@@ -1,7 +1,8 @@
-// DecodeLayer: one decoder layer's one-token step in one call from Python. The eager modules'
-// ops run in their order, on the same kernels, so the bits are theirs; what goes is the Python
-// between them (module calls, views, the kernels' Python wrappers), about a third of a small
-// model's eager step. Built once per layer by llama.DecoderLayer.decode_step.
+// DecodeLayer: one decoder layer's one-token step in one call from Python, at fp32. The eager
+// modules' ops run in their order, on the same kernels, so the bits are theirs; what goes is the
+// Python between them (module calls, views, the kernels' Python wrappers) and, since each
+// projection writes into buffers the step holds, ATen's views and allocations around the kernels
+// (about 25 a layer). Built once per layer by llama.DecoderLayer.decode_step.
 #pragma once
 
 #include <torch/custom_class.h>
@@ -17,11 +18,17 @@
 namespace {
 
 // A linear layer as its module calls it: a GGUF block kernel by layout (the args are
-// gguf_blocks.BlockLinear's) or, for a matrix held as floats, at::linear. y in x's dtype. Python
-// names the kind (a gguf_blocks layout, or "dense"); the numbers stay here.
+// gguf_blocks.BlockLinear's) or, for a matrix held as floats, at::linear. Python names the kind (a
+// gguf_blocks layout, or "dense"); the numbers stay here. Shapes are checked once, when the layer is
+// described; each step then writes y [M, N] for x [M, K] in place.
 struct LayerLinear {
   enum Kind : int64_t { Q4 = 0, X16 = 1, X8 = 2, FILE = 3, DENSE = 4 };
   int64_t kind = DENSE;
+  at::Tensor w;
+  std::vector<int64_t> a;
+  c10::optional<at::Tensor> bias;
+  at::Tensor biasf;  // bias as fp32, or undefined
+  int64_t N = 0, K = 0;
 
   static Kind kind_of(const std::string& name) {
     if (name == "int4") return Q4;
@@ -31,9 +38,6 @@ struct LayerLinear {
     TORCH_CHECK(name == "dense", "DecodeLayer: linear kind '", name, "' is not int4, x16, x8, file or dense");
     return DENSE;
   }
-  at::Tensor w;
-  std::vector<int64_t> a;
-  c10::optional<at::Tensor> bias;
 
   static size_t args_of(int64_t kind) {
     switch (kind) {
@@ -45,18 +49,100 @@ struct LayerLinear {
     }
   }
 
-  at::Tensor operator()(const at::Tensor& x) const {
-    at::Tensor y;
-    switch (kind) {
-      case Q4: y = gguf_linear_q4(x, w, a[0], a[1], a[2], bias); break;
-      case X16: y = gguf_linear_x16(x, w, a[0], a[1], a[2], bias); break;
-      case X8: y = gguf_linear_x8(x, w, a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], bias); break;
-      case FILE: y = gguf_linear(x, w, a[0], a[1], a[2], a[3], a[4], a[5], bias); break;
-      default: y = at::linear(x, w, bias);
+  LayerLinear(int64_t kind, at::Tensor w_, std::vector<int64_t> args, c10::optional<at::Tensor> b)
+      : kind(kind), w(std::move(w_)), a(std::move(args)), bias(std::move(b)) {
+    if (kind == DENSE) {
+      TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat, "DecodeLayer.linear: a dense matrix is fp32 [N, K]");
+      N = w.size(0), K = w.size(1);
+    } else {
+      N = a[0], K = a[1];
+      int64_t bytes = 0;
+      if (kind == Q4) {
+        TORCH_CHECK((a[2] == Q4_1 || a[2] == Q4_0) && K % 64 == 0, "DecodeLayer.linear: int4 kind 1 (Q4_1) or 2 (Q4_0), K a multiple of 64");
+        bytes = (16 + scale_bytes(a[2])) * (K / 32);
+      } else if (kind == X16) {
+        const X16Type t(a[2]);
+        TORCH_CHECK(K % t.qk == 0, "DecodeLayer.linear: x16 K a multiple of ", t.qk);
+        bytes = t.row_bytes(K);
+      } else {
+        TORCH_CHECK(kind != X8 || N % 8 == 0, "DecodeLayer.linear: x8 rows a multiple of 8");
+        bytes = a[2];
+      }
+      TORCH_CHECK(N > 0 && K > 0 && w.scalar_type() == at::kByte && w.is_contiguous() && w.numel() == N * bytes,
+                  "DecodeLayer.linear: contiguous uint8 blocks [N, ", bytes, "] for N = ", N, ", K = ", K);
     }
-    return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
+    if (bias.has_value() && bias->defined()) {
+      TORCH_CHECK(bias->numel() == N, "DecodeLayer.linear: one bias per row");
+      biasf = bias->to(at::kFloat).contiguous();
+    }
+  }
+
+  // y [M, N] = x [M, K] @ W.T (+ bias), both fp32 and contiguous
+  void operator()(const float* x, int64_t M, float* y) const {
+    const float* b = biasf.defined() ? biasf.data_ptr<float>() : nullptr;
+    const uint8_t* W = kind == DENSE ? nullptr : w.data_ptr<uint8_t>();
+    switch (kind) {
+      case Q4: {
+        const int64_t G = K / 32, row = (16 + scale_bytes(a[2])) * G;
+        if (a[2] == Q4_1) int4_into<Q4_1>(x, M, W, row, W + 16 * G, row, N, K, y, b);
+        else int4_into<Q4_0>(x, M, W, row, W + 16 * G, row, N, K, y, b);
+        break;
+      }
+      case X16: x16_into(x, M, W, N, K, X16Type(a[2]), y, b); break;
+      case X8: x8_into(x, M, W, N, K, a[2], a[3], a[4], a[5], a[6], a[7], y, b); break;
+      case FILE: gguf_into(x, M, W, N, K, a[2], a[3], a[4], a[5], y, b); break;
+      default: {  // as the module: at::linear on x [M, 1, K]
+        auto opt = at::TensorOptions().dtype(at::kFloat);
+        const at::Tensor out = at::linear(at::from_blob(const_cast<float*>(x), {M, 1, K}, opt), w, bias);
+        std::memcpy(y, out.contiguous().data_ptr<float>(), sizeof(float) * M * N);
+      }
+    }
   }
 };
+
+// rows of a [B, D] buffer: row b at p + b * rs
+struct Rows {
+  float* p;
+  int64_t rs;
+  float* row(int64_t b) const { return p + b * rs; }
+};
+
+// The caches one layer's step writes and reads, per row: as DecodeLayer.step takes them (one
+// [(1,) nkv, max_len, hd] cache per row, or one [rows >= B, nkv, max_len, hd] whose first B rows are
+// the rows), checked as decode_attention checks them. q/k/v/out are the step's to fill.
+std::vector<AttendRow<float>> cache_rows(const std::vector<at::Tensor>& kc, const std::vector<at::Tensor>& vc,
+                                         int64_t B, int64_t nkv, int64_t hd, c10::IntArrayRef pos, c10::IntArrayRef lo) {
+  TORCH_CHECK(kc.size() == vc.size() && (int64_t)pos.size() == B && (int64_t)lo.size() == B &&
+              ((int64_t)kc.size() == B || (kc.size() == 1 && kc[0].dim() == 4)),
+              "DecodeLayer.step: one cache per row (or one of B rows or more), a position and first key per row");
+  std::vector<AttendRow<float>> rows(B);
+  for (int64_t b = 0; b < B; ++b) {
+    const bool one = kc.size() == 1 && kc[0].dim() == 4;  // row b of one cache
+    const at::Tensor& k = one ? kc[0] : kc[b];
+    const at::Tensor& v = one ? vc[0] : vc[b];
+    const int64_t off = k.dim() == 4 ? 1 : 0;
+    for (const auto& c : {k, v})
+      TORCH_CHECK(c.dim() == 3 + off && (one ? c.size(0) >= B : (off == 0 || c.size(0) == 1)) && c.size(off) == nkv &&
+                  c.size(off + 2) == hd && c.stride(off + 2) == 1 && c.scalar_type() == at::kFloat && c.device().is_cpu(),
+                  "DecodeLayer.step: caches [nkv, max_len, hd] of fp32, rows contiguous");
+    const int64_t len = k.size(off + 1);
+    TORCH_CHECK(v.size(off + 1) == len && v.stride(off + 1) == k.stride(off + 1) && 0 <= lo[b] && lo[b] <= pos[b] &&
+                pos[b] < len, "DecodeLayer.step: 0 <= lo <= pos < max_len, keys and values alike");
+    const int64_t row = one ? b : 0;
+    AttendRow<float>& r = rows[b];
+    r.kc = k.data_ptr<float>() + (off ? row * k.stride(0) : 0);
+    r.vc = v.data_ptr<float>() + (off ? row * v.stride(0) : 0);
+    r.kch = k.stride(off), r.vch = v.stride(off), r.ls = k.stride(off + 1), r.lo = lo[b], r.pos = pos[b];
+  }
+  return rows;
+}
+
+// cos/sin [P, 1, 1, hd] fp32 (P = 1 or B), rows contiguous
+void check_rope(const at::Tensor& cos, const at::Tensor& sin, int64_t B, int64_t hd) {
+  TORCH_CHECK(cos.dim() == 4 && cos.sizes() == sin.sizes() && cos.size(1) == 1 && cos.size(2) == 1 && cos.size(3) == hd &&
+              (cos.size(0) == 1 || cos.size(0) == B) && cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
+              cos.stride(3) == 1 && sin.stride(3) == 1, "DecodeLayer.step: cos/sin [1 or B, 1, 1, head_dim] of fp32");
+}
 
 struct DecodeLayer : torch::CustomClassHolder {
   int64_t nh, nkv, hd, ffn;
@@ -78,7 +164,8 @@ struct DecodeLayer : torch::CustomClassHolder {
                      : name == "pre_feedforward" ? &n_pre_ff : name == "post_feedforward" ? &n_post_ff
                      : name == "q" ? &n_q : name == "k" ? &n_k : nullptr;
     TORCH_CHECK(slot != nullptr, "DecodeLayer.norm: no norm called ", name);
-    *slot = w;
+    TORCH_CHECK(w.dim() == 1 && w.scalar_type() == at::kFloat, "DecodeLayer.norm: an fp32 weight [D]");
+    *slot = w.contiguous();
   }
 
   void linear(const std::string& name, const std::string& kind_name, const at::Tensor& w, std::vector<int64_t> args,
@@ -89,7 +176,7 @@ struct DecodeLayer : torch::CustomClassHolder {
     const int64_t kind = LayerLinear::kind_of(kind_name);
     TORCH_CHECK(args.size() == LayerLinear::args_of(kind), "DecodeLayer.linear: ", name, " kind ", kind_name, " takes ",
                 LayerLinear::args_of(kind), " ints, got ", args.size());
-    slot->push_back(LayerLinear{kind, w, std::move(args), std::move(bias)});
+    slot->emplace_back(kind, w, std::move(args), std::move(bias));
   }
 
   bool ready() const {
@@ -98,47 +185,121 @@ struct DecodeLayer : torch::CustomClassHolder {
            n_q.defined() == n_k.defined() && (!sandwich || (n_pre_ff.defined() && n_post_ff.defined()));
   }
 
-  // the parts' outputs: one fused product split by rows' sizes, or each part's own
-  static std::vector<at::Tensor> parts(const std::vector<LayerLinear>& ls, const at::Tensor& x,
-                                       std::vector<int64_t> sizes) {
-    if (ls.size() == 1) return ls[0](x).split_with_sizes(sizes, -1);
-    std::vector<at::Tensor> out;
-    for (const auto& l : ls) out.push_back(l(x));
+  // the matrices' and norms' shapes against a hidden size H (once a step)
+  void check_shapes(int64_t H) const {
+    TORCH_CHECK(ready(), "DecodeLayer.step: the layer is not fully described");
+    const int64_t dq = nh * hd, dk = nkv * hd;
+    auto fits = [&](const std::vector<LayerLinear>& ls, std::vector<int64_t> ns, int64_t k) {
+      if (ls.size() == 1) return ls[0].K == k && ls[0].N == std::accumulate(ns.begin(), ns.end(), (int64_t)0);
+      for (size_t i = 0; i < ls.size(); ++i)
+        if (ls[i].K != k || ls[i].N != ns[i]) return false;
+      return true;
+    };
+    TORCH_CHECK(fits(qkv, {dq, dk, dk}, H) && fits(gate_up, {ffn, ffn}, H) && fits(o, {H}, dq) && fits(down, {H}, ffn),
+                "DecodeLayer.step: the projections' shapes do not fit hidden size ", H);
+    for (const auto* n : {&n_in, &n_attn, &n_pre_ff, &n_post_ff})
+      TORCH_CHECK(!n->defined() || n->numel() == H, "DecodeLayer.step: a norm's weight is not [hidden]");
+    TORCH_CHECK(!n_q.defined() || (n_q.numel() == hd && n_k.numel() == hd), "DecodeLayer.step: q/k norms' weights [head_dim]");
+  }
+
+  // floats of scratch a step of B rows takes
+  int64_t scratch(int64_t B, int64_t H) const {
+    const int64_t dq = nh * hd, dk = nkv * hd;
+    return B * (3 * H + 2 * (dq + 2 * dk) + 2 * dq + dk + 3 * ffn);  // step_rows' buffers, in its order
+  }
+
+  // the one parts' outputs: a fused product's row views, or each part's own [B, n] block of `buf`
+  static std::vector<Rows> parts(const std::vector<LayerLinear>& ls, const float* x, int64_t B, float* buf,
+                                 const std::vector<int64_t>& sizes) {
+    std::vector<Rows> out;
+    if (ls.size() == 1) {
+      const int64_t D = ls[0].N;
+      ls[0](x, B, buf);
+      for (int64_t off = 0, i = 0; i < (int64_t)sizes.size(); off += sizes[i++]) out.push_back({buf + off, D});
+      return out;
+    }
+    for (size_t i = 0; i < ls.size(); ++i) {
+      ls[i](x, B, buf);
+      out.push_back({buf, sizes[i]});
+      buf += B * sizes[i];
+    }
     return out;
   }
 
-  // x [B, 1, hidden] at the positions cos/sin [P, 1, 1, hd] hold; kc/vc: one cache per row
-  // ([(1,) nkv, max_len, hd]), or one [rows >= B, nkv, max_len, hd] whose first B rows are the rows;
-  // pos/lo per row: where its k/v is written and its first key (llama.Attention._attend_one / _rows)
+  // y [B, H] from x [B, H] (fp32, contiguous, y apart from x); rows: each row's caches (cache_rows);
+  // ws: scratch(B, H) floats
+  void step_rows(const float* x, float* y, int64_t B, int64_t H, const at::Tensor& cos, const at::Tensor& sin,
+                 std::vector<AttendRow<float>>& rows, float* ws) const {
+    const int64_t dq = nh * hd, dk = nkv * hd;
+    const float fe = (float)eps;
+    float *xn = ws, *hb = xn + B * H, *f = hb + B * H, *qkvb = f + B * H, *qk = qkvb + B * (dq + 2 * dk);
+    float *qr = qk + B * (dq + 2 * dk), *kr = qr + B * dq, *att = kr + B * dk, *gub = att + B * dq, *act = gub + B * 2 * ffn;
+    rms_rows<float>(x, n_in.data_ptr<float>(), xn, B, H, fe);
+    std::vector<Rows> p = parts(qkv, xn, B, qkvb, {dq, dk, dk});
+    Rows q = p[0], k = p[1], v = p[2];
+    if (n_q.defined()) {  // per head, over head_dim
+      for (int64_t b = 0; b < B; ++b) {
+        rms_rows<float>(q.row(b), n_q.data_ptr<float>(), qk + b * dq, nh, hd, fe);
+        rms_rows<float>(k.row(b), n_k.data_ptr<float>(), qk + B * dq + b * dk, nkv, hd, fe);
+      }
+      q = {qk, dq}, k = {qk + B * dq, dk};
+    }
+    const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+    const bool per_row = cos.size(0) > 1;
+    for (int64_t b = 0; b < B; ++b) {
+      const float* c = cp + (per_row ? b * cos.stride(0) : 0);
+      const float* s = sp + (per_row ? b * sin.stride(0) : 0);
+      for (int64_t h = 0; h < nh; ++h) rope_row(q.row(b) + h * hd, c, s, qr + b * dq + h * hd, hd);
+      for (int64_t h = 0; h < nkv; ++h) rope_row(k.row(b) + h * hd, c, s, kr + b * dk + h * hd, hd);
+      AttendRow<float>& r = rows[b];
+      r.q = qr + b * dq, r.k = kr + b * dk, r.v = v.row(b), r.qh = r.kh = r.vh = hd, r.out = att + b * dq;
+    }
+    attend_rows(rows.data(), B, nkv, nh / nkv, hd, scale);
+    o[0](att, B, f);
+    if (sandwich) rms_rows<float>(f, n_attn.data_ptr<float>(), f, B, H, fe);  // in place: a row is read before written
+    for (int64_t i = 0; i < B * H; ++i) hb[i] = x[i] + f[i];
+    rms_rows<float>(hb, (sandwich ? n_pre_ff : n_attn).data_ptr<float>(), xn, B, H, fe);
+    p = parts(gate_up, xn, B, gub, {ffn, ffn});
+    // the activation by ATen's own op (its vectorized exp and tanh: the modules' bits), on g's rows
+    // as the module's split leaves them; the product by hand (one rounding either way)
+    auto opt = at::TensorOptions().dtype(at::kFloat);
+    at::Tensor g = at::from_blob(p[0].p, {B, 1, ffn}, {p[0].rs, p[0].rs, 1}, opt);
+    at::Tensor out = at::from_blob(act, {B, 1, ffn}, opt);
+    if (gelu) at::gelu_out(out, g, "tanh");
+    else at::silu_out(out, g);
+    for (int64_t b = 0; b < B; ++b) {
+      const float* u = p[1].row(b);
+      float* a = act + b * ffn;
+      for (int64_t j = 0; j < ffn; ++j) a[j] *= u[j];
+    }
+    down[0](act, B, f);
+    if (sandwich) rms_rows<float>(f, n_post_ff.data_ptr<float>(), f, B, H, fe);
+    for (int64_t i = 0; i < B * H; ++i) y[i] = hb[i] + f[i];
+  }
+
+  // x [B, 1, hidden] fp32 at the positions cos/sin [P, 1, 1, hd] hold (P = 1 or B); kc/vc: one cache
+  // per row ([(1,) nkv, max_len, hd]), or one [rows >= B, nkv, max_len, hd] whose first B rows are the
+  // rows; pos/lo per row: where its k/v is written and its first key (llama.Attention._attend_one / _rows)
   at::Tensor step(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, std::vector<at::Tensor> kc,
                   std::vector<at::Tensor> vc, std::vector<int64_t> pos, std::vector<int64_t> lo) {
-    TORCH_CHECK(ready(), "DecodeLayer.step: the layer is not fully described");
-    TORCH_CHECK(x.dim() == 3 && x.size(1) == 1, "DecodeLayer.step: x [B, 1, hidden]");
-    const int64_t B = x.size(0);
-    if (kc.size() == 1 && vc.size() == 1 && kc[0].dim() == 4) {  // one sequence of B rows: its cache's first B
-      kc = kc[0].narrow(0, 0, B).unbind(0);
-      vc = vc[0].narrow(0, 0, B).unbind(0);
-    }
-    auto qkv_ = parts(qkv, rms_norm(x, n_in, eps), {nh * hd, nkv * hd, nkv * hd});
-    at::Tensor q = qkv_[0].reshape({B, 1, nh, hd}).transpose(1, 2);
-    at::Tensor k = qkv_[1].reshape({B, 1, nkv, hd}).transpose(1, 2);
-    at::Tensor v = qkv_[2].reshape({B, 1, nkv, hd}).transpose(1, 2);
-    if (n_q.defined()) {
-      q = rms_norm(q, n_q, eps);
-      k = rms_norm(k, n_k, eps);
-    }
-    q = rope(q, cos, sin);
-    k = rope(k, cos, sin);
-    at::Tensor a = o[0](decode_attention(q, k, v, kc, vc, pos, lo, scale));
-    at::Tensor h = sandwich ? x + rms_norm(a, n_attn, eps) : x + a;
-    auto gu = parts(gate_up, rms_norm(h, sandwich ? n_pre_ff : n_attn, eps), {ffn, ffn});
-    at::Tensor f = down[0]((gelu ? at::gelu(gu[0], "tanh") : at::silu(gu[0])) * gu[1]);
-    return sandwich ? h + rms_norm(f, n_post_ff, eps) : h + f;
+    TORCH_CHECK(g_isa > 0, "layerline_cpu: no kernel for this CPU (AVX2 + FMA or AVX-512 BF16 needed)");
+    TORCH_CHECK(x.dim() == 3 && x.size(1) == 1 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
+                "DecodeLayer.step: x [B, 1, hidden] of fp32");
+    const int64_t B = x.size(0), H = x.size(2);
+    check_shapes(H);
+    check_rope(cos, sin, B, hd);
+    auto rows = cache_rows(kc, vc, B, nkv, hd, pos, lo);
+    const at::Tensor xc = x.contiguous();
+    at::Tensor y = at::empty({B, 1, H}, xc.options());
+    std::vector<float> ws(scratch(B, H));
+    step_rows(xc.data_ptr<float>(), y.data_ptr<float>(), B, H, cos, sin, rows, ws.data());
+    return y;
   }
 };
 
-// A stage's layers' steps in one call: each DecodeLayer::step in order, with no return to Python
-// between them (a layer's call from Python, its lists built and converted, cost about 10 us).
+// A stage's layers' steps in one call: each DecodeLayer's step in order, with no return to Python
+// between them (a layer's call from Python, its lists built and converted, cost about 10 us), each
+// layer's output in a buffer the next reads.
 struct DecodeStack : torch::CustomClassHolder {
   std::vector<c10::intrusive_ptr<DecodeLayer>> layers;
   std::vector<int64_t> rope_of, window_of;  // each layer's RoPE table and attention window, by index
@@ -160,17 +321,38 @@ struct DecodeStack : torch::CustomClassHolder {
     TORCH_CHECK(L > 0 && !kc.empty() && kc.size() % L == 0 && vc.size() == kc.size() && P > 0 && lo.size() % P == 0 &&
                 cos.size() == sin.size(), "DecodeStack.step: the same number of caches for each layer, keys and "
                 "values alike, and pos.size() first keys for each window");
+    TORCH_CHECK(g_isa > 0, "layerline_cpu: no kernel for this CPU (AVX2 + FMA or AVX-512 BF16 needed)");
+    TORCH_CHECK(x.dim() == 3 && x.size(1) == 1 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
+                "DecodeStack.step: x [B, 1, hidden] of fp32");
+    const int64_t B = x.size(0), H = x.size(2);
     const size_t n = kc.size() / L;
+    int64_t need = 0;
+    std::vector<std::vector<AttendRow<float>>> rows(L);
     for (size_t i = 0; i < L; ++i) {
       TORCH_CHECK((size_t)rope_of[i] < cos.size() && (size_t)(window_of[i] + 1) * P <= lo.size(),
                   "DecodeStack.step: layer ", i, "'s RoPE table or window is not given");
+      const DecodeLayer& layer = *layers[i];
+      layer.check_shapes(H);
+      check_rope(cos[rope_of[i]], sin[rope_of[i]], B, layer.hd);
       const auto at = [&](const std::vector<at::Tensor>& c) {
         return std::vector<at::Tensor>(c.begin() + i * n, c.begin() + (i + 1) * n);
       };
-      x = layers[i]->step(x, cos[rope_of[i]], sin[rope_of[i]], at(kc), at(vc), pos,
-                          std::vector<int64_t>(lo.begin() + window_of[i] * P, lo.begin() + (window_of[i] + 1) * P));
+      rows[i] = cache_rows(at(kc), at(vc), B, layer.nkv, layer.hd, pos,
+                           c10::IntArrayRef(lo.data() + window_of[i] * P, P));
+      need = std::max(need, layer.scratch(B, H));
     }
-    return x;
+    const at::Tensor xc = x.contiguous();
+    at::Tensor y = at::empty({B, 1, H}, xc.options());
+    thread_local std::vector<float> ws;  // the steps' scratch and the layers' outputs between them
+    ws.resize(need + 2 * B * H);
+    float *buf[2] = {ws.data() + need, ws.data() + need + B * H};
+    const float* src = xc.data_ptr<float>();
+    for (size_t i = 0; i < L; ++i) {
+      float* dst = i + 1 == L ? y.data_ptr<float>() : buf[i % 2];
+      layers[i]->step_rows(src, dst, B, H, cos[rope_of[i]], sin[rope_of[i]], rows[i], ws.data());
+      src = dst;
+    }
+    return y;
   }
 };
 

@@ -43,12 +43,24 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   return out;
 }
 
+// one row of hd values: o = x * c + rotate_half(x) * s, rounded as torch's ops round them
+template <typename T>
+inline void rope_row(const T* xr, const T* cr, const T* sr, T* orow, int64_t hd) {
+  const int64_t half = hd / 2;
+  for (int64_t k = 0; k < hd; ++k) {
+    const float rot = k < half ? -(float)xr[k + half] : (float)xr[k - half];
+    const float a = (float)(T)((float)xr[k] * (float)cr[k]);
+    const float r = (float)(T)((float)(T)rot * (float)sr[k]);
+    orow[k] = (T)(a + r);
+  }
+}
+
 // Rotary embedding of x [B, H, T, hd] (any strides, rows contiguous) with cos/sin [P, 1, T, hd]
 // (P = 1: every row alike; P = B: row b its own): x * cos + rotate_half(x) * sin, each product
 // and the sum rounded to x's dtype as torch's three ops round them, in one call instead of six.
 template <typename T>
 void rope_rows(const at::Tensor& x, const at::Tensor& c, const at::Tensor& s, at::Tensor& o) {
-  const int64_t B = x.size(0), H = x.size(1), Tn = x.size(2), hd = x.size(3), half = hd / 2;
+  const int64_t B = x.size(0), H = x.size(1), Tn = x.size(2), hd = x.size(3);
   const T* xp = x.data_ptr<T>();
   const T* cp = c.data_ptr<T>();
   const T* sp = s.data_ptr<T>();
@@ -56,18 +68,10 @@ void rope_rows(const at::Tensor& x, const at::Tensor& c, const at::Tensor& s, at
   const bool per_row = c.size(0) > 1;
   at::parallel_for(0, B * H * Tn, 256, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
-        const int64_t b = i / (H * Tn), h = (i / Tn) % H, t = i % Tn;
-        const T* xr = xp + b * x.stride(0) + h * x.stride(1) + t * x.stride(2);
-        const int64_t ci = (per_row ? b * c.stride(0) : 0) + t * c.stride(2);
-        const T* cr = cp + ci;
-        const T* sr = sp + (per_row ? b * s.stride(0) : 0) + t * s.stride(2);
-        T* orow = op + ((b * H + h) * Tn + t) * hd;
-        for (int64_t k = 0; k < hd; ++k) {
-          const float rot = k < half ? -(float)xr[k + half] : (float)xr[k - half];
-          const float a = (float)(T)((float)xr[k] * (float)cr[k]);
-          const float r = (float)(T)((float)(T)rot * (float)sr[k]);
-          orow[k] = (T)(a + r);
-        }
+      const int64_t b = i / (H * Tn), h = (i / Tn) % H, t = i % Tn;
+      rope_row(xp + b * x.stride(0) + h * x.stride(1) + t * x.stride(2),
+               cp + (per_row ? b * c.stride(0) : 0) + t * c.stride(2),
+               sp + (per_row ? b * s.stride(0) : 0) + t * s.stride(2), op + ((b * H + h) * Tn + t) * hd, hd);
     }
   });
 }

@@ -149,14 +149,16 @@ struct Q6_KB {  // 128 bytes of low nibbles, 64 of 2-bit highs, 16 int8 scales (
 // 32767: a relative step 1/65534 of it, 256 times finer than ggml's q8 x) and their fp32 sum
 // (for the blocks' mins)
 struct XHeld {
-  at::Tensor q, d, sum;
+  std::vector<int16_t> qv;
+  std::vector<float> dv, sv;
+  const int16_t* q;
+  const float *d, *sum;
   // `group` values share a scale: 32, or a K-quant block's 256 (its sub-blocks' integer scales then
   // apply to exact int32 sums, and one fp32 FMA a block remains); the sums are a 32 values' either way
-  XHeld(const at::Tensor& x2, int64_t M, int64_t K, int64_t group = 32)
-      : q(at::empty({M, K}, at::kShort)), d(at::empty({M, K / group}, at::kFloat)), sum(at::empty({M, K / 32}, at::kFloat)) {
-    const float* X = x2.data_ptr<float>();
-    int16_t* Q = q.data_ptr<int16_t>();
-    float *D = d.data_ptr<float>(), *S = sum.data_ptr<float>();
+  XHeld(const float* X, int64_t M, int64_t K, int64_t group = 32) : qv(M * K), dv(M * K / group), sv(M * K / 32) {
+    q = qv.data(), d = dv.data(), sum = sv.data();
+    int16_t* Q = qv.data();
+    float *D = dv.data(), *S = sv.data();
     for (int64_t g = 0; g < M * K / group; ++g) {
       const float* xg = X + group * g;
       float amax = 0.f, total = 0.f;
@@ -357,9 +359,9 @@ struct X16Tiles {
     const int64_t G = K / 32;
     constexpr bool KQ = B::QK == 256;
     for (int64_t m0 = 0; m0 < M; m0 += 4) {
-      const int16_t* xq = x.q.data_ptr<int16_t>() + m0 * K;
-      const float* xd = x.d.data_ptr<float>() + m0 * (K / group());
-      const float* xs = x.sum.data_ptr<float>() + m0 * G;
+      const int16_t* xq = x.q + m0 * K;
+      const float* xd = x.d + m0 * (K / group());
+      const float* xs = x.sum + m0 * G;
       float* ym = Y + m0 * N;
       const int64_t mb = std::min<int64_t>(4, M - m0);
       // one row of x: one row of W at a time, a single sequential stream (4 rows' interleaved streams
@@ -391,33 +393,52 @@ struct X16Tiles {
   }
 };
 
-// x [..., K] (any float dtype, taken as fp32) against N rows of blocks of ggml type `type` (its
-// GGUF type id: 2 Q4_0, 3 Q4_1, 6 Q5_0, 7 Q5_1, 8 Q8_0, 12 Q4_K, 13 Q5_K, 14 Q6_K), uint8 [N, row bytes]; y in
-// fp32, as ggml's ops give it
-at::Tensor gguf_linear_x16(const at::Tensor& x, const at::Tensor& w, int64_t N, int64_t K, int64_t type,
-                            const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(g_isa > 0, "layerline_cpu: no kernel for this CPU (AVX2 + FMA or AVX-512 BF16 needed)");
+// M rows of x [M, K] (fp32, contiguous) against N rows of blocks of ggml type `type` (its GGUF type id:
+// 2 Q4_0, 3 Q4_1, 6 Q5_0, 7 Q5_1, 8 Q8_0, 12 Q4_K, 13 Q5_K, 14 Q6_K) at W, row_bytes(type, K) bytes a
+// row; Y [M, N] fp32 (+ bias, fp32 or null), in place
+struct X16Type {
   using Run = void (*)(const uint8_t*, int64_t, const XHeld&, int64_t, int64_t, int64_t, int64_t, int64_t, float*);
   int64_t qk = 0, bytes = 0, group = 32;
   Run run = nullptr;
-  auto pick = [&](auto b) {
-    using B = decltype(b);
-    qk = B::QK, bytes = B::BYTES, group = X16Tiles<B>::group(), run = &X16Tiles<B>::run;
-  };
-  switch (type) {
-    case 2: pick(Q4_0B{}); break;
-    case 3: pick(Q4_1B{}); break;
-    case 8: pick(Q8_0B{}); break;
-    case 6: pick(Q5_0B{}); break;
-    case 7: pick(Q5_1B{}); break;
-    case 12: pick(Q4_KB{}); break;
-    case 13: pick(Q5_KB{}); break;
-    case 14: pick(Q6_KB{}); break;
-    default: TORCH_CHECK(false, "gguf_linear_x16: no kernel for GGUF type ", type, " (2, 3, 6, 7, 8, 12, 13, 14)");
+  explicit X16Type(int64_t type) {
+    auto pick = [&](auto b) {
+      using B = decltype(b);
+      qk = B::QK, bytes = B::BYTES, group = X16Tiles<B>::group(), run = &X16Tiles<B>::run;
+    };
+    switch (type) {
+      case 2: pick(Q4_0B{}); break;
+      case 3: pick(Q4_1B{}); break;
+      case 8: pick(Q8_0B{}); break;
+      case 6: pick(Q5_0B{}); break;
+      case 7: pick(Q5_1B{}); break;
+      case 12: pick(Q4_KB{}); break;
+      case 13: pick(Q5_KB{}); break;
+      case 14: pick(Q6_KB{}); break;
+      default: TORCH_CHECK(false, "gguf_linear_x16: no kernel for GGUF type ", type, " (2, 3, 6, 7, 8, 12, 13, 14)");
+    }
   }
-  TORCH_CHECK(x.device().is_cpu() && x.size(-1) == K && K % qk == 0,
-              "gguf_linear_x16: x must be a CPU tensor [..., K], K a multiple of ", qk);
-  const int64_t rb = K / qk * bytes;
+  int64_t row_bytes(int64_t K) const { return K / qk * bytes; }
+};
+
+void x16_into(const float* x, int64_t M, const uint8_t* W, int64_t N, int64_t K, const X16Type& t, float* Y,
+              const float* bias) {
+  const int64_t rb = t.row_bytes(K);
+  const XHeld X(x, M, K, t.group);
+  over_rows(N, K, [&](int64_t n0, int64_t n1) {
+    t.run(W, rb, X, K, M, N, n0, n1, Y);
+    add_bias(Y, M, N, n0, n1, bias);
+  });
+}
+
+// x [..., K] (any float dtype, taken as fp32) against N rows of blocks of ggml type `type` (x16_into),
+// uint8 [N, row bytes]; y in fp32, as ggml's ops give it
+at::Tensor gguf_linear_x16(const at::Tensor& x, const at::Tensor& w, int64_t N, int64_t K, int64_t type,
+                            const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(g_isa > 0, "layerline_cpu: no kernel for this CPU (AVX2 + FMA or AVX-512 BF16 needed)");
+  const X16Type t(type);
+  TORCH_CHECK(x.device().is_cpu() && x.size(-1) == K && K % t.qk == 0,
+              "gguf_linear_x16: x must be a CPU tensor [..., K], K a multiple of ", t.qk);
+  const int64_t rb = t.row_bytes(K);
   TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.numel() == N * rb,
               "gguf_linear_x16: w must be contiguous uint8 [N, ", rb, "]");
   TORCH_CHECK(!bias.has_value() || !bias->defined() || bias->numel() == N, "gguf_linear_x16: one bias per row");
@@ -425,14 +446,8 @@ at::Tensor gguf_linear_x16(const at::Tensor& x, const at::Tensor& w, int64_t N, 
   const at::Tensor x2 = xf.reshape({-1, K}).contiguous();
   const int64_t M = x2.size(0);
   Out out(xf, M, N, at::kFloat, bias);
-  const uint8_t* W = w.data_ptr<uint8_t>();
-  const XHeld X(x2, M, K, group);
-  float* Y = out.sums.data_ptr<float>();
-  over_rows(N, K, [&](int64_t n0, int64_t n1) {
-    run(W, rb, X, K, M, N, n0, n1, Y);
-    out.store_rows<float>(M, N, n0, n1, nullptr, nullptr);
-  });
-  return out.y;
+  x16_into(x2.data_ptr<float>(), M, w.data_ptr<uint8_t>(), N, K, t, out.sums.data_ptr<float>(), out.b());
+  return out.finish<float>(M, N);
 }
 
 }  // namespace
