@@ -90,6 +90,21 @@ void store(const S* sums, int64_t M, int64_t N, int64_t n0, int64_t n1, const fl
     }
 }
 
+// A thread's scratch buffer, kept from call to call while small (a decode step's x codes: no
+// allocation a step) and given back after a large one (a prefill's), which the plan does not count
+template <typename T>
+struct Scratch {
+  static constexpr size_t KEEP_BYTES = 1 << 20;
+  std::vector<T> v;
+  T* get(size_t n) {
+    v.resize(n);
+    return v.data();
+  }
+  void done() {
+    if (v.capacity() * sizeof(T) > KEEP_BYTES) std::vector<T>().swap(v);
+  }
+};
+
 // y[m, n] += bias[n] for n in [n0, n1) (no bias: nothing)
 inline void add_bias(float* y, int64_t M, int64_t N, int64_t n0, int64_t n1, const float* bias) {
   if (bias)

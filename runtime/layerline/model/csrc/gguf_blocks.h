@@ -20,10 +20,9 @@ typedef void (*ggml_from_float_t)(const float* x, void* y, int64_t k);
 // rows split over torch's threads. In place, no tensor made.
 void gguf_into(const float* x, int64_t M, const uint8_t* W, int64_t N, int64_t K, int64_t row_bytes, int64_t xrow_bytes,
                int64_t vec_dot, int64_t from_float, float* Y, const float* bias) {
-  thread_local std::vector<uint8_t> xq;
-  xq.resize(M * xrow_bytes);
-  const uint8_t* X = xq.data();  // by pointer: in the tasks a thread_local's name is that thread's own
-  reinterpret_cast<ggml_from_float_t>(from_float)(x, xq.data(), M * K);
+  thread_local Scratch<uint8_t> xq;
+  uint8_t* X = xq.get(M * xrow_bytes);  // by pointer: in the tasks a thread_local's name is that thread's own
+  reinterpret_cast<ggml_from_float_t>(from_float)(x, X, M * K);
   const ggml_vec_dot_t dot = reinterpret_cast<ggml_vec_dot_t>(vec_dot);
   // at least GGUF_MIN_BYTES of W a thread (smaller shares cost more to hand out than they take)
   const int64_t grain = std::max<int64_t>(std::max<int64_t>(1, GGUF_MIN_BYTES / (row_bytes * std::max<int64_t>(1, M))),
@@ -34,6 +33,7 @@ void gguf_into(const float* x, int64_t M, const uint8_t* W, int64_t N, int64_t K
         dot((int)K, Y + m * N + n, 0, W + n * row_bytes, 0, X + m * xrow_bytes, 0, 1);
     add_bias(Y, M, N, n0, n1, bias);
   });
+  xq.done();
 }
 
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t N, int64_t K, int64_t row_bytes,
@@ -111,9 +111,8 @@ at::Tensor gguf_repack_x8(const at::Tensor& raw, int64_t type, int64_t N, int64_
 void x8_into(const float* x, int64_t M, const uint8_t* W, int64_t N, int64_t K, int64_t row_bytes, int64_t xrow_bytes,
              int64_t gemv, int64_t gemm, int64_t quant4, int64_t from_float, float* Y, const float* bias) {
   const int64_t M4 = gemm ? M - M % 4 : 0;
-  thread_local std::vector<uint8_t> xq;
-  xq.resize(M * xrow_bytes);
-  uint8_t* XQ = xq.data();  // by pointer: in the tasks a thread_local's name is that thread's own
+  thread_local Scratch<uint8_t> xq;
+  uint8_t* XQ = xq.get(M * xrow_bytes);  // by pointer: in the tasks a thread_local's name is that thread's own
   for (int64_t m = 0; m < M4; m += 4) reinterpret_cast<ggml_from_float_t>(quant4)(x + m * K, XQ + m * xrow_bytes, K);
   if (M > M4) reinterpret_cast<ggml_from_float_t>(from_float)(x + M4 * K, XQ + M4 * xrow_bytes, (M - M4) * K);
   const int64_t groups = N / 8;
@@ -126,6 +125,7 @@ void x8_into(const float* x, int64_t M, const uint8_t* W, int64_t N, int64_t K, 
       reinterpret_cast<ggml_gemx_t>(gemv)((int)K, Y + m * N + n0, N, W + n0 * row_bytes, XQ + m * xrow_bytes, 1, (int)nc);
     add_bias(Y, M, N, n0, n0 + nc, bias);
   });
+  xq.done();
 }
 
 at::Tensor gguf_linear_x8(const at::Tensor& x, const at::Tensor& w, int64_t N, int64_t K, int64_t row_bytes,

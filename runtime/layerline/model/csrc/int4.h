@@ -228,14 +228,11 @@ template <int KIND, typename T>
 void int4_into(const T* x, int64_t M, const uint8_t* W, int64_t ws, const uint8_t* SZ, int64_t ss, int64_t N,
                int64_t K, float* Y, const float* bias) {
   const int64_t G = K / 32;
-  thread_local std::vector<int8_t> xq;
-  thread_local std::vector<float> dx, xs;
-  xq.resize(M * K);
-  dx.resize(M * G);
-  xs.resize(M * G);
+  thread_local Scratch<int8_t> xq;
+  thread_local Scratch<float> dx, xs;
   // the buffers by pointer: in the tasks below a thread_local's name is that thread's own
-  int8_t* XQ = xq.data();
-  float *DX = dx.data(), *XS = xs.data();
+  int8_t* XQ = xq.get(M * K);
+  float *DX = dx.get(M * G), *XS = xs.get(M * G);
   if (g_isa == 2) quantize_groups_x(x, M, K, XQ, DX, XS);
   else quantize_groups_x_avx2(x, M, K, XQ, DX, XS);
   over_rows(N, K, [&](int64_t n0, int64_t n1) {
@@ -258,6 +255,7 @@ void int4_into(const T* x, int64_t M, const uint8_t* W, int64_t ws, const uint8_
     }
     add_bias(Y, M, N, n0, n1, bias);
   });
+  xq.done(), dx.done(), xs.done();
 }
 
 // x [..., K] (fp32, bf16 or fp16) against N rows of int4 groups (int4_into); y in x's dtype

@@ -343,15 +343,16 @@ struct DecodeStack : torch::CustomClassHolder {
     }
     const at::Tensor xc = x.contiguous();
     at::Tensor y = at::empty({B, 1, H}, xc.options());
-    thread_local std::vector<float> ws;  // the steps' scratch and the layers' outputs between them
-    ws.resize(need + 2 * B * H);
-    float *buf[2] = {ws.data() + need, ws.data() + need + B * H};
+    thread_local Scratch<float> ws;  // the steps' scratch and the layers' outputs between them
+    float* w = ws.get(need + 2 * B * H);
+    float *buf[2] = {w + need, w + need + B * H};
     const float* src = xc.data_ptr<float>();
     for (size_t i = 0; i < L; ++i) {
       float* dst = i + 1 == L ? y.data_ptr<float>() : buf[i % 2];
-      layers[i]->step_rows(src, dst, B, H, cos[rope_of[i]], sin[rope_of[i]], rows[i], ws.data());
+      layers[i]->step_rows(src, dst, B, H, cos[rope_of[i]], sin[rope_of[i]], rows[i], w);
       src = dst;
     }
+    ws.done();
     return y;
   }
 };
