@@ -409,3 +409,34 @@ def test_a_layers_linear_kinds_are_the_layouts_by_name(isa):
             layer.linear("o", kind, torch.zeros(2, 2), [1] * 9, None)
     with pytest.raises(RuntimeError, match="linear kind 'int5' is not int4, x16, x8, file or dense"):
         layer.linear("o", "int5", torch.zeros(2, 2), [], None)
+
+
+def test_a_layer_refuses_what_does_not_fit_when_described_and_stepped(isa):
+    """A projection's blocks are checked against its N and K when the layer is described (its step then
+    writes into buffers it sized from them), and each step checks the projections against the hidden
+    size and the caches against the heads: a bad one is refused by name, nothing written."""
+    layer = torch.classes.layerline_cpu.DecodeLayer(4, 2, 32, 96, 1.0, 1e-6, False, False)
+    with pytest.raises(RuntimeError, match=r"contiguous uint8 blocks \[N, 36\] for N = 64, K = 64"):
+        layer.linear("o", "int4", torch.zeros(64 * 36 - 1, dtype=torch.uint8), [64, 64, 2], None)
+    with pytest.raises(RuntimeError, match="int4 kind 1 \\(Q4_1\\) or 2 \\(Q4_0\\)"):
+        layer.linear("o", "int4", torch.zeros(64 * 36, dtype=torch.uint8), [64, 64, 7], None)
+    with pytest.raises(RuntimeError, match="a dense matrix is fp32"):
+        layer.linear("o", "dense", torch.zeros(64, 128, dtype=torch.bfloat16), [], None)
+    hidden = 64
+    for name, n, k in (("qkv", (4 + 2 * 2) * 32, hidden), ("o", hidden, 4 * 32), ("gate_up", 2 * 96, hidden),
+                       ("down", hidden, 96)):
+        layer.linear(name, "dense", torch.randn(n, k), [], None)
+    for name in ("input", "post_attention"):
+        layer.norm(name, torch.ones(hidden))
+    assert layer.ready()
+    kc, vc = [torch.zeros(2, 8, 32)], [torch.zeros(2, 8, 32)]
+    cos, sin = torch.ones(1, 1, 1, 32), torch.zeros(1, 1, 1, 32)
+    y = layer.step(torch.randn(1, 1, hidden), cos, sin, kc, vc, [3], [0])
+    assert y.shape == (1, 1, hidden) and torch.isfinite(y).all() and kc[0][:, 3].abs().sum() > 0
+    with pytest.raises(RuntimeError, match="do not fit hidden size 96"):
+        layer.step(torch.randn(1, 1, 96), cos, sin, kc, vc, [4], [0])
+    with pytest.raises(RuntimeError, match=r"caches \[nkv, max_len, hd\] of fp32"):
+        layer.step(torch.randn(1, 1, hidden), cos, sin, [torch.zeros(3, 8, 32)], [torch.zeros(3, 8, 32)], [4], [0])
+    with pytest.raises(RuntimeError, match="0 <= lo <= pos < max_len"):
+        layer.step(torch.randn(1, 1, hidden), cos, sin, kc, vc, [8], [0])
+    assert kc[0][:, 4:].abs().sum() == 0  # the refused steps wrote nothing
