@@ -3,8 +3,9 @@
 // as GGUF's Q4_0 / Q4_1 blocks), and sz [N, K / 32] pairs of bf16 (s, z): w = (code - 8) * s + z.
 // x is quantized per group of 32 to int8 (one scale a group, as llama.cpp's q8_0), so a group's
 // sum of code * x is exact in int32 (vpdpbusd); it is scaled by s * dx in fp32, and the zeros add
-// (z - 8 s) * (the group's sum of x). The x codes are laid out per pair of groups as two groups'
-// nibbles unpack into one vector: [g0 0..15, g1 0..15, g0 16..31, g1 16..31].
+// (z - 8 s) * (the group's sum of x). The x codes are laid out as the ISA's tile reads them: AVX-512
+// per 4 groups (x_stride), AVX2 per pair of groups as two groups' nibbles unpack into one vector:
+// [g0 0..15, g1 0..15, g0 16..31, g1 16..31].
 //
 // The same tiles run GGUF's Q4_0 / Q4_1 blocks without loss (`gguf_linear_q4`): each row holds its
 // groups' code bytes as above (the blocks' own 16 bytes), then each group's scales as the blocks
@@ -24,38 +25,46 @@ constexpr int64_t scale_bytes(int kind) { return kind == Q4_0 ? 2 : 4; }  // a g
 constexpr int64_t PF4 = 8192;  // the same for int4's codes (their scales: a quarter of it); 4096 was slower
 #define LL_VNNI __attribute__((target("avx512f,avx512bw,avx512bf16,avx512vl,avx512vnni,avx512dq")))
 
+// AVX-512's x layout: each 4 groups are 128 bytes, their codes 0..15 (16 a group, in group order),
+// then their codes 16..31, as one 64-byte load of 4 groups' code bytes splits into low and high
+// nibbles (Int4Tile). A row is x_stride(K) bytes; a last quad of 2 groups has zeros for the others.
+constexpr int64_t x_stride(int64_t K) { return (K / 32 + 3) / 4 * 128; }
+
 template <typename T>
 LL_VNNI void quantize_groups_x(const T* x, int64_t M, int64_t K, int8_t* xq, float* dx, float* xsum) {
-  const int64_t G = K / 32;
-  for (int64_t m = 0; m < M; ++m)
+  const int64_t G = K / 32, XS = x_stride(K);
+  for (int64_t m = 0; m < M; ++m) {
+    int8_t* row = xq + m * XS;
+    if (G % 4) std::memset(row + XS - 128, 0, 128);
     for (int64_t g = 0; g < G; ++g) {
       const T* p = x + m * K + g * 32;
       const __m512 a = load16(p), b = load16(p + 16);
       const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
       const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
       const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv)), qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
-      int8_t* out = xq + m * K + (g / 2) * 64 + (g % 2) * 16;
+      int8_t* out = row + (g / 4) * 128 + (g % 4) * 16;
       _mm_storeu_si128((__m128i*)out, _mm512_cvtsepi32_epi8(qa));
-      _mm_storeu_si128((__m128i*)(out + 32), _mm512_cvtsepi32_epi8(qb));
+      _mm_storeu_si128((__m128i*)(out + 64), _mm512_cvtsepi32_epi8(qb));
       dx[m * G + g] = amax / 127.f;
       xsum[m * G + g] = amax / 127.f * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
     }
+  }
 }
 
-// R rows of W against MB rows of x, 16 groups at a time: their (s, z) in one load, then each pair
-// of groups' 32 code bytes as one vector. The scale rows are a stream of their own, asked for early
+// R rows of W against MB rows of x, 16 groups at a time: their (s, z) in one load, then each 4
+// groups' 64 code bytes as one vector. The scale rows are a stream of their own, asked for early
 // as the codes are (without it the kernel read memory slower than torch's int4 kernel).
 template <int R, int MB, int KIND>
 struct Int4Tile {
   LL_VNNI static void run(const uint8_t* w, int64_t ws, const uint8_t* sz, int64_t ss, const int8_t* xq,
                           const float* dx, const float* xsum, int64_t K, int64_t N, float* y) {
-    const int64_t G = K / 32;
+    const int64_t G = K / 32, XS = x_stride(K);
     __m512 acc[R][MB];
     for (int r = 0; r < R; ++r)
       for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_setzero_ps();
-    const __m256i lo4 = _mm256_set1_epi8(0x0F);
+    const __m512i lo4 = _mm512_set1_epi8(0x0F);
     const __m512i zmask = _mm512_set1_epi32((int)0xFFFF0000u);
-    const __m512i pair = _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0);  // lane -> group of 2
+    const __m512i quad = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);  // lane -> group of 4
     for (int64_t g0 = 0; g0 < G; g0 += 16) {
       const int ng = (int)std::min<int64_t>(16, G - g0);
       const __mmask16 mk = (__mmask16)(ng == 16 ? 0xFFFFu : (1u << ng) - 1);
@@ -81,20 +90,26 @@ struct Int4Tile {
           acc[r][m] = _mm512_fmadd_ps(z8, _mm512_maskz_loadu_ps(mk, xsum + m * G + g0), acc[r][m]);
         }
       }
-      for (int p = 0; p < ng / 2; ++p) {
-        const __m512i idx = _mm512_add_epi32(pair, _mm512_set1_epi32(2 * p));
-        const int64_t off = (g0 + 2 * p) * 16;
-        __m512i wv[R];
+      // 4 groups a step: one 64-byte load of each row's code bytes, its low nibbles against x's codes
+      // 0..15 and its high ones against 16..31 into one int32 vector (a 128-bit block a group), then one
+      // conversion, permutation and FMA per row of x for the 4 groups (a last 2 groups: half a load)
+      for (int q = 0; q < (ng + 3) / 4; ++q) {
+        const __m512i idx = _mm512_add_epi32(quad, _mm512_set1_epi32(4 * q));
+        const int64_t off = (g0 + 4 * q) * 16;
+        const bool whole = ng - 4 * q >= 4;
+        __m512i wl[R], wh[R];
         for (int r = 0; r < R; ++r) {
-          if ((off & 63) == 0) _mm_prefetch((const char*)(w + r * ws + off) + PF4, _MM_HINT_T0);
-          const __m256i v = _mm256_loadu_si256((const __m256i*)(w + r * ws + off));
-          wv[r] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, lo4)),
-                                     _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4), 1);
+          _mm_prefetch((const char*)(w + r * ws + off) + PF4, _MM_HINT_T0);
+          const __m512i v = whole ? _mm512_loadu_si512(w + r * ws + off)
+                                  : _mm512_maskz_loadu_epi8(0xFFFFFFFFull, w + r * ws + off);
+          wl[r] = _mm512_and_si512(v, lo4);
+          wh[r] = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
         }
         for (int m = 0; m < MB; ++m) {
-          const __m512i xv = _mm512_loadu_si512(xq + m * K + off * 2);
+          const int8_t* xm = xq + m * XS + (g0 / 4 + q) * 128;
+          const __m512i xl = _mm512_loadu_si512(xm), xh = _mm512_loadu_si512(xm + 64);
           for (int r = 0; r < R; ++r) {
-            const __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[r], xv);
+            const __m512i d = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wl[r], xl), wh[r], xh);
             acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_permutexvar_ps(idx, C[r][m]), acc[r][m]);
           }
         }
@@ -105,7 +120,7 @@ struct Int4Tile {
   }
 };
 
-// AVX2: the same x codes, layout and sums. A group's 16 code bytes times its x codes by vpmaddubsw
+// AVX2: the same x codes and sums, laid out per pair of groups (above). A group's 16 code bytes times its x codes by vpmaddubsw
 // (unsigned codes 0..15 times signed x: each int16 pair sum at most 2 * 15 * 127, never saturating),
 // then vpmaddwd into int32 lanes, four a group; each pair of groups' eight lanes scaled in fp32.
 template <typename T>
@@ -231,13 +246,14 @@ void int4_into(const T* x, int64_t M, const uint8_t* W, int64_t ws, const uint8_
   thread_local Scratch<int8_t> xq;
   thread_local Scratch<float> dx, xs;
   // the buffers by pointer: in the tasks below a thread_local's name is that thread's own
-  int8_t* XQ = xq.get(M * K);
+  const int64_t XR = g_isa == 2 ? x_stride(K) : K;  // bytes a row of x's codes takes (AVX-512's quads)
+  int8_t* XQ = xq.get(M * XR);
   float *DX = dx.get(M * G), *XS = xs.get(M * G);
   if (g_isa == 2) quantize_groups_x(x, M, K, XQ, DX, XS);
   else quantize_groups_x_avx2(x, M, K, XQ, DX, XS);
   over_rows(N, K, [&](int64_t n0, int64_t n1) {
     for (int64_t m0 = 0; m0 < M; m0 += 4) {  // x in chunks of up to 4 rows
-      const int8_t* xm = XQ + m0 * K;
+      const int8_t* xm = XQ + m0 * XR;
       const float *dm = DX + m0 * G, *sm = XS + m0 * G;
       float* ym = Y + m0 * N;
       const int64_t mb = std::min<int64_t>(4, M - m0);
