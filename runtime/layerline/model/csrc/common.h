@@ -148,4 +148,16 @@ struct Out {
   }
 };
 
+// An op over an in-place fp32 core: x [..., K] taken as fp32 rows [M, K], y [..., N] fp32, bias as
+// float; core(x, M, y, bias) writes y (the GGUF block ops: gguf_linear, gguf_linear_x8, gguf_linear_x16)
+template <typename F>
+at::Tensor over_fp32_rows(const at::Tensor& x, int64_t N, int64_t K, const c10::optional<at::Tensor>& bias, F core) {
+  const at::Tensor xf = x.to(at::kFloat);
+  const at::Tensor x2 = xf.reshape({-1, K}).contiguous();
+  const int64_t M = x2.size(0);
+  Out out(xf, M, N, at::kFloat, bias);
+  core(x2.data_ptr<float>(), M, out.sums.data_ptr<float>(), out.b());
+  return out.finish<float>(M, N);
+}
+
 }  // namespace

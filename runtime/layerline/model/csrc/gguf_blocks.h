@@ -41,13 +41,10 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t N, int6
   TORCH_CHECK(x.device().is_cpu() && x.size(-1) == K, "gguf_linear: x must be a CPU tensor [..., K]");
   TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.numel() == N * row_bytes,
               "gguf_linear: w must be contiguous uint8 [N, row_bytes]");
-  const at::Tensor xf = x.to(at::kFloat);
-  const at::Tensor x2 = xf.reshape({-1, K}).contiguous();
-  const int64_t M = x2.size(0);
-  Out out(xf, M, N, at::kFloat, bias);
-  gguf_into(x2.data_ptr<float>(), M, w.data_ptr<uint8_t>(), N, K, row_bytes, xrow_bytes, vec_dot, from_float,
-            out.sums.data_ptr<float>(), out.b());
-  return out.finish<float>(M, N);
+  const uint8_t* W = w.data_ptr<uint8_t>();
+  return over_fp32_rows(x, N, K, bias, [&](const float* xr, int64_t M, float* y, const float* b) {
+    gguf_into(xr, M, W, N, K, row_bytes, xrow_bytes, vec_dot, from_float, y, b);
+  });
 }
 
 typedef void (*ggml_gemx_t)(int n, float* s, size_t bs, const void* vx, const void* vy, int nr, int nc);
@@ -134,13 +131,10 @@ at::Tensor gguf_linear_x8(const at::Tensor& x, const at::Tensor& w, int64_t N, i
   TORCH_CHECK(x.device().is_cpu() && x.size(-1) == K && N % 8 == 0, "gguf_linear_x8: x must be a CPU tensor [..., K]");
   TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.numel() == N * row_bytes,
               "gguf_linear_x8: w must be contiguous uint8 [N, row_bytes]");
-  const at::Tensor xf = x.to(at::kFloat);
-  const at::Tensor x2 = xf.reshape({-1, K}).contiguous();
-  const int64_t M = x2.size(0);
-  Out out(xf, M, N, at::kFloat, bias);
-  x8_into(x2.data_ptr<float>(), M, w.data_ptr<uint8_t>(), N, K, row_bytes, xrow_bytes, gemv, gemm, quant4, from_float,
-          out.sums.data_ptr<float>(), out.b());
-  return out.finish<float>(M, N);
+  const uint8_t* W = w.data_ptr<uint8_t>();
+  return over_fp32_rows(x, N, K, bias, [&](const float* xr, int64_t M, float* y, const float* b) {
+    x8_into(xr, M, W, N, K, row_bytes, xrow_bytes, gemv, gemm, quant4, from_float, y, b);
+  });
 }
 
 // shapes only (torch.compile traces through the op)

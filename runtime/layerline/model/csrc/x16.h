@@ -442,12 +442,10 @@ at::Tensor gguf_linear_x16(const at::Tensor& x, const at::Tensor& w, int64_t N, 
   TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.numel() == N * rb,
               "gguf_linear_x16: w must be contiguous uint8 [N, ", rb, "]");
   TORCH_CHECK(!bias.has_value() || !bias->defined() || bias->numel() == N, "gguf_linear_x16: one bias per row");
-  const at::Tensor xf = x.to(at::kFloat);
-  const at::Tensor x2 = xf.reshape({-1, K}).contiguous();
-  const int64_t M = x2.size(0);
-  Out out(xf, M, N, at::kFloat, bias);
-  x16_into(x2.data_ptr<float>(), M, w.data_ptr<uint8_t>(), N, K, t, out.sums.data_ptr<float>(), out.b());
-  return out.finish<float>(M, N);
+  const uint8_t* W = w.data_ptr<uint8_t>();
+  return over_fp32_rows(x, N, K, bias, [&](const float* xr, int64_t M, float* y, const float* b) {
+    x16_into(xr, M, W, N, K, t, y, b);
+  });
 }
 
 }  // namespace
