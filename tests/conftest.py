@@ -74,6 +74,16 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="module", autouse=True)
+def _file_timeline(request):
+    """Each file's wall time and xdist worker, into the phase log: a slow run says which worker's
+    files made it long (the suite's wall time is the later worker's)."""
+    from helpers import Phases
+    phase = Phases(f"file {_xdist or 'main'}")
+    yield
+    phase(str(request.node.path.relative_to(TESTS)))
+
+
+@pytest.fixture(scope="module", autouse=True)
 def _no_step_timing_in_process_tests(request):
     """Workers that tests/processes starts skip their warm-up step timing (LAYERLINE_STEP_TIMING=off,
     layerline.worker): hundreds of starts, and no test there reads the time unless marked
