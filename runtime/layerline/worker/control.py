@@ -38,6 +38,7 @@ def answer(w: "Worker", h: dict) -> dict:
         s = c.stats
         reply = {"op": "ok", "name": w.name, "requests": s.requests, "errors": s.errors,
                  "rejected": s.rejected, "stale_dropped": s.stale_dropped, "compute_s": s.compute_s,
+                 "ahead_used": s.ahead_used, "ahead_dropped": s.ahead_dropped,
                  "sequences": len(c.kv), "prefix_entries": c.kv.entries, "prefix_bytes": c.kv.entry_bytes,
                  "compile": w.args.compile, "compile_s": c.compile_s,
                  "compiled": c.stage.compiled, "compile_error": c.stage.compile_error,

@@ -3,7 +3,9 @@
 Every data message is validated; any failure becomes an error reply (to the sender, and to the
 driver's reply_to when it names one), never a dead worker. `op: release, seq` frees a sequence's
 KV cache (or a prefix entry's) here and on every later stage; with `keep: ENTRY, len: N` its first
-N tokens stay as prefix entry ENTRY (layerline.model.kv.KVPool.keep) for later forks.
+N tokens stay as prefix entry ENTRY (layerline.model.kv.KVPool.keep) for later forks. A stage that
+is first and last runs ahead: between messages it computes the greedy steps it expects next
+(layerline.worker.stage, "Running ahead").
 
 Two threads: the compute thread (the process's main thread) reads the data socket and runs each
 forward; the control thread owns the control socket and answers it (layerline.worker.control)
@@ -67,6 +69,7 @@ class Worker:
             if bad:   # a peer on other code: refused, naming both versions (to the sender and reply_to)
                 raise wire.WireError(bad)
             if h["op"] == "release":
+                self.compute.drop_ahead()
                 seq = wire.require(h, "seq", str)
                 kept = wire.keep(h, self.args.kv_context)
                 if kept is None:
@@ -136,6 +139,10 @@ class Worker:
                     if len(frames) >= 2:
                         self.handle_data(frames)
                         self.awake.poke()  # the next message is due within a pipeline's step
+                    # a stage holding the whole model computes the step it expects next while the
+                    # driver's round trip runs (StageCompute.run_ahead), unless a message waits
+                    while self.compute.can_run_ahead() and not poller.poll(0):
+                        self.compute.run_ahead()
         finally:
             self.running = False
             self.close()

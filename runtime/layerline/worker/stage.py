@@ -23,6 +23,16 @@ What a cached sequence must hold, and what happens when it holds more, is the KV
 (layerline.model.kv.KVPool): a sequence this stage lacks or holds fewer than pos tokens of fails
 the message with code "seq_unknown" and `seqs` in the error header, so the sender replays just
 those from 0; one it holds more of is rewound to pos.
+Running ahead (a stage that is both first and last, so it holds the whole model): after answering a
+cached step with `logits: "argmax"`, while no message waits, it computes the steps the driver will
+send next for those rows (each row fed its greedy token at the next position), up to AHEAD steps,
+and keeps their answers. When the expected step arrives (same rows and positions, the same tokens,
+the same epoch, caches untouched since) it is answered at once; any other message drops them all,
+and the KV rows they wrote are rewound by the next write there as any held-past-pos cache is. The
+driver's round trip (its wake-up, its sampling, the two hops) then runs beside the stage's compute
+instead of between its steps; the answers' bits are the same, because the steps are the same
+computation. A guess never passes the reserve a sequence was admitted with (the tokens its request
+may reach), so at most AHEAD steps are spent on a sequence that stops early (an eos).
 `epoch` (optional, an integer >= 0): the driver's wire epoch, passed on to the next stage. A
 forward of an older epoch than the last one that wrote any of its sequences here is not computed
 (it could rewind what the newer one wrote) and is answered as seq_unknown naming those sequences
@@ -62,6 +72,38 @@ class Stats:
     rejected: int = 0
     stale_dropped: int = 0
     compute_s: float = 0.0
+    ahead_used: int = 0      # steps answered from a step computed ahead
+    ahead_dropped: int = 0   # steps computed ahead that the next message did not ask for
+
+
+AHEAD = 4   # the most steps a first-and-last stage computes ahead of the messages asking for them
+
+
+@dataclass
+class Ahead:
+    """A step a first-and-last stage expects (rows at their next positions, each fed the token it
+    picked), and once computed, its answer and each cache's length after it."""
+    rows: list[tuple[str, int]]
+    ids: torch.Tensor                 # [B, 1] int64: each row's picked token
+    epoch: int | None
+    caches: list | None = None
+    picked: tuple | None = None       # (argmax [B], finite [B]) on the CPU
+    s: float = 0.0                    # its compute seconds
+    last: bool = False                # no step follows it (a reserve reached, logits not finite)
+
+    def answers(self, rows: list[tuple[str, int]], x: torch.Tensor, epoch: int | None, caches: list,
+                lengths: list[int]) -> bool:
+        """Whether this computed step is the one asked: the same rows, tokens and epoch, and every
+        cache the same object holding `lengths` (what the last step computed ahead left: nothing
+        wrote it since)."""
+        return (self.picked is not None and rows == self.rows and epoch == self.epoch
+                and x.shape == self.ids.shape and bool(torch.equal(x, self.ids))
+                and all(c is d and c.length == n for c, d, n in zip(caches, self.caches, lengths)))
+
+    def next(self) -> "Ahead | None":
+        """The step after this computed one (None where a row's logits were not finite)."""
+        return StageCompute._after([(q, p + 1) for q, p in self.rows],
+                                   {"argmax": self.picked[0], "finite": self.picked[1]}, self.epoch)
 
 
 class StageCompute:
@@ -94,6 +136,7 @@ class StageCompute:
                          budget=args.kv_bytes if args.kv_bytes else args.kv_context * per_token,
                          max_seqs=MAX_SEQS, context=args.kv_context, name=name, max_entries=MAX_ENTRIES)
         self.stats = Stats()
+        self.ahead: list[Ahead] = []   # the steps expected next, in order (first-and-last stages only)
 
     def prepare(self, awake) -> None:
         """Compile (when asked) and time the decode step: before the worker says it is ready.
@@ -237,6 +280,7 @@ class StageCompute:
         stage's result. Raises WireError (a bad message), KVRows, SeqUnknown, Stale, LayerlineError."""
         if "rows" in h:
             return self.forward_rows(h, tensors)
+        self.drop_ahead()
         pos = wire.require(h, "pos", int, 0, self.args.kv_context - 1) if "pos" in h else 0
         use_cache = h.get("cache", False)
         if not isinstance(use_cache, bool):
@@ -266,9 +310,11 @@ class StageCompute:
             out = self.stage(x.to(self.args.device), start_pos=pos, cache=cache, last_only=last_only)
         else:
             out = self.stage(x.to(self.args.device), start_pos=pos, cache=cache)
-        return self._reply(h, ("id", "seq", "pos", "cache", "reply_to", "deadline", "logits", "reserve", "epoch",
-                                     "fork"),
-                           timings, out, t0)
+        head, answer = self._reply(h, ("id", "seq", "pos", "cache", "reply_to", "deadline", "logits", "reserve",
+                                       "epoch", "fork"), timings, out, t0)
+        if use_cache and x.shape[0] == 1:
+            self._expect(h, self._after([(seq, pos + x.shape[1])], answer, epoch))
+        return head, answer
 
     def forward_rows(self, h: dict, tensors: dict) -> tuple[dict, dict]:
         """One new token for each row's own sequence (header.rows), weights read once for all rows."""
@@ -288,25 +334,101 @@ class StageCompute:
         if x.shape[0] != len(rows):
             raise wire.WireError(f"header.rows: {len(rows)} rows but the tensor's batch is {x.shape[0]}")
         caches = self.kv.rows(rows, epoch)
-        t0 = time.perf_counter()
-        out = self.stage.forward_rows(x.to(self.args.device), [p for _, p in rows], caches)
-        return self._reply(h, ("id", "rows", "cache", "reply_to", "deadline", "logits", "reserve", "epoch"), timings,
-                           out, t0)
+        keep = ("id", "rows", "cache", "reply_to", "deadline", "logits", "reserve", "epoch")
+        ahead = self.ahead   # run_ahead computes each step it appends, or takes it out again
+        if ahead and ahead[-1].picked is not None and h.get("logits") == "argmax" and \
+                ahead[0].answers(rows, x, epoch, caches, [c.length for c in ahead[-1].caches]):
+            self.stats.ahead_used += 1
+            done = ahead.pop(0)
+            head, answer = self._answer(h, keep, timings, done.s, None, done.picked)
+            if not ahead:
+                self._expect(h, done.next())
+        else:
+            self.drop_ahead()
+            t0 = time.perf_counter()
+            out = self.stage.forward_rows(x.to(self.args.device), [p for _, p in rows], caches)
+            head, answer = self._reply(h, keep, timings, out, t0)
+            self._expect(h, self._after([(q, p + 1) for q, p in rows], answer, epoch))
+        return head, answer
+
+    # --- running ahead (first-and-last stages) -----------------------------------------------------
+
+    def _expect(self, h: dict, step: "Ahead | None") -> None:
+        """After a greedy answer of a stage holding the whole model: the driver's next step for these
+        rows is, unless it stops them, each fed its pick at the next position."""
+        if (step is not None and self.args.first and self.args.last and h.get("logits") == "argmax"
+                and all(p < self.args.kv_context for _, p in step.rows)):
+            self.ahead = [step]
+
+    @staticmethod
+    def _after(rows: list[tuple[str, int]], answer: dict, epoch: int | None) -> "Ahead | None":
+        """The step that follows a greedy answer: `rows` (the next positions) fed its picks; None
+        where it was no pick or a row's logits were not finite."""
+        if "argmax" not in answer or not bool(answer["finite"].all()):
+            return None
+        return Ahead(rows, answer["argmax"].to(torch.int64).view(-1, 1).clone(), epoch)
+
+    def drop_ahead(self) -> None:
+        """Any message but the expected step ends the expectation (the worker calls it for releases)."""
+        self.stats.ahead_dropped += sum(a.picked is not None for a in self.ahead)
+        self.ahead = []
+
+    def can_run_ahead(self) -> bool:
+        """Whether a step is expected that is not computed yet, or the chain may grow by one."""
+        tail = self.ahead[-1] if self.ahead else None
+        return tail is not None and (tail.picked is None or (len(self.ahead) < AHEAD and not tail.last))
+
+    def run_ahead(self) -> None:
+        """Compute the next expected step (the worker calls it while no message waits). Whatever stops
+        it (a cache at its reserve, a sequence evicted, a row's logits not finite) ends the chain there:
+        the step, if it comes, is computed as any other and fails or succeeds as it would have."""
+        if not self.can_run_ahead():
+            return
+        a = self.ahead[-1]
+        if a.picked is not None:
+            nxt = a.next()
+            if nxt is None:
+                a.last = True
+                return
+            self.ahead.append(nxt)
+            a = nxt
+        try:
+            caches = self.kv.rows(a.rows, a.epoch)   # past a sequence's reserve: LayerlineError
+            t0 = time.perf_counter()
+            out = self.stage.forward_rows(a.ids.to(self.args.device), [p for _, p in a.rows], caches)
+            a.picked = self._pick(out)
+            a.s = time.perf_counter() - t0
+            a.caches = caches
+        except Exception:  # noqa: BLE001 - a guess that cannot be computed is no guess
+            self.ahead.pop()
+            if self.ahead:
+                self.ahead[-1].last = True
+
+    # --- answers ---------------------------------------------------------------------------------
+
+    @staticmethod
+    def _pick(out) -> tuple:
+        """Each row's greedy token at its last position and whether its logits are all finite (CPU)."""
+        last = out[:, -1]
+        picked = cpu_kernels.argmax_rows(last)
+        if picked is None:
+            # a row's largest |logit| is finite iff all are (NaN included); max's indices are argmax's
+            picked = last.max(-1).indices, torch.isfinite(last.abs().amax(-1)).to(torch.uint8)
+        return picked[0].to("cpu"), picked[1].to("cpu")
 
     def _reply(self, h: dict, keep: tuple, timings: list, out, t0: float) -> tuple[dict, dict]:
         if self.args.device != "cpu":
             self.torch.cuda.synchronize()
         dt = time.perf_counter() - t0
+        picked = self._pick(out) if self.args.last and h.get("logits") == "argmax" else None
+        return self._answer(h, keep, timings, dt, out, picked)
+
+    def _answer(self, h: dict, keep: tuple, timings: list, dt: float, out, picked: tuple | None) -> tuple[dict, dict]:
         self.stats.compute_s += dt
         head = {k: h[k] for k in keep if k in h}
         head["timings"] = timings + [{"stage": self.name, "layers": [self.args.start, self.args.end], "s": dt}]
         if not self.args.last:
             return {**head, "op": "forward"}, {"hidden": out.to("cpu")}
-        if h.get("logits") == "argmax":
-            last = out[:, -1]
-            picked = cpu_kernels.argmax_rows(last)
-            if picked is None:
-                # a row's largest |logit| is finite iff all are (NaN included); max's indices are argmax's
-                picked = last.max(-1).indices, torch.isfinite(last.abs().amax(-1)).to(torch.uint8)
-            return {**head, "op": "result"}, {"argmax": picked[0].to("cpu"), "finite": picked[1].to("cpu")}
+        if picked is not None:
+            return {**head, "op": "result"}, {"argmax": picked[0], "finite": picked[1]}
         return {**head, "op": "result"}, {"logits": out.to("cpu")}
