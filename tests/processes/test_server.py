@@ -560,3 +560,38 @@ def test_health_is_503_when_a_stage_stops(servers, stages):
     assert httpx.get(small.url + "/health", timeout=30).status_code == 503  # the plan's stages, too
     # and the server still answers what needs no stage
     assert httpx.get(server.url + "/v1/models", headers=server.headers, timeout=10).status_code == 200
+
+
+def test_one_worker_holding_the_model_serves_concurrent_clients_as_alone(ckpt, full, tmp_path):
+    """One stage holds the whole model, so it runs ahead (layerline.worker.stage, "Running ahead"):
+    sixteen clients joining and ending (eos, max_tokens) keep changing the rows it guessed, and one
+    client alone lets it answer from its guesses; every answer equals the one-process greedy tokens."""
+    from layerline.driver import control
+    from layerline.worker import control_endpoint
+    procs, first, tmp, _ = local_stages(str(ckpt), 1, "fp32", threads=1)
+    keys = controller_keys(tmp)
+    srv = Server(["--first", first, "--first-key", "stage0", "--keys", keys, "--checkpoint", str(ckpt),
+                  "--model-name", MODEL], tmp_path)
+    try:
+        srv.wait()
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        prompts = [[(7 * i + k) % 290 + 6 for k in range(2 + i % 6)] for i in range(16)]
+        want = [greedy(full, p, 4 + i % 9) for i, p in enumerate(prompts)]
+
+        def one(i: int) -> list[int]:
+            p, n = prompts[i], 4 + i % 9
+            if i % 2:
+                return ids_of(c.completions.create(model=MODEL, prompt=p, max_tokens=n, temperature=0).choices[0])
+            return [t for ch in c.completions.create(model=MODEL, prompt=p, max_tokens=n, temperature=0, stream=True)
+                    for t in ids_of(ch.choices[0])]
+        with concurrent.futures.ThreadPoolExecutor(16) as ex:
+            assert list(ex.map(one, range(16))) == want
+        alone = [11, 12, 13]
+        assert ids_of(c.completions.create(model=MODEL, prompt=alone, max_tokens=16, temperature=0).choices[0]) \
+            == greedy(full, alone, 16)
+        s = control(control_endpoint(first), "stats", keys_dir=keys, peer="stage0")
+        assert s["ahead_used"] > 0 and s["errors"] == 0, s
+    finally:
+        srv.stop()
+        stop_local(procs)
+        shutil.rmtree(tmp, ignore_errors=True)
