@@ -102,8 +102,16 @@ class Ahead:
 
     def next(self) -> "Ahead | None":
         """The step after this computed one (None where a row's logits were not finite)."""
-        return StageCompute._after([(q, p + 1) for q, p in self.rows],
-                                   {"argmax": self.picked[0], "finite": self.picked[1]}, self.epoch)
+        return following([(q, p + 1) for q, p in self.rows],
+                         {"argmax": self.picked[0], "finite": self.picked[1]}, self.epoch)
+
+
+def following(rows: list[tuple[str, int]], answer: dict, epoch: int | None) -> Ahead | None:
+    """The step that follows a greedy answer's tensors: `rows` (the next positions) fed its picks;
+    None where the answer holds no pick or a row's logits were not finite."""
+    if "argmax" not in answer or not bool(answer["finite"].all()):
+        return None
+    return Ahead(rows, answer["argmax"].to(torch.int64).view(-1, 1).clone(), epoch)
 
 
 class StageCompute:
@@ -313,7 +321,7 @@ class StageCompute:
         head, answer = self._reply(h, ("id", "seq", "pos", "cache", "reply_to", "deadline", "logits", "reserve",
                                        "epoch", "fork"), timings, out, t0)
         if use_cache and x.shape[0] == 1:
-            self._expect(h, self._after([(seq, pos + x.shape[1])], answer, epoch))
+            self._expect(following([(seq, pos + x.shape[1])], answer, epoch))
         return head, answer
 
     def forward_rows(self, h: dict, tensors: dict) -> tuple[dict, dict]:
@@ -342,31 +350,24 @@ class StageCompute:
             done = ahead.pop(0)
             head, answer = self._answer(h, keep, timings, done.s, None, done.picked)
             if not ahead:
-                self._expect(h, done.next())
+                self._expect(done.next())
         else:
             self.drop_ahead()
             t0 = time.perf_counter()
             out = self.stage.forward_rows(x.to(self.args.device), [p for _, p in rows], caches)
             head, answer = self._reply(h, keep, timings, out, t0)
-            self._expect(h, self._after([(q, p + 1) for q, p in rows], answer, epoch))
+            self._expect(following([(q, p + 1) for q, p in rows], answer, epoch))
         return head, answer
 
     # --- running ahead (first-and-last stages) -----------------------------------------------------
 
-    def _expect(self, h: dict, step: "Ahead | None") -> None:
-        """After a greedy answer of a stage holding the whole model: the driver's next step for these
-        rows is, unless it stops them, each fed its pick at the next position."""
-        if (step is not None and self.args.first and self.args.last and h.get("logits") == "argmax"
-                and all(p < self.args.kv_context for _, p in step.rows)):
+    def _expect(self, step: Ahead | None) -> None:
+        """After a greedy answer (`following` gives a step only for one) of a stage holding the whole
+        model: the driver's next step for these rows is, unless it stops them, each fed its pick at
+        the next position. A step past a sequence's reserve (which --kv-context caps) fails in
+        run_ahead, and nothing is guessed."""
+        if step is not None and self.args.first and self.args.last:
             self.ahead = [step]
-
-    @staticmethod
-    def _after(rows: list[tuple[str, int]], answer: dict, epoch: int | None) -> "Ahead | None":
-        """The step that follows a greedy answer: `rows` (the next positions) fed its picks; None
-        where it was no pick or a row's logits were not finite."""
-        if "argmax" not in answer or not bool(answer["finite"].all()):
-            return None
-        return Ahead(rows, answer["argmax"].to(torch.int64).view(-1, 1).clone(), epoch)
 
     def drop_ahead(self) -> None:
         """Any message but the expected step ends the expectation (the worker calls it for releases)."""
