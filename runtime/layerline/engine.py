@@ -370,8 +370,8 @@ class Engine:
 
     def _submit_rows(self, batch: list[Sequence]) -> None:
         ids = torch.tensor([[s.tokens[s.held]] for s in batch], dtype=torch.int64)  # the last, unless catching up
-        rid = self.pipe.submit_rows([(s.sid, s.held) for s in batch], ids,
-                                    pick=self.pick and all(s.plain_greedy for s in batch))
+        pick = self.pick and all(s.plain_greedy for s in batch)
+        rid = self.pipe.submit_rows([(s.sid, s.held) for s in batch], ids, pick=pick, more=wire.AHEAD if pick else 0)
         for s in batch:
             s.state = INFLIGHT
         self.inflight[rid] = ("rows", batch, [1] * len(batch))
@@ -459,6 +459,8 @@ class Engine:
                 sampled.append((i, s))
         if not sampled:
             return
+        # the tokens of steps a stage holding the whole model computed ahead (a rows step asked for them)
+        then = res.then.tolist() if res.then is not None and kind == "rows" and res.logits is None else []
         if self.record:
             self.steps.append(res)
             now = time.perf_counter()
@@ -522,13 +524,29 @@ class Engine:
             s.tokens.append(tok)
             if s.logprobs is not None:
                 s.emit("logprobs", logprobs(raw[i], tok, s.logprobs))
-            s.emit("token", tok)
-            if tok in s.eos or (s.constraint is not None and s.constraint.finished):
-                self._finish(s, "stop")
-            elif len(s.tokens) - len(s.prompt) >= s.max_new:
-                self._finish(s, "length")
+            self._took(s, tok)
+        taken = 0
+        for picks_ahead in then:   # plain greedy rows only: each fed its last token, which the stage now holds
+            for i, s in sampled:
+                if s.state != DONE:
+                    s.held += 1
+                    s.tokens.append(picks_ahead[i])
+                    taken += 1
+                    self._took(s, picks_ahead[i])
+        if taken and self.record:   # then is only taken for rows steps: the last mark is this step's
+            when, n = self._decode_marks[-1]
+            self._decode_marks[-1] = (when, n + taken)
         if res.timings:
             self._stages_seen = len(res.timings)
+
+    def _took(self, s: Sequence, tok: int) -> None:
+        """s has just taken tok: it goes to the sink, and s stops at a stop token, a finished grammar or
+        its length."""
+        s.emit("token", tok)
+        if tok in s.eos or (s.constraint is not None and s.constraint.finished):
+            self._finish(s, "stop")
+        elif len(s.tokens) - len(s.prompt) >= s.max_new:
+            self._finish(s, "length")
 
     def _finish(self, s: Sequence, reason: str, release: bool = True) -> None:
         if s.state == DONE:

@@ -47,6 +47,9 @@ class StepResult:
     wall_s: float
     argmax: torch.Tensor | None = None  # int64 [B]: each row's greedy token (a step submitted with pick)
     finite: torch.Tensor | None = None  # bool [B]: whether that row's logits were all finite
+    # int64 [K, B]: each row's greedy tokens of the K steps after this one, which a stage holding the
+    # whole model computed ahead (each fed the token before it; all finite) and now holds (submit_rows' more)
+    then: torch.Tensor | None = None
 
     @property
     def rows(self) -> int:
@@ -171,15 +174,20 @@ class Pipeline:
             head["fork"] = {"from": fork[0], "len": int(fork[1])}
         return self._send(head, input_ids)
 
-    def submit_rows(self, rows: list[tuple[str, int]], input_ids: torch.Tensor, pick: bool = False) -> str:
+    def submit_rows(self, rows: list[tuple[str, int]], input_ids: torch.Tensor, pick: bool = False,
+                    more: int = 0) -> str:
         """One step of B sequences, one token each, in one message: rows [(seq, pos), ...], ids [B].
 
         Each row's sequence must already hold at least pos tokens at every stage (one holding more
         is rewound to pos); the logits come back [B, 1, vocab] (pick: each row's greedy token instead).
-        A stage that lost some of them answers seq_unknown with their ids (DriveError.seqs) and
-        applies nothing."""
-        return self._send({"cache": True, "logits": "argmax" if pick else "last",
-                           "rows": [[str(q), int(p)] for q, p in rows]}, input_ids.reshape(-1, 1))
+        more (with pick, up to wire.AHEAD): a stage holding the whole model may answer the picks of
+        up to this many steps it computed ahead as well (StepResult.then); the sequences then hold
+        those tokens too. A stage that lost some of them answers seq_unknown with their ids
+        (DriveError.seqs) and applies nothing."""
+        head = {"cache": True, "logits": "argmax" if pick else "last", "rows": [[str(q), int(p)] for q, p in rows]}
+        if pick and more > 0:
+            head["more"] = min(int(more), wire.AHEAD)
+        return self._send(head, input_ids.reshape(-1, 1))
 
     def answers(self, sock) -> list[Answer]:
         """Every message waiting on one of this pipeline's sockets (non-blocking), as answers to
@@ -214,13 +222,16 @@ class Pipeline:
                 out.append(Answer(rid, StepResult(tensors["logits"].clone(), h.get("timings", []), wall)))
             elif h["op"] == "result" and "argmax" in tensors:
                 wall = time.perf_counter() - self._pending.pop(rid)
-                ids, finite = tensors["argmax"], tensors.get("finite")
+                ids, finite, then = tensors["argmax"], tensors.get("finite"), tensors.get("then")
                 if (ids.dtype != torch.int64 or ids.dim() != 1 or finite is None or finite.dtype != torch.uint8
-                        or finite.shape != ids.shape):
+                        or finite.shape != ids.shape or (then is not None and (
+                            then.dtype != torch.int64 or then.dim() != 2 or not 1 <= then.shape[0] <= wire.AHEAD
+                            or then.shape[1] != ids.shape[0]))):
                     out.append(Answer(rid, None, DriveError(f"stage {h.get('stage', '?')}: a result's argmax / "
-                                                            f"finite tensors are malformed", "bad_result")))
+                                                            f"finite / then tensors are malformed", "bad_result")))
                     continue
-                out.append(Answer(rid, StepResult(None, h.get("timings", []), wall, ids.clone(), finite.bool())))
+                out.append(Answer(rid, StepResult(None, h.get("timings", []), wall, ids.clone(), finite.bool(),
+                                                  None if then is None else then.clone())))
 
     def collect(self) -> tuple[str, StepResult | DriveError]:
         """The next answer to any request in flight: a result, or the error a stage sent for it."""

@@ -35,6 +35,9 @@ NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]{0,63}$")
 MAX_BATCH = 64         # rows in one forward message
 MAX_SEQS = 64          # live sequences whose KV cache a stage keeps (LRU beyond)
 MAX_REPLY_PEERS = 16   # distinct drivers a last stage keeps sockets to
+# steps a stage holding the whole model computes ahead of the messages asking for them, and so the
+# most a rows answer carries beyond its own (header "more", tensor "then": layerline.worker.stage)
+AHEAD = 4
 ENDPOINT_RE = re.compile(r"^tcp://[A-Za-z0-9.\-\[\]:]{1,200}:\d{1,5}$")
 
 DTYPES: dict[str, torch.dtype] = {

@@ -130,12 +130,12 @@ class LosingPipeline(Pipeline):
                 self.release(seq)
         return super().submit(input_ids, seq, pos, cache, last_only, reserve, fork, pick)
 
-    def submit_rows(self, rows, input_ids, pick=False):
+    def submit_rows(self, rows, input_ids, pick=False, more=0):
         for seq, _ in rows:
             self.decodes += 1
             if self.decodes == 3:
                 self.release(seq)
-        return super().submit_rows(rows, input_ids, pick)
+        return super().submit_rows(rows, input_ids, pick, more)
 
 
 def test_lost_cache_is_rebuilt_by_replaying_the_prefix(small_ckpt, pipeline, full):

@@ -138,3 +138,71 @@ def test_guesses_stop_at_the_sequences_reserve(worker):
             raise AssertionError("a step past the reserve was answered")
         except DriveError as e:
             assert "would exceed" in str(e), e
+
+
+def test_a_step_asking_for_more_takes_the_computed_steps_after_it_in_one_answer(worker):
+    """`more` (Pipeline.submit_rows): the answer carries the picks of the steps computed after the
+    asked one (StepResult.then), the next step is sent past them and answered from the chain; a
+    driver that takes fewer than it was given and steps from an earlier position is computed
+    afresh and answered right (the cache is rewound to its position)."""
+    w, kd = worker
+    ref = Reference(w)
+    with Pipeline(w.args.bind, keys_dir=kd["controller"], first_key="w", timeout_s=60) as pipe:
+        tok = picked(pipe, pipe.submit(torch.tensor([PROMPT]), seq="m", pos=0, cache=True, last_only=True,
+                                       reserve=40, pick=True))
+        assert tok == ref.prefill(PROMPT)
+        pos = len(PROMPT)
+        for more in (AHEAD, 1):
+            guessed(w)
+            rid = pipe.submit_rows([("m", pos)], torch.tensor([tok]), pick=True, more=more)
+            got, res = pipe.collect()
+            assert got == rid and res.then is not None and res.then.shape == (min(more, AHEAD - 1), 1), res
+            chain = [int(res.argmax[0])] + [int(t) for t in res.then[:, 0]]
+            want = []
+            for t in chain:
+                want.append(ref.step(tok, pos))
+                tok, pos = t, pos + 1
+            assert chain == want
+        s = control(w.net.control_addr, "stats", keys_dir=kd["controller"], peer="w", timeout_s=5.0)
+        assert (s["ahead_used"], s["ahead_dropped"]) == (AHEAD + 2, 0), s
+
+        # the driver takes none of what it is given next, and steps from the asked position + 1
+        guessed(w)
+        rid = pipe.submit_rows([("m", pos)], torch.tensor([tok]), pick=True, more=AHEAD)
+        got, res = pipe.collect()
+        assert res.then is not None and int(res.argmax[0]) == ref.step(tok, pos)
+        tok, pos = int(res.argmax[0]), pos + 1
+        nxt = picked(pipe, pipe.submit_rows([("m", pos)], torch.tensor([tok]), pick=True))
+        assert nxt == ref.step(tok, pos)
+
+
+def test_a_step_asking_for_more_waits_for_the_steps_after_it_up_to_the_reserve(worker):
+    """The expected step, sent while few steps after it are computed, is parked until `more` are
+    (the chain here is AHEAD long, so AHEAD - 1 come back with it); a sequence's reserve ends the
+    chain, and the step is then answered with what there is rather than waited on."""
+    w, kd = worker
+    ref = Reference(w)
+    with Pipeline(w.args.bind, keys_dir=kd["controller"], first_key="w", timeout_s=60) as pipe:
+        tok = picked(pipe, pipe.submit(torch.tensor([PROMPT]), seq="p", pos=0, cache=True, last_only=True,
+                                       reserve=len(PROMPT) + AHEAD + 3, pick=True))
+        assert tok == ref.prefill(PROMPT)
+        pos = len(PROMPT)
+        chains = []
+        for _ in range(2):
+            t0 = time.monotonic()
+            while not (w.compute.ahead and w.compute.ahead[0].picked is not None):
+                assert time.monotonic() - t0 < 30, "the worker never computed the expected step"
+                time.sleep(0.001)
+            rid = pipe.submit_rows([("p", pos)], torch.tensor([tok]), pick=True, more=AHEAD)
+            got, res = pipe.collect()
+            assert got == rid and res.then is not None and bool(res.finite.all()), res
+            chain = [int(res.argmax[0])] + [int(t) for t in res.then[:, 0]]
+            want = []
+            for t in chain:
+                want.append(ref.step(tok, pos))
+                tok, pos = t, pos + 1
+            assert chain == want
+            chains.append(len(chain))
+        # the reserve holds positions 0..len(PROMPT) + AHEAD + 2: the first step and the AHEAD - 1
+        # after it write AHEAD of them from len(PROMPT) on, which leaves three
+        assert chains == [AHEAD, 3], chains

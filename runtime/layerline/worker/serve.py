@@ -41,6 +41,7 @@ class Worker:
         self.compute = StageCompute(args, self.name)
         self.net.open()
         self.running = True
+        self.parked: tuple | None = None   # (ident, header) of the step StageCompute parked
         # spinners as many as the threads a step runs on; they spin only after a message
         ms = awake.WINDOW_S * 1000 if args.awake_ms is None else args.awake_ms
         self.awake = awake.Awake(self.compute.torch.get_num_threads(), ms / 1000)
@@ -89,12 +90,11 @@ class Worker:
             elif self.args.last:
                 raise wire.WireError("header.reply_to: required, the last stage sends results there")
             stats.requests += 1
-            out_h, out_t = self.compute.forward(h, tensors)
-            msg = wire.encode(out_h, out_t)
-            if self.args.last:
-                self.net.send(self.net.peer(h["reply_to"]), msg, h["reply_to"])
-            else:
-                self.net.send_next(msg)
+            out = self.compute.forward(h, tensors)
+            if out is None:   # parked: answer_parked sends it
+                self.parked = ident, h
+                return
+            self._send(h, *out)
         except Stale as e:  # answered: the sender drops it if it forgot the request, else fails just these
             stats.stale_dropped += 1
             self._error(ident, h, str(e), e.code, e.header)
@@ -105,6 +105,25 @@ class Worker:
             stats.errors += 1
             text = str(e) if isinstance(e, LayerlineError) else f"{e.__class__.__name__}: {e}"
             self._error(ident, h, text, getattr(e, "code", None), getattr(e, "header", None))
+
+    def _send(self, h: dict, out_h: dict, out_t: dict) -> None:
+        msg = wire.encode(out_h, out_t)
+        if self.args.last:
+            self.net.send(self.net.peer(h["reply_to"]), msg, h["reply_to"])
+        else:
+            self.net.send_next(msg)
+
+    def answer_parked(self, force: bool) -> None:
+        """Send the parked step's answer once it is due (StageCompute.unpark)."""
+        out = self.compute.unpark(force) if self.parked is not None else None
+        if out is None:
+            return
+        (ident, h), self.parked = self.parked, None
+        try:
+            self._send(h, *out)
+        except Exception as e:  # noqa: BLE001 - the worker never dies of one request
+            self.compute.stats.errors += 1
+            self._error(ident, h, f"{e.__class__.__name__}: {e}")
 
     def _error(self, ident, h: dict | None, text: str, code: str | None = None, extra: dict | None = None) -> None:
         reply = {"op": "error", "stage": self.name, "error": text[:2000]}
@@ -135,14 +154,17 @@ class Worker:
         try:
             while self.running:
                 if poller.poll(self.POLL_MS):
+                    self.answer_parked(force=True)   # a parked step is answered before what came after it
                     frames = net.data.recv_multipart(copy=False)
                     if len(frames) >= 2:
                         self.handle_data(frames)
                         self.awake.poke()  # the next message is due within a pipeline's step
-                    # a stage holding the whole model computes the step it expects next while the
-                    # driver's round trip runs (StageCompute.run_ahead), unless a message waits
-                    while self.compute.can_run_ahead() and not poller.poll(0):
-                        self.compute.run_ahead()
+                # a stage holding the whole model computes the step it expects next while the
+                # driver's round trip runs (StageCompute.run_ahead), unless a message waits
+                while self.compute.can_run_ahead() and not poller.poll(0):
+                    self.compute.run_ahead()
+                    self.answer_parked(force=False)
+                self.answer_parked(force=False)
         finally:
             self.running = False
             self.close()

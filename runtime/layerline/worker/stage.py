@@ -33,6 +33,13 @@ driver's round trip (its wake-up, its sampling, the two hops) then runs beside t
 instead of between its steps; the answers' bits are the same, because the steps are the same
 computation. A guess never passes the reserve a sequence was admitted with (the tokens its request
 may reach), so at most AHEAD steps are spent on a sequence that stops early (an eos).
+`more: N` (0..wire.AHEAD) on a rows step: when it is the expected step, its answer also carries the
+steps computed after it, up to N: `then` (int64 [K, B]) holds each row's pick of those K steps in
+order (each fed the pick before it; only steps whose every row's logits are finite). The stage then
+holds those K tokens, and the driver sends its next step K positions further on: one round trip
+carries up to AHEAD tokens a row. Such a step is parked until N steps after it are computed, the
+chain can grow no more, or another message comes (the parked step is answered first, with what
+there is): a driver that waits on every answer would otherwise always find just one step computed.
 `epoch` (optional, an integer >= 0): the driver's wire epoch, passed on to the next stage. A
 forward of an older epoch than the last one that wrote any of its sequences here is not computed
 (it could rewind what the newer one wrote) and is answered as seq_unknown naming those sequences
@@ -57,7 +64,7 @@ from ..errors import LayerlineError
 from ..model import cpu_kernels
 from ..model.kv import KVPool
 from ..prefix import MAX_ENTRIES
-from ..wire import MAX_BATCH, MAX_SEQS
+from ..wire import AHEAD, MAX_BATCH, MAX_SEQS
 
 LOGITS = ("last", "all", "argmax")  # header.logits: what a forward asks the last stage to answer with
 
@@ -74,9 +81,6 @@ class Stats:
     compute_s: float = 0.0
     ahead_used: int = 0      # steps answered from a step computed ahead
     ahead_dropped: int = 0   # steps computed ahead that the next message did not ask for
-
-
-AHEAD = 4   # the most steps a first-and-last stage computes ahead of the messages asking for them
 
 
 @dataclass
@@ -104,6 +108,16 @@ class Ahead:
         """The step after this computed one (None where a row's logits were not finite)."""
         return following([(q, p + 1) for q, p in self.rows],
                          {"argmax": self.picked[0], "finite": self.picked[1]}, self.epoch)
+
+
+@dataclass
+class Parked:
+    """A rows step that asked for `more` and is answered from the chain once that many steps after it
+    are computed: what its answer's header is made of."""
+    h: dict
+    keep: tuple
+    timings: list
+    more: int
 
 
 def following(rows: list[tuple[str, int]], answer: dict, epoch: int | None) -> Ahead | None:
@@ -145,6 +159,7 @@ class StageCompute:
                          max_seqs=MAX_SEQS, context=args.kv_context, name=name, max_entries=MAX_ENTRIES)
         self.stats = Stats()
         self.ahead: list[Ahead] = []   # the steps expected next, in order (first-and-last stages only)
+        self.parked: Parked | None = None   # the expected step that came, waiting for the steps after it
 
     def prepare(self, awake) -> None:
         """Compile (when asked) and time the decode step: before the worker says it is ready.
@@ -283,9 +298,10 @@ class StageCompute:
             raise wire.WireError("header.logits: must be \"last\", \"all\" or \"argmax\"")
         return self._timings(h), h.get("logits") in ("last", "argmax"), epoch
 
-    def forward(self, h: dict, tensors: dict) -> tuple[dict, dict]:
+    def forward(self, h: dict, tensors: dict) -> tuple[dict, dict] | None:
         """A forward message's answer (header, tensors): a forward to the next stage, or the last
-        stage's result. Raises WireError (a bad message), KVRows, SeqUnknown, Stale, LayerlineError."""
+        stage's result; None where a rows step is parked (unpark answers it). Raises WireError (a bad
+        message), KVRows, SeqUnknown, Stale, LayerlineError."""
         if "rows" in h:
             return self.forward_rows(h, tensors)
         self.drop_ahead()
@@ -324,8 +340,9 @@ class StageCompute:
             self._expect(following([(seq, pos + x.shape[1])], answer, epoch))
         return head, answer
 
-    def forward_rows(self, h: dict, tensors: dict) -> tuple[dict, dict]:
-        """One new token for each row's own sequence (header.rows), weights read once for all rows."""
+    def forward_rows(self, h: dict, tensors: dict) -> tuple[dict, dict] | None:
+        """One new token for each row's own sequence (header.rows), weights read once for all rows.
+        None: the step is the one expected and parked until `more` steps after it are computed (unpark)."""
         rows = wire.rows(h, self.args.kv_context - 1)
         extra = [k for k in ("seq", "pos") if k in h]
         if extra:
@@ -335,6 +352,7 @@ class StageCompute:
             raise wire.WireError("header.cache: must be true with rows (each row steps a cached sequence)")
         if "reserve" in h:
             wire.require(h, "reserve", int, 1, self.args.kv_context)
+        more = wire.require(h, "more", int, 0, AHEAD) if "more" in h else 0
         timings, _, epoch = self._checked(h)
         x = self._validate_input(h, tensors)
         if x.shape[1] != 1:
@@ -346,11 +364,8 @@ class StageCompute:
         ahead = self.ahead   # run_ahead computes each step it appends, or takes it out again
         if ahead and ahead[-1].picked is not None and h.get("logits") == "argmax" and \
                 ahead[0].answers(rows, x, epoch, caches, [c.length for c in ahead[-1].caches]):
-            self.stats.ahead_used += 1
-            done = ahead.pop(0)
-            head, answer = self._answer(h, keep, timings, done.s, None, done.picked)
-            if not ahead:
-                self._expect(done.next())
+            self.parked = Parked(h, keep, timings, more)
+            return self.unpark(force=False)
         else:
             self.drop_ahead()
             t0 = time.perf_counter()
@@ -360,6 +375,25 @@ class StageCompute:
         return head, answer
 
     # --- running ahead (first-and-last stages) -----------------------------------------------------
+
+    def unpark(self, force: bool) -> tuple[dict, dict] | None:
+        """The parked step's answer (header, tensors), from the chain: its first step and up to `more`
+        computed steps after it. It waits (None) while fewer are computed and the chain can still grow,
+        unless `force` (another message arrived: the parked one goes first, with what there is)."""
+        p, ahead = self.parked, self.ahead
+        if p is None or (not force and len(ahead) <= p.more and self.can_run_ahead()):
+            return None
+        self.parked = None
+        done = [ahead.pop(0)]
+        while len(done) <= p.more and ahead and ahead[0].picked is not None and bool(ahead[0].picked[1].all()):
+            done.append(ahead.pop(0))
+        self.stats.ahead_used += len(done)
+        head, answer = self._answer(p.h, p.keep, p.timings, sum(a.s for a in done), None, done[0].picked)
+        if len(done) > 1:
+            answer["then"] = torch.stack([a.picked[0].to(torch.int64) for a in done[1:]])
+        if not ahead:
+            self._expect(done[-1].next())
+        return head, answer
 
     def _expect(self, step: Ahead | None) -> None:
         """After a greedy answer (`following` gives a step only for one) of a stage holding the whole
