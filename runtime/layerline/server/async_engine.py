@@ -212,13 +212,16 @@ class AsyncEngine:
         self.metrics.prefix_tokens.set(p.tokens)
 
     def _on_step(self, res, kind: str, n: int) -> None:
+        # an answer that carries the steps a stage computed ahead (StepResult.then) timed them all
+        steps = 1 + (int(res.then.shape[0]) if res.then is not None else 0)
         for t in res.timings:
             if isinstance(t, dict) and isinstance(t.get("s"), (int, float)):
                 name = str(t.get("stage"))
                 h = self._stage_hist.get(name)
                 if h is None:
                     h = self._stage_hist[name] = self.metrics.stage_step.labels(name)
-                h.observe(float(t["s"]))
+                for _ in range(steps):
+                    h.observe(float(t["s"]) / steps)
 
     # -- requests (asyncio side)
 

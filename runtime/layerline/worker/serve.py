@@ -115,13 +115,19 @@ class Worker:
 
     def answer_parked(self, force: bool) -> None:
         """Send the parked step's answer once it is due (StageCompute.unpark)."""
-        out = self.compute.unpark(force) if self.parked is not None else None
-        if out is None:
+        if self.parked is None:
             return
-        (ident, h), self.parked = self.parked, None
+        ident, h = self.parked
         try:
+            out = self.compute.unpark(force)
+            if out is None:
+                return
+            self.parked = None
             self._send(h, *out)
+            self.awake.poke()  # the next message is due within a step
         except Exception as e:  # noqa: BLE001 - the worker never dies of one request
+            self.parked = self.compute.parked = None
+            self.compute.drop_ahead()
             self.compute.stats.errors += 1
             self._error(ident, h, f"{e.__class__.__name__}: {e}")
 

@@ -35,11 +35,12 @@ computation. A guess never passes the reserve a sequence was admitted with (the 
 may reach), so at most AHEAD steps are spent on a sequence that stops early (an eos).
 `more: N` (0..wire.AHEAD) on a rows step: when it is the expected step, its answer also carries the
 steps computed after it, up to N: `then` (int64 [K, B]) holds each row's pick of those K steps in
-order (each fed the pick before it; only steps whose every row's logits are finite). The stage then
-holds those K tokens, and the driver sends its next step K positions further on: one round trip
-carries up to AHEAD tokens a row. Such a step is parked until N steps after it are computed, the
-chain can grow no more, or another message comes (the parked step is answered first, with what
-there is): a driver that waits on every answer would otherwise always find just one step computed.
+order (each fed the pick before it; only steps whose every row's logits are finite), and its
+timing's `s` is the compute of all 1 + K steps. The stage then holds those K tokens, and the driver
+sends its next step K positions further on: one round trip carries up to AHEAD tokens a row. Such a
+step is parked until N steps after it are computed, the chain can grow no more, or another message
+comes (the parked step is answered first, with what there is): a driver that waits on every answer
+would otherwise always find just one step computed.
 `epoch` (optional, an integer >= 0): the driver's wire epoch, passed on to the next stage. A
 forward of an older epoch than the last one that wrote any of its sequences here is not computed
 (it could rewind what the newer one wrote) and is answered as seq_unknown naming those sequences
