@@ -565,7 +565,8 @@ def test_health_is_503_when_a_stage_stops(servers, stages):
 def test_one_worker_holding_the_model_serves_concurrent_clients_as_alone(ckpt, full, tmp_path):
     """One stage holds the whole model, so it runs ahead (layerline.worker.stage, "Running ahead"):
     sixteen clients joining and ending (eos, max_tokens) keep changing the rows it guessed, and one
-    client alone lets it answer from its guesses; every answer equals the one-process greedy tokens."""
+    client alone lets it answer from its guesses, several tokens a round trip; every answer equals the
+    one-process greedy tokens, and the metrics count every step the stage computed for them."""
     from layerline.driver import control
     from layerline.worker import control_endpoint
     procs, first, tmp, _ = local_stages(str(ckpt), 1, "fp32", threads=1)
@@ -587,10 +588,16 @@ def test_one_worker_holding_the_model_serves_concurrent_clients_as_alone(ckpt, f
         with concurrent.futures.ThreadPoolExecutor(16) as ex:
             assert list(ex.map(one, range(16))) == want
         alone = [11, 12, 13]
+        steps = lambda: sum(float(line.split()[-1]) for line in httpx.get(srv.url + "/metrics", timeout=10).text  # noqa: E731
+                            .splitlines() if line.startswith("layerline_stage_step_seconds_count"))
+        before = steps()
         assert ids_of(c.completions.create(model=MODEL, prompt=alone, max_tokens=16, temperature=0).choices[0]) \
             == greedy(full, alone, 16)
         s = control(control_endpoint(first), "stats", keys_dir=keys, peer="stage0")
         assert s["ahead_used"] > 0 and s["errors"] == 0, s
+        # its prefill and 15 steps, each counted once whether it came alone or with others (more
+        # where a loaded machine made the server replay)
+        assert steps() - before >= 16
     finally:
         srv.stop()
         stop_local(procs)
