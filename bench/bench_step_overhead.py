@@ -10,7 +10,8 @@ the median over rounds), in ms:
   token     the decode window's seconds / its tokens (what `decode_tokens_per_s` inverts);
   forward   the worker's compute time for the step (its timing: the stage's forward, logits to CPU);
   hop       the step's round trip as the controller saw it, less forward: the message's encoding,
-            ZeroMQ both ways, the worker's checks, KV bookkeeping and wake-ups;
+            ZeroMQ both ways, the worker's checks, KV bookkeeping and wake-ups (an answer that
+            carries steps computed ahead counts once for each: its times are shared among them);
   driver    token less the round trip: the controller's engine, sampling and scheduling.
 And the CPU a decoded token costs (a loaded machine scrambles wall time far more than CPU time):
   w cpu     the worker process's CPU (all its threads; its idle-priority spinners are processes
@@ -64,9 +65,16 @@ def one_run(path: Path, vocab: int, a) -> dict[str, float]:
         stop_local(procs)
         shutil.rmtree(tmp, ignore_errors=True)
     tokens, seconds = g.decode_window
-    steps = g.decode[-tokens:]  # the window's steps (the first one-token step may queue behind the prefill)
-    fwd = statistics.fmean(sum(t["s"] for t in s.timings) for s in steps)
-    wall = statistics.fmean(s.wall_s for s in steps)
+    # the window's answers, from the last back (the first one-token step may queue behind the
+    # prefill); an answer carries 1 + the steps the worker computed ahead (StepResult.then)
+    steps, n = [], 0
+    for s in reversed(g.decode):
+        if n >= tokens:
+            break
+        steps.append(s)
+        n += 1 + (0 if s.then is None else int(s.then.shape[0]))
+    fwd = sum(sum(t["s"] for t in s.timings) for s in steps) / n
+    wall = sum(s.wall_s for s in steps) / n
     token = seconds / tokens
     w_cpu, c_cpu = (((c2[i] - c1[i]) - (c1[i] - c0[i])) / a.new * 1e3 for i in (0, 1))
     return {"token": token * 1e3, "forward": fwd * 1e3, "hop": (wall - fwd) * 1e3, "driver": (token - wall) * 1e3,
