@@ -41,7 +41,7 @@ class Worker:
         self.compute = StageCompute(args, self.name)
         self.net.open()
         self.running = True
-        self.parked: tuple | None = None   # (ident, header) of the step StageCompute parked
+        self.parked_by = None   # the sender's identity of the step StageCompute parked (compute.parked)
         # spinners as many as the threads a step runs on; they spin only after a message
         ms = awake.WINDOW_S * 1000 if args.awake_ms is None else args.awake_ms
         self.awake = awake.Awake(self.compute.torch.get_num_threads(), ms / 1000)
@@ -92,7 +92,7 @@ class Worker:
             stats.requests += 1
             out = self.compute.forward(h, tensors)
             if out is None:   # parked: answer_parked sends it
-                self.parked = ident, h
+                self.parked_by = ident
                 return
             self._send(h, *out)
         except Stale as e:  # answered: the sender drops it if it forgot the request, else fails just these
@@ -115,21 +115,20 @@ class Worker:
 
     def answer_parked(self, force: bool) -> None:
         """Send the parked step's answer once it is due (StageCompute.unpark)."""
-        if self.parked is None:
+        p = self.compute.parked
+        if p is None:
             return
-        ident, h = self.parked
         try:
             out = self.compute.unpark(force)
             if out is None:
                 return
-            self.parked = None
-            self._send(h, *out)
+            self._send(p.h, *out)
             self.awake.poke()  # the next message is due within a step
         except Exception as e:  # noqa: BLE001 - the worker never dies of one request
-            self.parked = self.compute.parked = None
+            self.compute.parked = None
             self.compute.drop_ahead()
             self.compute.stats.errors += 1
-            self._error(ident, h, f"{e.__class__.__name__}: {e}")
+            self._error(self.parked_by, p.h, f"{e.__class__.__name__}: {e}")
 
     def _error(self, ident, h: dict | None, text: str, code: str | None = None, extra: dict | None = None) -> None:
         reply = {"op": "error", "stage": self.name, "error": text[:2000]}

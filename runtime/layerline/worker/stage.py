@@ -68,6 +68,8 @@ from ..prefix import MAX_ENTRIES
 from ..wire import AHEAD, MAX_BATCH, MAX_SEQS
 
 LOGITS = ("last", "all", "argmax")  # header.logits: what a forward asks the last stage to answer with
+# the header fields a rows step's answer keeps
+ROWS_KEEP = ("id", "rows", "cache", "reply_to", "deadline", "logits", "reserve", "epoch")
 
 IDLE_CAP_S = 0.05  # the longest idle measure_step waits before a timed step
 
@@ -116,7 +118,6 @@ class Parked:
     """A rows step that asked for `more` and is answered from the chain once that many steps after it
     are computed: what its answer's header is made of."""
     h: dict
-    keep: tuple
     timings: list
     more: int
 
@@ -361,17 +362,16 @@ class StageCompute:
         if x.shape[0] != len(rows):
             raise wire.WireError(f"header.rows: {len(rows)} rows but the tensor's batch is {x.shape[0]}")
         caches = self.kv.rows(rows, epoch)
-        keep = ("id", "rows", "cache", "reply_to", "deadline", "logits", "reserve", "epoch")
         ahead = self.ahead   # run_ahead computes each step it appends, or takes it out again
         if ahead and ahead[-1].picked is not None and h.get("logits") == "argmax" and \
                 ahead[0].answers(rows, x, epoch, caches, [c.length for c in ahead[-1].caches]):
-            self.parked = Parked(h, keep, timings, more)
+            self.parked = Parked(h, timings, more)
             return self.unpark(force=False)
         else:
             self.drop_ahead()
             t0 = time.perf_counter()
             out = self.stage.forward_rows(x.to(self.args.device), [p for _, p in rows], caches)
-            head, answer = self._reply(h, keep, timings, out, t0)
+            head, answer = self._reply(h, ROWS_KEEP, timings, out, t0)
             self._expect(following([(q, p + 1) for q, p in rows], answer, epoch))
         return head, answer
 
@@ -389,7 +389,7 @@ class StageCompute:
         while len(done) <= p.more and ahead and ahead[0].picked is not None and bool(ahead[0].picked[1].all()):
             done.append(ahead.pop(0))
         self.stats.ahead_used += len(done)
-        head, answer = self._answer(p.h, p.keep, p.timings, sum(a.s for a in done), None, done[0].picked)
+        head, answer = self._answer(p.h, ROWS_KEEP, p.timings, sum(a.s for a in done), None, done[0].picked)
         if len(done) > 1:
             answer["then"] = torch.stack([a.picked[0].to(torch.int64) for a in done[1:]])
         if not ahead:
