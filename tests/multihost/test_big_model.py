@@ -35,6 +35,7 @@ from helpers import BIN, ROOT, ansible_env, playbook, remove_testhosts, run_test
 
 pytestmark = [
     pytest.mark.big,
+    pytest.mark.timeout(3600),  # its deploys are bounded at 1800 s each (pyproject's 900 s is for the suite)
     pytest.mark.skipif(os.environ.get("LAYERLINE_BIG") != "1",
                        reason="the big-model deployment runs under `make test-big` (LAYERLINE_BIG=1)"),
     pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("ip"),

@@ -27,6 +27,7 @@ from helpers import BIN, ROOT
 
 pytestmark = [
     pytest.mark.systemd,
+    pytest.mark.timeout(3600),  # its deploys are bounded at 1800 s each (pyproject's 900 s is for the suite)
     pytest.mark.skipif(os.environ.get("LAYERLINE_SYSTEMD") != "1",
                        reason="the systemd host runs under `make test-systemd` (LAYERLINE_SYSTEMD=1)"),
 ]
