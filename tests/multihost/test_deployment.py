@@ -58,6 +58,7 @@ SUBNET = "10.77.0.0/24"
 HOSTS = ("h1", "h2", "h3", "h4")
 PORT = 9100                      # every host's layerline_port (each has its own network stack)
 SLOT1_PORT = PORT + 50           # the other slot's data port (layerline.settings.slot_port)
+NICE = 3                         # the workers' layerline_nice
 SERVE_PORT = 29880               # the server, on the controller's loopback
 URL = f"http://127.0.0.1:{SERVE_PORT}"
 # two clients of 16 tokens, each sending its next request as soon as one ends: requests always
@@ -149,8 +150,9 @@ def deployed():
               # niced workers on two cores shared with the load, the plays and another test file can take
               # over 2 s to answer a health check: a stage taken for dead there would be failed over
               "layerline_serve_health_deadline": 4,
-              # the workers yield the CPU to the plays beside them; the load takes what is left
-              "layerline_nice": 10}
+              # the workers yield some CPU to the plays beside them (at nice 10 they starved behind three
+              # test files and a busy loop, and this file became the suite's long pole)
+              "layerline_nice": NICE}
         (home / "vars.json").write_text(json.dumps(ev))
         extra = ["-i", str(inv), "-e", json.dumps(ev)]
         # the first deploy.yml dies (SIGKILL, its whole process group) while the workers start, after
@@ -267,7 +269,7 @@ def test_deploy_plans_stages_drives_and_serves(deployed):
         assert ready_["layers"] == s["layers"]
         assert s["endpoint"] == ready_["bind"] == f"tcp://{addrs[h]}:{PORT}", (s, ready_)
         assert ready_["pid"] in netns_pids(f"{PREFIX}-{h}"), f"{h}'s worker is not in namespace {PREFIX}-{h}"
-        assert os.getpriority(os.PRIO_PROCESS, ready_["pid"]) == 10, f"{h}: layerline_nice did not reach it"
+        assert os.getpriority(os.PRIO_PROCESS, ready_["pid"]) == NICE, f"{h}: layerline_nice did not reach it"
         argv = json.loads((state_dir(home, h) / "argv.json").read_text())
         assert argv[argv.index("--precision") + 1] == plan["precision"]
         pids[h] = ready_["pid"]
@@ -560,7 +562,7 @@ def test_drain_and_rejoin_under_load_lose_nothing(deployed):
     assert [h for h, _, _ in before] == ["h1", "h2", "h3"]
     assert ready(home, "h4"), "the standby runs"
     stages = {h: opened_stage(home, h) for h in ("h1", "h2", "h3", "h4")}
-    assert {os.getpriority(os.PRIO_PROCESS, ready(home, h)["pid"]) for h in ("h1", "h2", "h3", "h4")} == {10}
+    assert {os.getpriority(os.PRIO_PROCESS, ready(home, h)["pid"]) for h in ("h1", "h2", "h3", "h4")} == {NICE}
 
     # a drain whose new route cannot come up (h1's new port is taken, in h1's namespace) changes nothing
     with port_taken("h1", SLOT1_PORT):
