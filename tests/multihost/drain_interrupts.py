@@ -38,8 +38,9 @@ AFTER_SWITCH = "Keep the new route state, nothing pending"
 # deploy.yml -e layerline_rejoin=HOST: the server's switch and the commit after it (playbooks/serve.yml)
 REJOIN_AFTER_SWITCH = "Keep the route state, nothing pending"
 # how long a stopped run may take to end once the task starts (a SIGINT's run ends its own way in seconds;
-# beside a busy loop, in about one run of ten, never: ansible-playbook's cleanup waits on its final
-# queue's lock (CI runs 41, 62, 63); its threads' stacks then go to the phase log, and a second Ctrl-C)
+# beside a busy loop, in runs 34 and 41 of ten and in each of runs 62-64 (three test files at a time),
+# never: ansible-playbook's cleanup waits on its final queue's lock; its threads' stacks then go to the
+# phase log, and a second Ctrl-C ends it)
 ENDS_WITHIN = 15.0
 
 
