@@ -205,3 +205,32 @@ def test_a_step_asking_for_more_waits_for_the_steps_after_it_up_to_the_reserve(w
         # the reserve holds positions 0..len(PROMPT) + AHEAD + 2: the first step and the AHEAD - 1
         # after it write AHEAD of them from len(PROMPT) on, which leaves three
         assert chains == [AHEAD, 3], chains
+
+
+def test_a_parked_answer_that_fails_fails_that_request_alone(worker, monkeypatch):
+    """A parked step whose answer cannot be made: its sender gets the error, the chain it waited on is
+    dropped, and the worker goes on (the same step sent again is computed and answered right)."""
+    w, kd = worker
+    ref = Reference(w)
+    calls = []
+
+    def broken(force):
+        calls.append(force)
+        if len(calls) == 1:   # the forward's own check: not due yet, so the step stays parked
+            return None
+        raise RuntimeError("no memory for the answer")
+    with Pipeline(w.args.bind, keys_dir=kd["controller"], first_key="w", timeout_s=60) as pipe:
+        tok = picked(pipe, pipe.submit(torch.tensor([PROMPT]), seq="f", pos=0, cache=True, last_only=True,
+                                       reserve=32, pick=True))
+        assert tok == ref.prefill(PROMPT)
+        pos = len(PROMPT)
+        guessed(w)
+        monkeypatch.setattr(w.compute, "unpark", broken)
+        rid = pipe.submit_rows([("f", pos)], torch.tensor([tok]), pick=True, more=AHEAD)
+        got, res = pipe.collect()
+        assert got == rid and isinstance(res, DriveError) and "no memory for the answer" in str(res), res
+        assert len(calls) >= 2 and w.compute.parked is None and not w.compute.ahead
+        monkeypatch.undo()
+        assert picked(pipe, pipe.submit_rows([("f", pos)], torch.tensor([tok]), pick=True)) == ref.step(tok, pos)
+        s = control(w.net.control_addr, "stats", keys_dir=kd["controller"], peer="w", timeout_s=5.0)
+        assert s["errors"] >= 1, s

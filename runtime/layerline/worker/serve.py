@@ -125,8 +125,7 @@ class Worker:
             self._send(p.h, *out)
             self.awake.poke()  # the next message is due within a step
         except Exception as e:  # noqa: BLE001 - the worker never dies of one request
-            self.compute.parked = None
-            self.compute.drop_ahead()
+            self.compute.abandon_parked()
             self.compute.stats.errors += 1
             self._error(self.parked_by, p.h, f"{e.__class__.__name__}: {e}")
 

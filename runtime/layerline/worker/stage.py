@@ -404,6 +404,11 @@ class StageCompute:
         if step is not None and self.args.first and self.args.last:
             self.ahead = [step]
 
+    def abandon_parked(self) -> None:
+        """The parked step's answer could not be made or sent: forget it and the chain it waited on."""
+        self.parked = None
+        self.drop_ahead()
+
     def drop_ahead(self) -> None:
         """Any message but the expected step ends the expectation (the worker calls it for releases)."""
         self.stats.ahead_dropped += sum(a.picked is not None for a in self.ahead)
