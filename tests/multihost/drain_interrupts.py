@@ -39,8 +39,9 @@ AFTER_SWITCH = "Keep the new route state, nothing pending"
 REJOIN_AFTER_SWITCH = "Keep the route state, nothing pending"
 # how long a stopped run may take to end once the task starts (a SIGINT's run ends its own way in seconds;
 # beside a busy loop, in runs 34 and 41 of ten and in each of runs 62-64 (three test files at a time),
-# never: ansible-playbook's cleanup waits on its final queue's lock; its threads' stacks then go to the
-# phase log, and a second Ctrl-C ends it)
+# never: a fork killed holding the final queue's lock left ansible-playbook's cleanup waiting for it.
+# interrupt_at now waits for the forks before its Ctrl-C; should a run still not end, its threads'
+# stacks go to the phase log, and a second Ctrl-C ends it)
 ENDS_WITHIN = 15.0
 
 
