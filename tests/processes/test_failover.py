@@ -202,10 +202,19 @@ def max_gap(r: dict) -> float:
 
 
 def check_same(reference: list[dict], got: list[dict]) -> None:
+    """Every stream whole and, as far as the undisturbed run went (a longer one: its first tokens), the
+    same tokens."""
     for i, (ref, r) in enumerate(zip(reference, got)):
         assert r["status"] == 200 and r["error"] is None, f"client {i}: {r['status']} {r['error']}"
         assert r["finish"] == "length", f"client {i}: finish {r['finish']}"
-        assert r["tokens"] == ref["tokens"], f"client {i}: tokens differ from the undisturbed run"
+        assert r["tokens"][:len(ref["tokens"])] == ref["tokens"], f"client {i}: tokens differ from the undisturbed run"
+
+
+# the streams a stop must land in the middle of: a busy machine's client threads can read their third
+# token after the server generated all N_TOKENS (once, beside a busy loop, all four had: the SIGSTOP
+# stalled nothing); 200 take 1.4 s quiet (7 ms a token), several beside the loop, and four such
+# streams still fit the plan's KV context of 1024 at once
+DISTURBED = 200
 
 
 def report(what: str, reference: list[dict], got: list[dict]) -> float:
@@ -252,7 +261,7 @@ def test_sigkill_restarted_by_the_supervisor(plain):
     def kill():
         t["kill"] = time.perf_counter()
         os.kill(pid, signal.SIGKILL)
-    got = run_clients(server.url, kill)
+    got = run_clients(server.url, kill, max_tokens=DISTURBED)
     assert "kill" in t
     check_same(reference, got)
     worst = report("SIGKILL stage1 (supervisor restart)", reference, got)
@@ -285,7 +294,7 @@ def test_sigstop_without_a_standby(plain):
             os.kill(pid, signal.SIGCONT)
         threading.Thread(target=cont, daemon=True).start()
     before = server.metric("layerline_failovers_total", host="stage2", action="waited")
-    got = run_clients(server.url, stop)
+    got = run_clients(server.url, stop, max_tokens=DISTURBED)
     assert "stop" in t
     check_same(reference, got)
     worst = report("SIGSTOP stage2 5 s", reference, got)
