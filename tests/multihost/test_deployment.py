@@ -462,8 +462,8 @@ def complete(prompt: list[int]) -> list[int]:
 class Load:
     """A client for each of PROMPTS, each streaming its prompt again and again until stopped, GAP seconds
     apart: without the gap they sent as many requests as the machine could answer while a playbook ran
-    (234 in this file's quiet run, 321 s of CPU in all; 122 and 310 s with it). Each client is still in
-    a request most of the time (one takes 0.5-2 s)."""
+    (twice as many, CPU the suite needs elsewhere: docs/testing.md). Each client is still in a request
+    most of the time (one takes about 0.9 s quiet)."""
     GAP = 0.3
 
     def __init__(self):
