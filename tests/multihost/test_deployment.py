@@ -61,8 +61,8 @@ SLOT1_PORT = PORT + 50           # the other slot's data port (layerline.setting
 NICE = 3                         # the workers' layerline_nice
 SERVE_PORT = 29880               # the server, on the controller's loopback
 URL = f"http://127.0.0.1:{SERVE_PORT}"
-# two clients of 16 tokens, each sending its next request as soon as one ends: requests always
-# running while a route switches (the replay counter must rise), short enough that the ones running
+# two clients of 16 tokens, each sending its next request Load.GAP after one ends: requests nearly
+# always running while a route switches (those carried over must replay), short enough that the ones running
 # when a load stops end soon; more clients or tokens only add steps the CPU must run beside the plays
 N_TOKENS = 16
 PROMPTS = [[5 + i, 17, 3 + 2 * i, 99 - i] for i in range(2)]

@@ -13,6 +13,7 @@
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -56,18 +57,16 @@ def gemma() -> Path:
 
 
 def _logits(path: Path, precision: str) -> torch.Tensor:
-    if precision == "fp32" and path in _FP32:   # SmolLM2's two modes compare with the same fp32 logits
-        return _FP32[path]
     ck = open_checkpoint(path)
     ids = torch.tensor([ck.require_tokenizer().encode(TEXT).ids])
     n = ck.index.num_layers
-    logits = load_stage(str(path), 0, n, True, True, precision=precision)(ids)[0, :-1]
-    if precision == "fp32":
-        _FP32[path] = logits.detach()
-    return logits
+    return load_stage(str(path), 0, n, True, True, precision=precision)(ids)[0, :-1].detach()
 
 
-_FP32: dict[Path, torch.Tensor] = {}
+@functools.lru_cache(maxsize=1)   # one file's: Gemma's vocabulary makes its logits 300 MB
+def _fp32_logits(path: Path) -> torch.Tensor:
+    """The file at fp32: SmolLM2's two modes, one after the other, compare with the same logits."""
+    return _logits(path, "fp32")
 
 
 @pytest.mark.parametrize("which, mode, bound", [("gemma3-270m-q4_k_m", "on", 0.97), ("smollm2-135m-q4_1", "on", 0.95),
@@ -78,7 +77,7 @@ def test_gguf_top1_agrees_with_fp32_over_plain_text(which, mode, bound, request,
     agrees with fp32 no better (measured: SmolLM2 0.9655 both). So that bound is what the arithmetic
     reaches on this text, and every disagreement must be a near tie: fp32's choice among gguf's top 3."""
     path = request.getfixturevalue("gemma") if which.startswith("gemma") else Path(packaged_smollm2())
-    want = _logits(path, "fp32")
+    want = _fp32_logits(path)
     monkeypatch.setenv("LAYERLINE_GGUF_OWN", mode)
     got = _logits(path, "gguf")
     same = got.argmax(-1) == want.argmax(-1)

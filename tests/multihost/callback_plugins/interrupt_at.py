@@ -22,8 +22,8 @@ import faulthandler
 import os
 import signal
 import time
-from pathlib import Path
 
+import psutil
 from ansible.plugins.callback import CallbackBase
 
 DOCUMENTATION = """
@@ -61,19 +61,15 @@ class CallbackModule(CallbackBase):
 
 def _forks_gone(timeout: float = 10.0) -> None:
     """Wait until no live child of this process runs ansible-playbook's own command line (its forks)."""
-    me = os.getpid()
-    own = Path(f"/proc/{me}/cmdline").read_bytes()
+    me = psutil.Process()
+    own = me.cmdline()
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        kids = set()
-        for t in Path(f"/proc/{me}/task").iterdir():
-            kids.update((t / "children").read_text().split())
-        forks = []
-        for k in kids:
-            try:
-                forks.append(Path(f"/proc/{k}/cmdline").read_bytes() == own)
-            except OSError:   # gone meanwhile
-                pass
-        if not any(forks):
-            return
+    while time.monotonic() < deadline and any(_runs(kid, own) for kid in me.children()):
         time.sleep(0.05)
+
+
+def _runs(proc: psutil.Process, cmdline: list[str]) -> bool:
+    try:
+        return proc.cmdline() == cmdline
+    except psutil.Error:   # gone meanwhile, or exited and not yet reaped
+        return False
