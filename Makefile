@@ -12,6 +12,9 @@ export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
 # them again (test_cluster: 13% of its CPU)
 setup: $(VENV)/.layerline-stamp
 	@$(BIN)/python -m compileall -q runtime modules scripts > /dev/null
+	@# this CPU's decode kernels, built once into ~/.cache/layerline/kernels (a no-op when built): on a fresh
+	@# machine the first worker or test to load them built them (about 18 s of CPU) while the others waited
+	@$(BIN)/python -c "from layerline.model import cpu_kernels; cpu_kernels.load()"
 
 $(VENV)/.layerline-stamp: pyproject.toml constraints.txt Makefile
 	$(PYTHON) -m venv $(VENV)
