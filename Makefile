@@ -35,13 +35,13 @@ demo: setup
 teardown: setup
 	$(BIN)/ansible-playbook teardown.yml
 
-# every tier (tests/unit, processes, deploy, multihost), three test files at a time (--dist loadfile
+# every tier (tests/unit, processes, deploy, multihost), four test files at a time (--dist loadfile
 # keeps a file's deployment in one process; each file has its own ports and layerline_home): the suite
-# is bound by CPU, and beside another busy process three runnable workers get 3/4 of two cores where
-# two get 2/3 (docs/testing.md). --no-loadscope-reorder keeps tests/conftest.py's order (the slowest
-# files first); xdist would start the files with most tests. ansible-lint is `make lint`.
+# is bound by CPU, and beside another busy process n runnable workers get n/(n+1) of two cores
+# (docs/testing.md). --no-loadscope-reorder keeps tests/conftest.py's order (the slowest files first);
+# xdist would start the files with most tests. ansible-lint is `make lint`.
 test: setup
-	$(BIN)/python -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder --durations=20 tests
+	$(BIN)/python -m pytest -q -n 4 --dist loadfile --no-loadscope-reorder --durations=20 tests
 
 # a model no single host can hold (issue 36): a 1.6 GB GGUF over three namespace hosts, each in a
 # 1300 MiB memory cgroup, through deploy.yml; minutes, needs root. Figures in .cache/big-model.json.

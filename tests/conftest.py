@@ -48,15 +48,17 @@ def _tier(item) -> str:
     return tier
 
 
-# The slowest files first, slowest first (seconds each beside a CPU hog on the 2-core machine:
-# deployment ~500 before test_multihost was folded into it (measured alone beside the hog, 18:00 UTC
-# 2026-12-04; quiet 473 s, 2026-12-05), gemma3_gguf ~140,
-# compile ~100, failover ~60, cluster ~50, bad_deploys ~45, gguf ~40, families ~35): `make test` runs two files at a time (pytest-xdist
-# --dist loadfile), and a long file started last would run alone. test_deployment is one shared
-# deployment whose tests go on from each other's state: it cannot be split across workers.
-# test_collection ~130 (127 s under the e2e lock, load average ~4, 20:19 UTC 2026-12-04; 374 s at load ~10)
-SLOW_FIRST = ("test_deployment", "test_collection", "test_gemma3_gguf", "test_compile", "test_failover",
-              "test_cluster", "test_bad_deploys", "test_gguf", "test_families", "test_generate", "test_int4")
+# The slowest files first, slowest first (seconds each beside a CPU hog on the 2-core machine, runs 70-72
+# of docs/testing.md: deployment ~580, compile ~180, collection ~105, gemma3_gguf ~100, bad_deploys ~90,
+# gguf_bytes ~80, cluster ~70, then 60 down to 28; one_host ~130 when its tests were test_deployment's):
+# `make test` runs four files at a time (pytest-xdist --dist loadfile), and a long file started last
+# would run alone.
+# test_deployment is one shared deployment whose tests go on from each other's state: it cannot be split
+# across workers.
+SLOW_FIRST = ("test_deployment", "test_compile", "test_one_host", "test_collection", "test_gemma3_gguf",
+              "test_bad_deploys", "test_gguf_bytes", "test_cluster", "test_worker_module", "test_check_mode",
+              "test_gguf_own_bits", "test_worker", "test_gguf", "test_probe", "test_failover",
+              "test_controller_actions", "test_int4", "test_curve", "test_families")
 
 
 def pytest_sessionstart(session):
