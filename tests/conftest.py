@@ -16,6 +16,11 @@ _xdist = os.environ.get("PYTEST_XDIST_WORKER", "")
 _slot = int(_xdist[2:]) % 4 if _xdist.startswith("gw") and _xdist[2:].isdigit() else 0
 if _xdist or "LAYERLINE_PORT_RANGE" not in os.environ:   # a worker inherits the controller's: replace it
     os.environ["LAYERLINE_PORT_RANGE"] = f"{20000 + 2000 * _slot}-{21998 + 2000 * _slot}"
+# inductor compiles in this process (and in the workers the tests start), not in a pool of compile
+# workers: on two cores the pool ran nothing in parallel that mattered and each of its processes
+# imports torch. test_compile with a cold inductor cache, machine-wide CPU: 109 s with the pool,
+# 78 s without (docs/testing.md). Read when torch._inductor.config is imported, so set before torch.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 # torch._dynamo registers a polyfill for sys.intern when it is first imported, and Ansible's
 # module_utils (loaded in-process by some module tests) replaces sys.intern with a patch class
 # that dynamo then refuses. Load dynamo first, while sys.intern is still the builtin.
