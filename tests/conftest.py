@@ -10,7 +10,7 @@ import pytest
 
 # Ports for local pipelines and test workers (layerline.local.free_ports): below the kernel's ephemeral
 # range (so no outgoing connection takes one between the pick and the worker's bind), a range of its
-# own for each pytest-xdist process (`make test` runs two), and clear of the fixed ports 29100-29999
+# own for each pytest-xdist process (`make test` runs four, gw0-gw3), and clear of the fixed ports 29100-29999
 # that the deploy tests use.
 _xdist = os.environ.get("PYTEST_XDIST_WORKER", "")
 _slot = int(_xdist[2:]) % 4 if _xdist.startswith("gw") and _xdist[2:].isdigit() else 0
@@ -57,9 +57,8 @@ def _tier(item) -> str:
 # of docs/testing.md: deployment ~580, compile ~180, collection ~105, gemma3_gguf ~100, bad_deploys ~90,
 # gguf_bytes ~80, cluster ~70, then 60 down to 28; one_host ~130 when its tests were test_deployment's):
 # `make test` runs four files at a time (pytest-xdist --dist loadfile), and a long file started last
-# would run alone.
-# test_deployment is one shared deployment whose tests go on from each other's state: it cannot be split
-# across workers.
+# would run alone. test_deployment is one shared deployment whose tests go on from each other's state:
+# it cannot be split across workers.
 SLOW_FIRST = ("test_deployment", "test_compile", "test_one_host", "test_collection", "test_gemma3_gguf",
               "test_bad_deploys", "test_gguf_bytes", "test_cluster", "test_worker_module", "test_check_mode",
               "test_gguf_own_bits", "test_worker", "test_gguf", "test_probe", "test_failover",
