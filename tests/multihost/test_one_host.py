@@ -2,8 +2,8 @@
 needs several): the runtime role installing and upgrading layerline where the host's interpreter lacks
 it, then a bf16 deploy of that host, whose worker runs this machine's decode kernels, and a drive whose
 check fails. A file of its own, so its playbooks run beside test_deployment's rather than after them
-(`make test` runs four files at a time). Run the file whole: the deploy goes on from the runtime test's
-host. Needs root (a namespace, a bridge); installs openssh-server with apt-get when sshd is missing."""
+(`make test` runs four files at a time). Each test also runs on its own. Needs root (a namespace, a
+bridge); installs openssh-server with apt-get when sshd is missing."""
 from __future__ import annotations
 
 import json
@@ -58,7 +58,7 @@ def running(home: Path) -> dict[str, int]:
 
 @pytest.fixture(scope="module")
 def host():
-    """(home, extra args): the host up, a fp32 checkpoint on the controller, the deploy's variables."""
+    """(home, extra args): the host up, an fp32 checkpoint on the controller, the deploy's variables."""
     from layerline.checkpoint import write_demo_checkpoint
     # Not under /tmp: the host has its own /tmp
     work = Path(tempfile.mkdtemp(prefix="layerline-one-host-", dir="/var/tmp"))
