@@ -68,6 +68,28 @@ def nshost_settings(info: dict, host: str):
     return HostSettings.from_vars(host, {**group["vars"], **group["hosts"][host]})
 
 
+def nshost_state_dir(info: dict, home: Path, host: str, slot: int = 0) -> Path:
+    """Where a testhosts host's worker in `slot` keeps its state (ready, argv, supervisor), seen from
+    here; host "server": the server's, on the controller under layerline_home `home`."""
+    if host == "server":
+        return home / "state" / "server"
+    return nshost_path(info, host, nshost_settings(info, host).state_dir_in(slot))
+
+
+def nshost_running(info: dict, home: Path, hosts) -> dict[str, int]:
+    """Every ready file left, in the hosts' state dirs (both slots) and the server's: name -> pid."""
+    from layerline.endpoints import SLOTS
+    pids = {}
+    for h in hosts:
+        for f in (nshost_state_dir(info, home, h, k) / "ready.json" for k in SLOTS):
+            if f.exists():
+                pids[f"{h}/{f.parent.name}"] = json.loads(f.read_text())["pid"]
+    f = nshost_state_dir(info, home, "server") / "ready.json"
+    if f.exists():
+        pids["server"] = json.loads(f.read_text())["pid"]
+    return pids
+
+
 def remove_testhosts(inventory, extra: str | None, prefix: str, out, work) -> None:
     """What a multihost fixture made goes away, also after a failure: its deployment (teardown.yml, once its
     extra vars were made), its hosts and its work dir; fails when the hosts did not come down."""

@@ -40,10 +40,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from layerline.endpoints import SLOTS
-
 from helpers import BIN, ROOT, Phases, ansible_env, playbook, recap, remove_testhosts, wait_for
-from helpers import nshost_path, nshost_settings, nshost_sshd_pid
+from helpers import nshost_path, nshost_running, nshost_settings, nshost_sshd_pid, nshost_state_dir
 from helpers import run_testhosts as hostctl
 from drain_interrupts import AT_SWITCH, BEFORE_SWITCH, run_again_resumed, stop_partway
 
@@ -80,11 +78,7 @@ def settings(host: str):
 
 
 def state_dir(home: Path, host: str, slot: int = 0) -> Path:
-    """Where a host's worker in `slot` keeps its state (ready, argv, supervisor), seen from here; the
-    server's is on the controller."""
-    if host == "server":
-        return home / "state" / "server"
-    return inside(host, settings(host).state_dir_in(slot))
+    return nshost_state_dir(INFO, home, host, slot)
 
 
 def netns_pids(ns: str) -> set[int]:
@@ -457,16 +451,7 @@ def ready(home, host: str, slot: int = 0) -> dict | None:
 
 
 def running(home) -> dict[str, int]:
-    """Every ready file left, in every host's state dirs (both slots) and the server's: name -> pid."""
-    pids = {}
-    for h in HOSTS:
-        for f in (state_dir(home, h, k) / "ready.json" for k in SLOTS):
-            if f.exists():
-                pids[f"{h}/{f.parent.name}"] = json.loads(f.read_text())["pid"]
-    f = state_dir(home, "server") / "ready.json"
-    if f.exists():
-        pids["server"] = json.loads(f.read_text())["pid"]
-    return pids
+    return nshost_running(INFO, home, HOSTS)
 
 
 def port_taken(host: str, port: int):

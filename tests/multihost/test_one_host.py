@@ -18,10 +18,9 @@ from pathlib import Path
 import pytest
 
 from layerline import version
-from layerline.endpoints import SLOTS
 
 from helpers import playbook, recap, remove_testhosts
-from helpers import nshost_path, nshost_settings
+from helpers import nshost_running, nshost_state_dir
 from helpers import run_testhosts as hostctl
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("ip"),
@@ -35,25 +34,6 @@ SERVE_PORT = 29860               # the server, on the controller's loopback
 INFO: dict = {}
 # set once teardown.yml stopped what the deploy started: the fixture need not run it again
 TORN_DOWN = {"deploy": False}
-
-
-def state_dir(home: Path, host: str, slot: int = 0) -> Path:
-    """Where a worker in `slot` keeps its state (ready, argv), seen from here; the server's is on the controller."""
-    if host == "server":
-        return home / "state" / "server"
-    return nshost_path(INFO, host, nshost_settings(INFO, host).state_dir_in(slot))
-
-
-def running(home: Path) -> dict[str, int]:
-    """Every ready file left (the host's two slots and the server's): name -> pid."""
-    pids = {}
-    for f in (state_dir(home, HOST, k) / "ready.json" for k in SLOTS):
-        if f.exists():
-            pids[f"{HOST}/{f.parent.name}"] = json.loads(f.read_text())["pid"]
-    f = state_dir(home, "server") / "ready.json"
-    if f.exists():
-        pids["server"] = json.loads(f.read_text())["pid"]
-    return pids
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +133,7 @@ def test_a_bf16_worker_runs_this_machines_kernels_and_a_drive_check_can_fail(hos
     from layerline.model import cpu_kernels
     from layerline.model.loader import load_stage
     load_stage(str(home / "ckpt"), 0, 6, True, True, precision="bf16")
-    ready = json.loads((state_dir(home, HOST) / "ready.json").read_text())
+    ready = json.loads((nshost_state_dir(INFO, home, HOST) / "ready.json").read_text())
     assert ready["layers"] == [0, 6] and ready["precision"] == "bf16"
     assert ready["kernels"] == cpu_kernels.status()
 
@@ -167,11 +147,11 @@ def test_a_bf16_worker_runs_this_machines_kernels_and_a_drive_check_can_fail(hos
     assert "DOES NOT MATCH" in out and "over the bf16 tolerance" in out
 
     # teardown.yml over the inventory it was deployed with stops the worker and the server
-    pids = running(home)
+    pids = nshost_running(INFO, home, [HOST])
     assert set(pids) == {f"{HOST}/state", "server"}, pids
     playbook("teardown.yml", *extra)
     TORN_DOWN["deploy"] = True
-    assert not running(home)
+    assert not nshost_running(INFO, home, [HOST])
     for pid in pids.values():
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
