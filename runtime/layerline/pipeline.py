@@ -148,7 +148,9 @@ class Pipeline:
 
     def _send(self, head: dict, input_ids: torch.Tensor) -> str:
         rid = wire.new_id("r")   # unguessable, as sequence ids are
-        head.update(op="forward", id=rid, reply_to=self.reply_to, deadline=time.time() + self.timeout_s, timings=[])
+        # inflight: stages that share a machine's cores split them among the messages out (planner.message_threads)
+        head.update(op="forward", id=rid, reply_to=self.reply_to, deadline=time.time() + self.timeout_s, timings=[],
+                    inflight=min(len(self._pending) + 1, wire.MAX_INFLIGHT))
         if self.epoch is not None:
             head["epoch"] = self.epoch
         self._pending[rid] = time.perf_counter()

@@ -18,7 +18,7 @@ from . import version
 from .endpoints import LOOPBACK, endpoint_host, is_loopback, is_wildcard
 from .errors import LayerlineError
 from .keys import secret_file
-from .planner import Plan
+from .planner import Plan, StagePlan
 from .version import INSTALLED, source_root
 from .settings import COMPILE_READY_TIMEOUT_S, READY_TIMEOUT_S, HostSettings, stage_name  # noqa: F401 - re-exported
 
@@ -134,7 +134,7 @@ def worker_spec(plan: Plan, host: str, hvars: SettingsLike, python: str | None =
     if s.spin is not None:
         argv += ["--spin", str(int(s.spin))]
     if s.shares_cores_with:
-        argv += shared_cores_argv(plan)
+        argv += shared_cores_argv(plan, s)
     if hs.nice:
         argv += ["--nice", str(hs.nice)]
     if s.compile != "off":
@@ -145,13 +145,16 @@ def worker_spec(plan: Plan, host: str, hvars: SettingsLike, python: str | None =
                             "predicted_s": s.predicted_s, "factor": s.step_factor})
 
 
-def shared_cores_argv(plan: Plan) -> list[str]:
+def shared_cores_argv(plan: Plan, s: StagePlan) -> list[str]:
     """The worker flags of a stage that shares its machine's cores with other stages of `plan`."""
     # no idle-priority spinners (layerline.awake) where another stage needs these cores: each
     # worker is its own scheduling group (its own session), and across groups idle priority is
     # not idle: the spinners would take turns with the busy stage. And each times its step alone,
     # not while another loads, compiles or times (timing_lock)
-    return ["--awake-ms", "0", "--time-alone", timing_lock_name(plan)]
+    argv = ["--awake-ms", "0", "--time-alone", timing_lock_name(plan)]
+    if s.cores:   # each message on its share of the cores (planner.message_threads)
+        argv += ["--cores", str(int(s.cores)), "--sharing", str(int(s.shares_cores_with) + 1)]
+    return argv
 
 
 def timing_lock_name(plan: Plan) -> str:

@@ -38,6 +38,7 @@ MAX_REPLY_PEERS = 16   # distinct drivers a last stage keeps sockets to
 # steps a stage holding the whole model computes ahead of the messages asking for them, and so the
 # most a rows answer carries beyond its own (header "more", tensor "then": layerline.worker.stage)
 AHEAD = 4
+MAX_INFLIGHT = 1024  # header.inflight: the driver's messages out, this one included
 ENDPOINT_RE = re.compile(r"^tcp://[A-Za-z0-9.\-\[\]:]{1,200}:\d{1,5}$")
 
 DTYPES: dict[str, torch.dtype] = {

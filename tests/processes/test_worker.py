@@ -285,6 +285,9 @@ def bad_inputs(reply_to: str) -> dict:
         "bad deadline": (0, wire.encode(H(deadline="tomorrow"), GOOD_IDS), "header.deadline", "rejected"),
         "negative epoch": (0, wire.encode(H(epoch=-1, cache=True, seq="s"), GOOD_IDS), "header.epoch", "rejected"),
         "epoch a float": (0, wire.encode(H(epoch=1.5), GOOD_IDS), "header.epoch", "rejected"),
+        "inflight zero": (0, wire.encode(H(inflight=0), GOOD_IDS), "header.inflight", "rejected"),
+        "inflight a string": (0, wire.encode(H(inflight="2"), GOOD_IDS), "header.inflight", "rejected"),
+        "inflight huge": (0, wire.encode(H(inflight=10**12), GOOD_IDS), "header.inflight", "rejected"),
         "control op on the data socket": (0, wire.encode({"op": "shutdown", "id": "bad-1"}), "header.op", "rejected"),
         "result op on the data socket": (0, wire.encode({"op": "result", "id": "bad-1"}), "header.op", "rejected"),
         "release without seq": (0, wire.encode({"op": "release", "id": "bad-1"}), "header.seq", "rejected"),
@@ -574,6 +577,42 @@ def test_nice_out_of_range_is_refused_before_anything_starts(value):
     r = subprocess.run([sys.executable, "-m", "layerline.worker", "--checkpoint", "x", "--layers", "0:1", "--last",
                         "--bind", "tcp://127.0.0.1:1", "--nice", value], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--nice must be 0-19" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("argv, error", [(["--cores", "2"], "--cores and --sharing go together"),
+                                         (["--sharing", "3"], "--cores and --sharing go together"),
+                                         (["--cores", "0", "--sharing", "3"], "--cores and --sharing must be 1-4096")])
+def test_a_share_of_cores_needs_both_flags_in_range(argv, error):
+    r = subprocess.run([sys.executable, "-m", "layerline.worker", "--checkpoint", "x", "--layers", "0:1", "--last",
+                        "--bind", "tcp://127.0.0.1:1", *argv], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and error in r.stderr, r.stderr
+
+
+def test_stages_that_share_cores_split_them_among_the_messages_in_flight(small_ckpt, reference, stages, pipe):
+    """Stages that share a machine's cores (--cores, --sharing, as the plan gives them) compute a
+    message that is alone in flight on all their threads, and one sent while another is out on
+    their share of the cores (planner.message_threads); the numbers stay the one-process forward's.
+    A stage that shares nothing keeps its threads whatever is in flight."""
+    before = [stats(c)["threads"] for c in stages.control]
+    w = start_workers(str(small_ckpt), [(0, 2), (2, 4)], "fp32", kv_context=KV, threads=2,
+                      extra=["--cores", "2", "--sharing", "2"])
+    try:
+        ids = [ids_(1, 5, seed=3), ids_(2, 4, seed=4), ids_(1, 6, seed=5)]
+        with w.pipeline(timeout_s=60) as shared_pipe:
+            alone = shared_pipe.forward(ids[0])
+            rids = [shared_pipe.submit(ids[1]), shared_pipe.submit(ids[2])]   # the second goes out beside the first
+            got = dict(shared_pipe.collect() for _ in rids)
+        shared = [stats(c)["threads"] for c in w.control]
+    finally:
+        w.stop()
+    assert shared == [{"1": 1, "2": 2}] * 2, shared
+    for x, res in zip(ids, [alone, *(got[r] for r in rids)]):
+        assert torch.allclose(res.logits, reference(x), rtol=0, atol=ATOL)
+    # the module's stages (--threads 1, sharing nothing): two out at once, each on its one thread
+    rids = [pipe.submit(ids[1]), pipe.submit(ids[2])]
+    assert sorted(r for r, _ in (pipe.collect() for _ in rids)) == sorted(rids)
+    after = [stats(c)["threads"] for c in stages.control]
+    assert [set(a) for a in after] == [{"1"}] * 2 and all(a["1"] >= b.get("1", 0) + 2 for a, b in zip(after, before))
 
 
 def test_step_timing_waits_as_a_pipeline_stage_waits(small_ckpt, monkeypatch):

@@ -272,8 +272,11 @@ def test_threads_spin_and_compile_follow_where_the_plan_puts_stages():
     assert st["w1"]["shares_cores_with"] == st["w2"]["shares_cores_with"] == 1
     assert st["far"]["shares_cores_with"] == 0
     f = {h: parse(worker_argv(plan, h, inv[h])) for h in inv}
-    assert f["w1"]["--threads"] == f["w2"]["--threads"] == "8"  # the probed cores: stages take turns
+    assert f["w1"]["--threads"] == f["w2"]["--threads"] == "8"  # the probed cores: all of them alone
     assert f["far"]["--threads"] == "3"                           # the host's own setting wins
+    # beside each other, a message computes on its share of the 8 cores (planner.message_threads)
+    assert f["w1"]["--cores"] == f["w2"]["--cores"] == "8" and f["w1"]["--sharing"] == f["w2"]["--sharing"] == "2"
+    assert "--cores" not in f["far"] and "--sharing" not in f["far"]
     assert int(f["w1"]["--spin"]) < int(f["far"]["--spin"])
     # a lone stage keeps its CPUs awake between messages; stages that share cores do not
     assert f["w1"]["--awake-ms"] == f["w2"]["--awake-ms"] == "0" and "--awake-ms" not in f["far"]

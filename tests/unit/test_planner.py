@@ -20,7 +20,7 @@ from layerline.caps import NodeCaps
 from layerline.cost import CostOptions, ModelCost
 from layerline.errors import LayerlineError
 from layerline.pipeline import pipeline_for_plan
-from layerline.planner import (DEFAULT_HOP_S, Node, Plan, PlanError, make_plan, pipeline_depth, plan_table,
+from layerline.planner import (DEFAULT_HOP_S, Node, Plan, PlanError, make_plan, message_threads, pipeline_depth, plan_table,
                                validate_plan)
 
 PB = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 1.0}
@@ -560,13 +560,14 @@ def test_hosts_on_one_machine_split_its_ram(tmp_path):
     # the same grouping decides threads and spin: three stages share box's cores
     shared = {s["host"]: s["shares_cores_with"] for s in p["stages"]}
     assert shared == {"a": 2, "b": 2, "c": 2, "other": 0, "solo": 0}
-    # and how many micro-batches the engine keeps in flight: one per core group (box, other, solo)
-    assert Plan.from_dict(p).depth == 3
+    # and how many micro-batches the engine keeps in flight: box's three stages at a core each (its
+    # 4 cores hold them), and one each on other and solo
+    assert Plan.from_dict(p).depth == 5
     live = {**p, "stages": [{**st, "endpoint": f"tcp://127.0.0.1:{5600 + i}"} for i, st in enumerate(p["stages"])]}
     from layerline.keys import local_keys
     kd = local_keys(str(tmp_path / "keys"), [s["host"] for s in p["stages"]])   # every pipeline runs CURVE
     with pipeline_for_plan(live, keys_dir=kd["controller"]) as pipe:  # what the server and the drive engine go by
-        assert pipe.depth == 3
+        assert pipe.depth == 5
     # without a machine_id (an older probe) the hostname tells
     legacy = plan([spec("a", ram, hostname="box"), spec("b", ram, hostname="box")], _mc(),
                   CostOptions(context=256), "uniform")
@@ -574,19 +575,33 @@ def test_hosts_on_one_machine_split_its_ram(tmp_path):
 
 
 def test_pipeline_depth_counts_core_groups():
-    """CPU stages of one machine take turns on its cores; each GPU computes on its own; a stage
-    of an older plan, without a machine, counts alone."""
+    """CPU stages of one machine compute as many at once as its cores hold, a core each; each GPU
+    computes on its own; a stage of an older plan, without a machine, counts alone."""
     def st(machine, device, threads, cores):
         return {"machine": machine, "device": device, "threads": threads, "cores": cores}
-    assert pipeline_depth([st("m1", "cpu", 2, 2)] * 3) == 1
-    assert pipeline_depth([st("m1", "cpu", 2, 2), st("m2", "cpu", 2, 2), st("m1", "cpu", 2, 2)]) == 2
+    assert pipeline_depth([st("m1", "cpu", 2, 2)] * 3) == 2
+    assert pipeline_depth([st("m1", "cpu", 2, 2), st("m2", "cpu", 2, 2), st("m1", "cpu", 2, 2)]) == 3
+    assert pipeline_depth([st("m1", "cpu", 1, 1)] * 3) == 1   # one core: they take turns
     assert pipeline_depth([st("m1", "cuda:0", 2, None), st("m1", "cuda:1", 2, None), st("m1", "cpu", 2, 2)]) == 3
     assert pipeline_depth([{"device": "cpu"}, {"device": "cpu"}]) == 2   # an older plan: no machine
     assert pipeline_depth([]) == 1
-    # pinned threads leave cores for more: three 1-thread stages on 2 cores compute two at a time
     assert pipeline_depth([st("m1", "cpu", 1, 2)] * 3) == 2
     assert pipeline_depth([st("m1", "cpu", 2, 8)] * 3) == 3
     assert pipeline_depth([st("m1", "cpu", None, None)] * 3) == 1   # unknown: take turns
+
+
+def test_a_shared_stage_computes_a_message_on_its_share_of_the_cores():
+    """Alone, a message gets all the stage's threads; beside others, the machine's cores split among
+    the messages that may compute on them at once (never more than the stages sharing them), at
+    least one each, never more than the stage's own threads."""
+    assert message_threads(2, 2, 3, 1) == 2
+    assert message_threads(2, 2, 3, 2) == 1
+    assert message_threads(2, 2, 3, 9) == 1
+    assert message_threads(16, 16, 3, 2) == 8
+    assert message_threads(16, 16, 3, 7) == 5      # three stages: at most three compute at once
+    assert message_threads(3, 8, 3, 3) == 2        # pinned threads: never more than pinned
+    assert message_threads(2, 8, 3, 3) == 2
+    assert message_threads(4, 2, 2, 2) == 1
 
 
 def test_make_plan_leaves_its_inputs_alone():

@@ -69,6 +69,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="this stage shares the machine's cores with other stages: load and compile holding "
                         "the lock LOCK shared, time the step holding it alone (layerline.timing_lock; a bare "
                         "file name is in /dev/shm; the plan names one per deployment)")
+    p.add_argument("--cores", type=int, default=None,
+                   help="with --sharing: the cores of this machine its stages share; a message computes on "
+                        "its share of them while others are in flight (planner.message_threads)")
+    p.add_argument("--sharing", type=int, default=None,
+                   help="with --cores: the stages that share those cores, this one included")
     p.add_argument("--nice", type=int, default=None,
                    help="yield the CPU to the machine's other work: nice value 1-19 for this worker and its "
                         "session's scheduling group (layerline_nice)")
@@ -101,6 +106,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--kv-context must be positive")
     if a.threads is not None and a.threads < 1:
         p.error("--threads must be at least 1")
+    if (a.cores is None) != (a.sharing is None):
+        p.error("--cores and --sharing go together: give both or neither")
+    if a.cores is not None and not (1 <= a.cores <= 4096 and 1 <= a.sharing <= 4096):
+        p.error("--cores and --sharing must be 1-4096")
     if a.spin is not None and a.spin < 0:
         p.error("--spin must not be negative")
     if a.awake_ms is not None and not 0 <= a.awake_ms <= 1000:

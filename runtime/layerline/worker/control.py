@@ -39,6 +39,7 @@ def answer(w: "Worker", h: dict) -> dict:
         reply = {"op": "ok", "name": w.name, "requests": s.requests, "errors": s.errors,
                  "rejected": s.rejected, "stale_dropped": s.stale_dropped, "compute_s": s.compute_s,
                  "ahead_used": s.ahead_used, "ahead_dropped": s.ahead_dropped,
+                 "threads": {str(n): k for n, k in sorted(dict(s.threads).items())},
                  "sequences": len(c.kv), "prefix_entries": c.kv.entries, "prefix_bytes": c.kv.entry_bytes,
                  "compile": w.args.compile, "compile_s": c.compile_s,
                  "compiled": c.stage.compiled, "compile_error": c.stage.compile_error,

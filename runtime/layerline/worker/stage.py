@@ -64,12 +64,13 @@ from .. import precision, timing_lock, wire
 from ..errors import LayerlineError
 from ..model import cpu_kernels
 from ..model.kv import KVPool
+from ..planner import message_threads
 from ..prefix import MAX_ENTRIES
 from ..wire import AHEAD, MAX_BATCH, MAX_SEQS
 
 LOGITS = ("last", "all", "argmax")  # header.logits: what a forward asks the last stage to answer with
 # the header fields a rows step's answer keeps
-ROWS_KEEP = ("id", "rows", "cache", "reply_to", "deadline", "logits", "reserve", "epoch")
+ROWS_KEEP = ("id", "rows", "cache", "reply_to", "deadline", "logits", "reserve", "epoch", "inflight")
 
 IDLE_CAP_S = 0.05  # the longest idle measure_step waits before a timed step
 
@@ -84,6 +85,7 @@ class Stats:
     compute_s: float = 0.0
     ahead_used: int = 0      # steps answered from a step computed ahead
     ahead_dropped: int = 0   # steps computed ahead that the next message did not ask for
+    threads: dict[int, int] = field(default_factory=dict)   # forwards taken in, by the threads each was given
 
 
 @dataclass
@@ -141,6 +143,7 @@ class StageCompute:
         self.awake = None  # the process's spinners (layerline.awake), given to prepare
         if args.threads:
             torch.set_num_threads(args.threads)
+        self.threads = torch.get_num_threads()   # its threads alone; a message may take fewer (_share)
         torch.manual_seed(args.rng_seed)
         with self._timing_lock(exclusive=False):  # no co-located stage times its step meanwhile
             self.stage = load_stage(args.checkpoint, args.start, args.end, args.first, args.last,
@@ -298,7 +301,19 @@ class StageCompute:
             raise LayerlineError(f"stage {self.name}: request {h.get('id')} missed its deadline before compute")
         if "logits" in h and h["logits"] not in LOGITS:
             raise wire.WireError("header.logits: must be \"last\", \"all\" or \"argmax\"")
+        inflight = wire.require(h, "inflight", int, 1, wire.MAX_INFLIGHT) if "inflight" in h else 1
+        self._share(inflight)
         return self._timings(h), h.get("logits") in ("last", "argmax"), epoch
+
+    def _share(self, inflight: int) -> None:
+        """Compute the message on this stage's share of its machine's cores while `inflight` messages
+        are out (--cores, --sharing; planner.message_threads); alone, on all its threads."""
+        want = self.threads
+        if self.args.cores is not None:
+            want = message_threads(self.threads, self.args.cores, self.args.sharing, inflight)
+        if want != torch.get_num_threads():
+            torch.set_num_threads(want)
+        self.stats.threads[want] = self.stats.threads.get(want, 0) + 1
 
     def forward(self, h: dict, tensors: dict) -> tuple[dict, dict] | None:
         """A forward message's answer (header, tensors): a forward to the next stage, or the last
@@ -337,7 +352,7 @@ class StageCompute:
         else:
             out = self.stage(x.to(self.args.device), start_pos=pos, cache=cache)
         head, answer = self._reply(h, ("id", "seq", "pos", "cache", "reply_to", "deadline", "logits", "reserve",
-                                       "epoch", "fork"), timings, out, t0)
+                                       "epoch", "fork", "inflight"), timings, out, t0)
         if use_cache and x.shape[0] == 1:
             self._expect(following([(seq, pos + x.shape[1])], answer, epoch))
         return head, answer
