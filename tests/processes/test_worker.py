@@ -579,15 +579,6 @@ def test_nice_out_of_range_is_refused_before_anything_starts(value):
     assert r.returncode == 2 and "--nice must be 0-19" in r.stderr, r.stderr
 
 
-@pytest.mark.parametrize("argv, error", [(["--cores", "2"], "--cores and --sharing go together"),
-                                         (["--sharing", "3"], "--cores and --sharing go together"),
-                                         (["--cores", "0", "--sharing", "3"], "--cores and --sharing must be 1-4096")])
-def test_a_share_of_cores_needs_both_flags_in_range(argv, error):
-    r = subprocess.run([sys.executable, "-m", "layerline.worker", "--checkpoint", "x", "--layers", "0:1", "--last",
-                        "--bind", "tcp://127.0.0.1:1", *argv], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and error in r.stderr, r.stderr
-
-
 def test_stages_that_share_cores_split_them_among_the_messages_in_flight(small_ckpt, reference, stages, pipe):
     """Stages that share a machine's cores (--cores, --sharing, as the plan gives them) compute a
     message that is alone in flight on all their threads, and one sent while another is out on

@@ -292,6 +292,19 @@ def test_threads_spin_and_compile_follow_where_the_plan_puts_stages():
     assert st["w2"]["compile"] == "max-autotune" and st["w1"]["compile"] == "off"
 
 
+@pytest.mark.parametrize("argv, error", [(["--cores", "2"], "--cores and --sharing go together"),
+                                         (["--sharing", "3"], "--cores and --sharing go together"),
+                                         (["--cores", "0", "--sharing", "3"], "--cores and --sharing must be 1-4096")])
+def test_a_share_of_cores_needs_both_flags_in_range(argv, error, capsys):
+    from layerline.worker.cli import parse_args
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--checkpoint", "x", "--layers", "0:1", "--last", "--bind", "tcp://127.0.0.1:1", *argv])
+    assert e.value.code == 2 and error in capsys.readouterr().err
+    a = parse_args(["--checkpoint", "x", "--layers", "0:1", "--last", "--bind", "tcp://127.0.0.1:1",
+                    "--cores", "2", "--sharing", "3"])
+    assert (a.cores, a.sharing) == (2, 3)
+
+
 def test_nice_reaches_the_worker_argv_only_when_set():
     inv = {"w1": hv("w1", 9100, layerline_nice=10), "w2": hv("w2", 9102, layerline_nice=0)}
     plan = plan_for_hosts(inv, COST, OBJ)
