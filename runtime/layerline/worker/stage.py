@@ -85,7 +85,7 @@ class Stats:
     compute_s: float = 0.0
     ahead_used: int = 0      # steps answered from a step computed ahead
     ahead_dropped: int = 0   # steps computed ahead that the next message did not ask for
-    threads: dict[int, int] = field(default_factory=dict)   # forwards taken in, by the threads each was given
+    threads: dict[int, int] = field(default_factory=dict)   # forwards computed, by the threads each ran on
 
 
 @dataclass
@@ -289,9 +289,9 @@ class StageCompute:
             raise wire.WireError("header.timings: must be a list of at most 64 {stage, layers: [A, B], s}")
         return [{"stage": e["stage"], "layers": e["layers"], "s": float(e["s"])} for e in t]
 
-    def _checked(self, h: dict) -> tuple[list, bool, int | None]:
+    def _checked(self, h: dict) -> tuple[list, bool, int | None, int]:
         """The fields every forward has: (timings so far, whether only the last position's logits
-        are asked, its wire epoch)."""
+        are asked, its wire epoch, the driver's messages in flight)."""
         epoch = wire.epoch(h)
         deadline = h.get("deadline")
         if deadline is not None and (isinstance(deadline, bool) or not isinstance(deadline, (int, float))
@@ -302,8 +302,7 @@ class StageCompute:
         if "logits" in h and h["logits"] not in LOGITS:
             raise wire.WireError("header.logits: must be \"last\", \"all\" or \"argmax\"")
         inflight = wire.require(h, "inflight", int, 1, wire.MAX_INFLIGHT) if "inflight" in h else 1
-        self._share(inflight)
-        return self._timings(h), h.get("logits") in ("last", "argmax"), epoch
+        return self._timings(h), h.get("logits") in ("last", "argmax"), epoch, inflight
 
     def _share(self, inflight: int) -> None:
         """Compute the message on this stage's share of its machine's cores while `inflight` messages
@@ -326,7 +325,7 @@ class StageCompute:
         use_cache = h.get("cache", False)
         if not isinstance(use_cache, bool):
             raise wire.WireError("header.cache: must be true or false")
-        timings, last_only, epoch = self._checked(h)
+        timings, last_only, epoch, inflight = self._checked(h)
         x = self._validate_input(h, tensors)
         cache = None
         if use_cache:
@@ -346,6 +345,7 @@ class StageCompute:
             raise wire.WireError("header.pos: must be 0 without cache")
         elif x.shape[0] * x.shape[1] > self.args.kv_context:
             raise wire.WireError(f"shape: batch x tokens must be at most {self.args.kv_context} without cache")
+        self._share(inflight)
         t0 = time.perf_counter()
         if self.args.last:
             out = self.stage(x.to(self.args.device), start_pos=pos, cache=cache, last_only=last_only)
@@ -370,7 +370,7 @@ class StageCompute:
         if "reserve" in h:
             wire.require(h, "reserve", int, 1, self.args.kv_context)
         more = wire.require(h, "more", int, 0, AHEAD) if "more" in h else 0
-        timings, _, epoch = self._checked(h)
+        timings, _, epoch, inflight = self._checked(h)
         x = self._validate_input(h, tensors)
         if x.shape[1] != 1:
             raise wire.WireError(f"header.rows: one new token per row, but the tensor holds {x.shape[1]} per row")
@@ -384,6 +384,7 @@ class StageCompute:
             return self.unpark(force=False)
         else:
             self.drop_ahead()
+            self._share(inflight)
             t0 = time.perf_counter()
             out = self.stage.forward_rows(x.to(self.args.device), [p for _, p in rows], caches)
             head, answer = self._reply(h, ROWS_KEEP, timings, out, t0)
