@@ -6,7 +6,7 @@ Each VARIANT is NAME=PATH, PATH a copy of the csrc/ directory with its files cha
 under its own op namespace (torch.ops.llv_NAME), so all load into one process. NAME=torch times
 torch's own kernel for the same product instead (`F.linear`, `_weight_int8pack_mm`,
 `_weight_int4pack_mm_for_cpu` on torch's int4 packing), the path a host without the kernels takes. Every round times
-each variant (in shuffled order) over the demo model's decode matrices at 1, 4 and 8 rows of x,
+each variant (in shuffled order) over the demo model's decode matrices (--model smollm2: SmolLM2's) at 1, 4 and 8 rows of x,
 best of 3 passes; the table gives each variant's median time and its median ratio to the first
 variant over the rounds. docs/kernels.md keeps the results that shaped the kernels.
 
@@ -38,6 +38,9 @@ X16_TYPES = {"q4_0": (2, 32, 18, (0,)), "q4_1": (3, 32, 20, (0, 2)), "q5_0": (6,
              "q5_K": (13, 256, 176, (0, 2)), "q6_K": (14, 256, 210, (208,))}
 # the demo model's one-token step: 16 layers of fused qkv, o, fused gate/up and down, then the head
 DEMO_SHAPES = [(1536, 1024), (1024, 1024), (5632, 1024), (1024, 2816)] * 16 + [(32000, 1024)]
+# SmolLM2-135M's 30 layers (its file's Q4_1 matrices; the Q8_0 head is not one): rows 576 wide leave
+# 2 groups past the last 16, which int4's tiles take apart from the blocks
+SHAPES = {"demo": DEMO_SHAPES, "smollm2": [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30}
 
 
 def sources_of(name: str, path: Path) -> dict[str, str]:
@@ -76,24 +79,26 @@ def main(argv=None) -> dict:
                     help="the first is the baseline; torch=torch is torch's own kernel")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--rows", default="1,4,8", help="rows of x to time, comma-separated")
+    ap.add_argument("--model", default="demo", choices=sorted(SHAPES), help="whose matrices to time")
     a = ap.parse_args(argv)
     pairs = [v.split("=", 1) for v in a.variants]
     if any(len(p) != 2 or not p[0].isidentifier() for p in pairs) or len({p[0] for p in pairs}) != len(pairs):
         raise SystemExit("variants: give NAME=PATH, each NAME a distinct identifier")
     rows = [int(r) for r in a.rows.split(",")]
+    shapes = SHAPES[a.model]
     with tempfile.TemporaryDirectory() as tmp:
         ops = {name: None if path == "torch" else load_variant(name, Path(path), Path(tmp)) for name, path in pairs}
         g = torch.Generator().manual_seed(0)
         if a.kind == "int8":
             ws = [(torch.randint(-127, 127, s, dtype=torch.int8, generator=g), torch.rand(s[0], generator=g))
-                  for s in DEMO_SHAPES]
+                  for s in shapes]
             def call(op, x, w):
                 if op is None:
                     return torch._weight_int8pack_mm(x, w[0], w[1].to(x.dtype))
                 return op.linear_int8(x, w[0], w[1], None)
         elif a.kind == "int4":
             ws = []
-            for s in DEMO_SHAPES:
+            for s in shapes:
                 q, sz = quant.quantize_groups(torch.randn(s, generator=g))
                 ws.append((*quant._pack_rows(q, sz), torch._convert_weight_to_int4pack_for_cpu(q, 2),
                            sz.to(torch.bfloat16)))
@@ -104,7 +109,7 @@ def main(argv=None) -> dict:
         elif a.kind == "x16":
             tid, qk, nbytes, scales = X16_TYPES[a.type]
             ws = []
-            for n, k in DEMO_SHAPES:
+            for n, k in shapes:
                 raw = torch.randint(0, 256, (n, k // qk, nbytes), dtype=torch.uint8, generator=g)
                 for o in scales:  # the blocks' fp16 scales: 0.01, not random bytes (NaN, Inf)
                     raw[:, :, o:o + 2] = torch.tensor([0.01], dtype=torch.float16).view(torch.uint8)
@@ -115,7 +120,7 @@ def main(argv=None) -> dict:
                     raise SystemExit("x16: torch has no kernel for GGUF blocks; compare variants of csrc/")
                 return op.gguf_linear_x16(x, w[0], w[1], w[2], tid, None)
         else:
-            ws = [(torch.randn(s, dtype=torch.bfloat16, generator=g),) for s in DEMO_SHAPES]
+            ws = [(torch.randn(s, dtype=torch.bfloat16, generator=g),) for s in shapes]
             def call(op, x, w):
                 if op is None:
                     return torch.nn.functional.linear(x, w[0])
@@ -125,9 +130,9 @@ def main(argv=None) -> dict:
         shuffle = random.Random(1)
         for _ in range(a.rounds):
             for m in rows:
-                xs = {k: torch.randn(m, k, dtype=torch.bfloat16, generator=g) for k in (1024, 2816)}
+                xs = {k: torch.randn(m, k, dtype=torch.bfloat16, generator=g) for k in {k for _, k in shapes}}
                 if a.kind == "int4":  # codes [N, K / 2]: two a byte
-                    xs.update({512: xs[1024], 1408: xs[2816]})
+                    xs.update({k // 2: x for k, x in list(xs.items())})
                 shuffle.shuffle(order)  # no variant always runs first (or right after another)
                 for n, op in order:
                     best = float("inf")
@@ -140,7 +145,7 @@ def main(argv=None) -> dict:
     base = pairs[0][0]
     mb = sum(w[i].numel() * w[i].element_size() for w in ws for i in range(2 if a.kind == "int4" else 1)) / 1e6
     what = f"x16 {a.type}" if a.kind == "x16" else a.kind
-    print(f"{what} over the demo model's {len(DEMO_SHAPES)} matrices ({mb:.0f} MB), "
+    print(f"{what} over the {a.model} model's {len(shapes)} matrices ({mb:.0f} MB), "
           f"{torch.get_num_threads()} threads, {a.rounds} rounds; median ms and median ratio to {base}")
     out = {}
     for m in rows:
