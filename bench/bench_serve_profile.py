@@ -17,7 +17,10 @@ per generated token, in ms:
   client    this process's CPU (the benchmark's own client, which a real client's machine would pay);
   busy      all of the above, against the machine's capacity (wall x cores).
 And `generated a step`: the generated tokens over the steps each stage ran (a prefill chunk is a step
-that generates none, so this is below the decode batch). The CPU is named: figures move with it.
+that generates none, so this is below the decode batch); `hop a step`: the mean of each step's round
+trip beyond its stages' compute (layerline_step_hop_seconds: the links, framing and copies between
+the server and the stages, and waits at a stage busy with another micro-batch), in ms a step. The CPU
+is named: figures move with it.
 """
 from __future__ import annotations
 
@@ -35,6 +38,7 @@ sys.path.insert(0, str(ROOT / "runtime"))
 from bench_serve_llamacpp import cpu_name, level, load_args, load_prompts  # noqa: E402
 
 STEP_SUM = re.compile(r'^layerline_stage_step_seconds_(sum|count)\{stage="([^"]+)"\} (\S+)$', re.M)
+HOP_SUM = re.compile(r'^layerline_step_hop_seconds_(sum|count) (\S+)$', re.M)
 
 
 def stage_steps(url: str) -> dict[str, tuple[float, float]]:
@@ -44,6 +48,13 @@ def stage_steps(url: str) -> dict[str, tuple[float, float]]:
     for kind, stage, value in STEP_SUM.findall(httpx.get(url + "/metrics", timeout=30).text):
         out.setdefault(stage, [0.0, 0.0])[0 if kind == "sum" else 1] = float(value)
     return {k: (v[0], v[1]) for k, v in out.items()}
+
+
+def hops(url: str) -> tuple[float, float]:
+    """The steps' (seconds beyond their stages' compute, steps) so far, from the server's /metrics."""
+    import httpx
+    got = dict(HOP_SUM.findall(httpx.get(url + "/metrics", timeout=30).text))
+    return float(got.get("sum", 0.0)), float(got.get("count", 0.0))
 
 
 def cpu_s(proc) -> float:
@@ -72,13 +83,13 @@ def main(argv: list[str] | None = None) -> int:
         stages = sorted(stage_steps(url))
         head = "".join(f" {s + ' comp/cpu':>18}" for s in stages)
         print(f"{'clients':>7} {'tok/s':>7} {'wall':>6} {'server':>7}{head} {'client':>7} {'busy':>12} "
-              f"{'generated a step':>16}  (ms a generated token)")
+              f"{'generated a step':>16} {'hop a step':>10}  (ms a generated token; hop: ms a step)")
         at = 0
         for c in levels:
             k = max(c, a.requests)
-            before = (cpu_s(srv), [cpu_s(w) for w in workers], cpu_s(me), stage_steps(url))
+            before = (cpu_s(srv), [cpu_s(w) for w in workers], cpu_s(me), stage_steps(url), hops(url))
             r = asyncio.run(level(url, "bench", c, k, prompts[at:at + k], a.new))
-            after = (cpu_s(srv), [cpu_s(w) for w in workers], cpu_s(me), stage_steps(url))
+            after = (cpu_s(srv), [cpu_s(w) for w in workers], cpu_s(me), stage_steps(url), hops(url))
             at += k
             tok = r["tokens"]
             wall = tok / r["tokens_per_s"]
@@ -91,8 +102,10 @@ def main(argv: list[str] | None = None) -> int:
             busy = server_ms + sum(worker_ms) + client_ms
             cols = "".join(f" {f'{cp:.2f} / {w:.2f}':>18}" for cp, w in zip(comp, worker_ms))
             per_step = "/".join(f"{tok / s:.1f}" for s in steps if s)
+            hop_n = after[4][1] - before[4][1]
+            hop = f"{(after[4][0] - before[4][0]) / hop_n * 1e3:.2f}" if hop_n else "-"
             print(f"{c:7d} {r['tokens_per_s']:7.1f} {wall * ms:6.2f} {server_ms:7.2f}{cols} {client_ms:7.2f} "
-                  f"{busy:5.2f} of {wall * ms * cores:5.2f} {per_step:>16}", flush=True)
+                  f"{busy:5.2f} of {wall * ms * cores:5.2f} {per_step:>16} {hop:>10}", flush=True)
     finally:
         stop_server(server)
         stop_local(procs)

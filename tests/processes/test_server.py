@@ -538,10 +538,12 @@ def test_metrics_and_log(server, client):
                  "layerline_prompt_tokens_total", "layerline_generated_tokens_total", "layerline_queue_depth",
                  "layerline_running_sequences", "layerline_time_to_first_token_seconds_bucket",
                  "layerline_inter_token_seconds_bucket", 'layerline_stage_step_seconds_count{stage="stage2"}',
+                 "layerline_step_hop_seconds_count",
                  "layerline_prefix_lookups_total", "layerline_prefix_hit_ratio", 'layerline_prefix_bytes{host="',
                  'vllm:prefix_cache_hits_total{model_name="tiny-chat"}'):
         assert want in text, want
     assert server.metric("layerline_generated_tokens_total") >= before + 101
+    assert server.metric("layerline_step_hop_seconds_count") > 0  # every answered step's links and waits
     lines = server.log.read_text().splitlines()
     assert any(" POST /v1/completions 200 " in ln and "prompt=5 " in ln for ln in lines)
     assert any(" POST /v1/completions 401 " in ln for ln in lines)

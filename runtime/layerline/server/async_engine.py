@@ -222,6 +222,8 @@ class AsyncEngine:
                     h = self._stage_hist[name] = self.metrics.stage_step.labels(name)
                 for _ in range(steps):
                     h.observe(float(t["s"]) / steps)
+        if res.timings:
+            self.metrics.step_hop.observe(res.hop_s)
 
     # -- requests (asyncio side)
 

@@ -101,6 +101,9 @@ class Metrics:
                              buckets=_LATENCY, registry=r)
         self.stage_step = Histogram("layerline_stage_step_seconds", "each stage's compute time per step",
                                     ["stage"], buckets=_LATENCY, registry=r)
+        self.step_hop = Histogram("layerline_step_hop_seconds", "each step's round trip beyond its stages' "
+                                  "compute: the links, framing and copies, and waits at stages busy with "
+                                  "another micro-batch", buckets=_LATENCY, registry=r)
         self.replays = Counter("layerline_replays", "sequences replayed after a stage lost their cache",
                                registry=r)
         self.stage_up = Gauge("layerline_stage_up", "1 while the stage answers health within the deadline",
