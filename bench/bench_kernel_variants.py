@@ -38,8 +38,8 @@ X16_TYPES = {"q4_0": (2, 32, 18, (0,)), "q4_1": (3, 32, 20, (0, 2)), "q5_0": (6,
              "q5_K": (13, 256, 176, (0, 2)), "q6_K": (14, 256, 210, (208,))}
 # the demo model's one-token step: 16 layers of fused qkv, o, fused gate/up and down, then the head
 DEMO_SHAPES = [(1536, 1024), (1024, 1024), (5632, 1024), (1024, 2816)] * 16 + [(32000, 1024)]
-# SmolLM2-135M's 30 layers (its file's Q4_1 matrices; the Q8_0 head is not one): rows 576 wide leave
-# 2 groups past the last 16, which int4's tiles take apart from the blocks
+# SmolLM2-135M's 30 layers (its file's Q4_1 matrices; the Q8_0 head is not one): rows 576 wide are 18
+# groups of 32, which end int4's tiles (4 groups a step) with a half step
 SHAPES = {"demo": DEMO_SHAPES, "smollm2": [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30}
 
 
