@@ -261,7 +261,7 @@ void int4_into(const T* x, int64_t M, const uint8_t* W, int64_t ws, const uint8_
         case 1: int4_rows<Int4Tile, 1, 1, KIND>(W, ws, SZ, ss, xm, dm, sm, K, N, n0, n1, ym); break;
         case 2: int4_rows<Int4Tile, 4, 2, KIND>(W, ws, SZ, ss, xm, dm, sm, K, N, n0, n1, ym); break;
         case 3: int4_rows<Int4Tile, 2, 3, KIND>(W, ws, SZ, ss, xm, dm, sm, K, N, n0, n1, ym); break;
-        default: int4_rows<Int4Tile, 2, 4, KIND>(W, ws, SZ, ss, xm, dm, sm, K, N, n0, n1, ym);
+        default: int4_rows<Int4Tile, 4, 4, KIND>(W, ws, SZ, ss, xm, dm, sm, K, N, n0, n1, ym);  // 4 x 4 outgrows the registers, yet each load of x then serves 4 rows of W (kernels.md)
       } else switch (mb) {  // AVX2's 16 registers: fewer sums a tile
         case 1: int4_rows<Int4Avx2Tile, 1, 1, KIND>(W, ws, SZ, ss, xm, dm, sm, K, N, n0, n1, ym); break;
         case 2: int4_rows<Int4Avx2Tile, 2, 2, KIND>(W, ws, SZ, ss, xm, dm, sm, K, N, n0, n1, ym); break;
