@@ -13,6 +13,7 @@ variant over the rounds. docs/kernels.md keeps the results that shaped the kerne
     cp -r runtime/layerline/model/csrc /tmp/v   # then edit /tmp/v's files
     .venv/bin/python bench/bench_kernel_variants.py bf16 main=runtime/layerline/model/csrc v=/tmp/v
     .venv/bin/python bench/bench_kernel_variants.py int4 torch=torch main=runtime/layerline/model/csrc
+    .venv/bin/python bench/bench_kernel_variants.py int4 --isa avx2 --model smollm2 main=runtime/layerline/model/csrc v=/tmp/v
     .venv/bin/python bench/bench_kernel_variants.py x16 --type q6_K main=runtime/layerline/model/csrc v=/tmp/v
 """
 from __future__ import annotations
@@ -54,8 +55,8 @@ def sources_of(name: str, path: Path) -> dict[str, str]:
     return {f: text.replace("layerline_cpu", f"llv_{name}") for f, text in srcs.items()}
 
 
-def load_variant(name: str, path: Path, build_dir: Path):
-    """torch.ops.llv_NAME: the variant's sources built under that namespace and loaded."""
+def load_variant(name: str, path: Path, build_dir: Path, isa: str = "avx512-bf16"):
+    """torch.ops.llv_NAME: the variant's sources built under that namespace and loaded, on `isa`'s kernels."""
     srcs = sources_of(name, path)
     cxx, flags = cpu_kernels.compiler()
     lib = build_dir / f"{name}-{cpu_kernels.build_key(srcs, cxx, flags)}.so"
@@ -66,7 +67,7 @@ def load_variant(name: str, path: Path, build_dir: Path):
             raise SystemExit(f"{name} ({path}): {e}") from None
     torch.ops.load_library(str(lib))
     ops = getattr(torch.ops, f"llv_{name}")
-    ops.use_isa(cpu_kernels.ISAS["avx512-bf16"])
+    ops.use_isa(cpu_kernels.ISAS[isa])
     return ops
 
 
@@ -80,6 +81,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--rows", default="1,4,8", help="rows of x to time, comma-separated")
     ap.add_argument("--model", default="demo", choices=sorted(SHAPES), help="whose matrices to time")
+    ap.add_argument("--isa", default="avx512-bf16", choices=sorted(cpu_kernels.ISAS),
+                    help="which of the kernels' ISAs the variants run (avx2: as on a CPU without AVX-512)")
     a = ap.parse_args(argv)
     pairs = [v.split("=", 1) for v in a.variants]
     if any(len(p) != 2 or not p[0].isidentifier() for p in pairs) or len({p[0] for p in pairs}) != len(pairs):
@@ -87,7 +90,8 @@ def main(argv=None) -> dict:
     rows = [int(r) for r in a.rows.split(",")]
     shapes = SHAPES[a.model]
     with tempfile.TemporaryDirectory() as tmp:
-        ops = {name: None if path == "torch" else load_variant(name, Path(path), Path(tmp)) for name, path in pairs}
+        ops = {name: None if path == "torch" else load_variant(name, Path(path), Path(tmp), a.isa)
+               for name, path in pairs}
         g = torch.Generator().manual_seed(0)
         if a.kind == "int8":
             ws = [(torch.randint(-127, 127, s, dtype=torch.int8, generator=g), torch.rand(s[0], generator=g))
@@ -146,7 +150,7 @@ def main(argv=None) -> dict:
     mb = sum(w[i].numel() * w[i].element_size() for w in ws for i in range(2 if a.kind == "int4" else 1)) / 1e6
     what = f"x16 {a.type}" if a.kind == "x16" else a.kind
     print(f"{what} over the {a.model} model's {len(shapes)} matrices ({mb:.0f} MB), "
-          f"{torch.get_num_threads()} threads, {a.rounds} rounds; median ms and median ratio to {base}")
+          f"{torch.get_num_threads()} threads, {a.isa}, {a.rounds} rounds; median ms and median ratio to {base}")
     out = {}
     for m in rows:
         cells = []
