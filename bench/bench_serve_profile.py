@@ -41,20 +41,16 @@ STEP_SUM = re.compile(r'^layerline_stage_step_seconds_(sum|count)\{stage="([^"]+
 HOP_SUM = re.compile(r'^layerline_step_hop_seconds_(sum|count) (\S+)$', re.M)
 
 
-def stage_steps(url: str) -> dict[str, tuple[float, float]]:
-    """Each stage's (compute seconds, steps) so far, from the server's /metrics."""
+def scrape_steps(url: str) -> tuple[dict[str, tuple[float, float]], tuple[float, float]]:
+    """From one read of the server's /metrics: each stage's (compute seconds, steps) so far, and the
+    steps' (seconds beyond their stages' compute, steps) so far."""
     import httpx
+    text = httpx.get(url + "/metrics", timeout=30).text
     out: dict[str, list[float]] = {}
-    for kind, stage, value in STEP_SUM.findall(httpx.get(url + "/metrics", timeout=30).text):
+    for kind, stage, value in STEP_SUM.findall(text):
         out.setdefault(stage, [0.0, 0.0])[0 if kind == "sum" else 1] = float(value)
-    return {k: (v[0], v[1]) for k, v in out.items()}
-
-
-def hops(url: str) -> tuple[float, float]:
-    """The steps' (seconds beyond their stages' compute, steps) so far, from the server's /metrics."""
-    import httpx
-    got = dict(HOP_SUM.findall(httpx.get(url + "/metrics", timeout=30).text))
-    return float(got.get("sum", 0.0)), float(got.get("count", 0.0))
+    hop = dict(HOP_SUM.findall(text))
+    return {k: (v[0], v[1]) for k, v in out.items()}, (float(hop.get("sum", 0.0)), float(hop.get("count", 0.0)))
 
 
 def cpu_s(proc) -> float:
@@ -80,16 +76,16 @@ def main(argv: list[str] | None = None) -> int:
         me, srv = psutil.Process(), psutil.Process(server.pid)
         workers = [psutil.Process(w.pid) for w in procs]
         asyncio.run(level(url, "bench", 1, 1, prompts[-1:], 4))  # warm, with a prompt no level sends
-        stages = sorted(stage_steps(url))
+        stages = sorted(scrape_steps(url)[0])
         head = "".join(f" {s + ' comp/cpu':>18}" for s in stages)
         print(f"{'clients':>7} {'tok/s':>7} {'wall':>6} {'server':>7}{head} {'client':>7} {'busy':>12} "
               f"{'generated a step':>16} {'hop a step':>10}  (ms a generated token; hop: ms a step)")
         at = 0
         for c in levels:
             k = max(c, a.requests)
-            before = (cpu_s(srv), [cpu_s(w) for w in workers], cpu_s(me), stage_steps(url), hops(url))
+            before = (cpu_s(srv), [cpu_s(w) for w in workers], cpu_s(me), *scrape_steps(url))
             r = asyncio.run(level(url, "bench", c, k, prompts[at:at + k], a.new))
-            after = (cpu_s(srv), [cpu_s(w) for w in workers], cpu_s(me), stage_steps(url), hops(url))
+            after = (cpu_s(srv), [cpu_s(w) for w in workers], cpu_s(me), *scrape_steps(url))
             at += k
             tok = r["tokens"]
             wall = tok / r["tokens_per_s"]
