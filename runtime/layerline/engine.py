@@ -5,7 +5,8 @@ and its own sampling state (a seeded torch.Generator). The engine keeps each seq
 token history and what the stages hold of it; every step it
 
 - feeds waiting prompts in chunks (at most `chunk` tokens per message, so a long prompt never
-  stalls running streams for long; one such chunk in flight while others decode),
+  stalls running streams for long; while others decode, as many such chunks in flight as the
+  pipeline's depth, so prompts cross the stages together as the rows do),
 - steps the decoding sequences as micro-batches of rows (`rows` messages: each row its own
   sequence at its own position), with as many micro-batches in flight as the pipeline's depth
   (the plan's core groups: stages sharing a machine's cores take turns anyway), so no machine
@@ -338,10 +339,11 @@ class Engine:
         decode = [s for s in ready if not (s.prefilling or not self.rows)]
         kinds = [k for k, _, _ in self.inflight.values()]
         decoding = len(decode) + sum(len(seqs) for k, seqs, _ in self.inflight.values() if k == "rows")
-        # prompts fill what decode micro-batches leave of the pipeline's depth, and at least one
-        # chunk is in flight (decode steps queued behind it wait); without rows every sequence
-        # steps alone, all in flight
-        cap = len(prefill) if not self.rows else max(1, self.depth - min(self.depth, decoding))
+        # prompts keep a chunk in flight for each micro-batch of the pipeline's depth, beside the
+        # decoding rows: one chunk at a time crosses the stages one after another while waiting
+        # requests queue for it, and the rows batch only the sequences already prefilled
+        # (docs/serving.md); without rows every sequence steps alone, all in flight
+        cap = len(prefill) if not self.rows else self.depth
         n_pre = sum(k == "seq" for k in kinds) if self.rows else 0
         # while others decode, prompts go in smaller chunks: a chunk delays every decode step queued behind it
         chunk = min(self.chunk, self.busy_chunk) if (self.rows and decoding) else self.chunk
