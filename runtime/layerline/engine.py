@@ -6,7 +6,7 @@ token history and what the stages hold of it; every step it
 
 - feeds waiting prompts in chunks (at most `chunk` tokens per message, so a long prompt never
   stalls running streams for long; while others decode, as many such chunks in flight as the
-  pipeline's depth, so prompts cross the stages together as the rows do),
+  pipeline's depth, so prompts pipeline across the stages as the rows do),
 - steps the decoding sequences as micro-batches of rows (`rows` messages: each row its own
   sequence at its own position), with as many micro-batches in flight as the pipeline's depth
   (the plan's core groups: stages sharing a machine's cores take turns anyway), so no machine
