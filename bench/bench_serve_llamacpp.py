@@ -1,11 +1,15 @@
 """Serving beside llama.cpp on the same GGUF file: one streaming client, measured in one run.
 
     .venv/bin/python bench/bench_serve_llamacpp.py [--gguf FILE] [--clients 1,4,16] [--requests 32]
-        [--prompt 128] [--new 64] [--threads 2]
+        [--prompt 128] [--new 64] [--threads 2] [--rounds 3]
 
-Three servers, taking turns on this machine, each given the same requests (token-id prompts of
-`--prompt` tokens, `--new` tokens each, greedy, eos ignored, streamed; each client sends its next
-request when one ends):
+Three servers, all started first and then taking turns on this machine, each given the same requests
+(token-id prompts of `--prompt` tokens, `--new` tokens each, greedy, eos ignored, streamed; each client
+sends its next request when one ends). Each client count is measured in `--rounds` rounds, each round
+every server once with new prompts, the servers' order rotating a round: a VM's speed drifts over
+minutes (the rpc split measured alone, one after the other, ran at 0.82x to 1.07x llama-server's
+rate in four runs of one hour), so a ratio compares figures taken minutes apart no more than one
+round. Every round is printed; the ratios are of the servers' medians over the rounds:
   layerline   `python -m layerline.server` over three local workers at the file's own bits
               (precision gguf, what a deploy of a GGUF file picks), as `layerline generate
               --local-stages 3` starts them;
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -63,7 +68,7 @@ async def one(client, url: str, model: str, prompt: list[int], new: int) -> dict
 
 async def level(url: str, model: str, clients: int, requests: int, prompts, new: int) -> dict:
     """`clients` clients sending `requests` requests in all, request i with prompts[i] (each prompt once
-    in a run: llama-server's prompt cache must not answer a repeat; layerline has none)."""
+    in a run: neither llama-server's prompt cache nor layerline's prefix cache may answer a repeat)."""
     import httpx
     per = max(1, requests // clients)
     # no keep-alive: llama-server closes an idle connection after 5 s, racing a reused one
@@ -80,45 +85,62 @@ async def level(url: str, model: str, clients: int, requests: int, prompts, new:
             "ttft_p50": pct([r["times"][0] - r["start"] for r in res if r["times"]], 50), "tokens": tokens}
 
 
-def run_levels(name: str, url: str, model: str, levels, requests, prompts, new) -> dict:
-    asyncio.run(level(url, model, 1, 1, prompts[-1:], 4))  # warm, with a prompt no level sends
-    out, at = {}, 0
-    for c in levels:
-        n = max(c, requests)
-        out[c] = asyncio.run(level(url, model, c, n, prompts[at:at + n], new))
-        at += n
-        r = out[c]
-        print(f"{name:28} {c:3d} clients: {r['tokens_per_s']:7.1f} tok/s; ITL p50 {r['itl_p50'] * 1e3:6.1f} "
-              f"p99 {r['itl_p99'] * 1e3:7.1f} ms; TTFT p50 {r['ttft_p50'] * 1e3:7.1f} ms", file=sys.stderr, flush=True)
-    return out
+def warm(url: str, model: str, prompt: list[int]) -> None:
+    asyncio.run(level(url, model, 1, 1, [prompt], 4))  # with a prompt no level sends
+
+
+def report(name: str, c: int, r: dict, tag: str = "") -> None:
+    print(f"{name:28} {c:3d} clients{tag}: {r['tokens_per_s']:7.1f} tok/s; ITL p50 {r['itl_p50'] * 1e3:6.1f} "
+          f"p99 {r['itl_p99'] * 1e3:7.1f} ms; TTFT p50 {r['ttft_p50'] * 1e3:7.1f} ms", file=sys.stderr, flush=True)
 
 
 NOTES: list[str] = []
 
 
-def llama_levels(name: str, gguf: str, log: Path, slots: int, threads: int, ctx: int, rpc: str | None,
-                 levels, requests, prompts, new) -> dict:
-    """llama-server's levels. This build's AMX kernels (a GGML_NATIVE build on a CPU with AMX) die of
-    SIGSEGV while the server sets up its context: then it runs again with --no-repack (no extra buffer
-    types: AVX-512 kernels instead of AMX), and the report says so."""
+def start_llama(stack: contextlib.ExitStack, name: str, gguf: str, log: Path, slots: int, threads: int, ctx: int,
+                rpc: str | None) -> str:
+    """llama-server started in `stack`; its URL. This build's AMX kernels (a GGML_NATIVE build on a CPU
+    with AMX) die of SIGSEGV while the server sets up its context: then it starts again with
+    --no-repack (no extra buffer types: AVX-512 kernels instead of AMX), and the report says so."""
     for extra in ([], ["--no-repack"]):
         srv = llamacpp.LlamaServer(gguf, log, slots=slots, threads=threads, ctx_per_slot=ctx, rpc=rpc)
         srv.cmd += extra
         try:
-            with srv:
-                if extra:
-                    NOTES.append(f"{name}: its default (AMX) path died of SIGSEGV at start; ran with {' '.join(extra)}")
-                return run_levels(name, srv.url, "m", levels, requests, prompts, new)
+            stack.enter_context(srv)
         except RuntimeError as e:
             if "exited with -11" not in str(e) or extra:
                 raise
+            continue
+        if extra:
+            NOTES.append(f"{name}: its default (AMX) path died of SIGSEGV at start; ran with {' '.join(extra)}")
+        return srv.url
     raise AssertionError("unreachable")
 
 
-def layerline_levels(gguf: str, threads: int, levels, requests, prompts, new, server_args=()) -> dict:
-    from layerline.local import served_stages
-    with served_stages(gguf, 3, "gguf", server_args, threads=threads) as url:
-        return run_levels("layerline (3 workers, gguf)", url, "bench", levels, requests, prompts, new)
+def median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2]) / 2
+
+
+def in_turns(servers: dict[str, tuple[str, str]], levels, requests: int, rounds: int, prompts, new: int) -> dict:
+    """{server: {clients: {figure: the median over the rounds}}}: each level `rounds` times, each round
+    every server once on the same new prompts, the order rotating a round."""
+    names = list(servers)
+    for url, model in servers.values():
+        warm(url, model, prompts[-1])
+    runs: dict = {name: {} for name in names}
+    at = 0
+    for c in levels:
+        n = max(c, requests)
+        for k in range(rounds):
+            for name in names[k % len(names):] + names[:k % len(names)]:
+                url, model = servers[name]
+                r = asyncio.run(level(url, model, c, n, prompts[at:at + n], new))
+                runs[name].setdefault(c, []).append(r)
+                report(name, c, r, f" (round {k + 1})")
+            at += n
+    return {name: {c: {f: median([r[f] for r in rs]) for f in rs[0]} for c, rs in by.items()}
+            for name, by in runs.items()}
 
 
 def load_args(description: str) -> argparse.ArgumentParser:
@@ -143,34 +165,43 @@ def load_prompts(a: argparse.Namespace) -> tuple[str, list[int], list[list[int]]
     levels = [int(x) for x in a.clients.split(",")]
     vocab = int(open_checkpoint(gguf).index.config.get("vocab_size") or 32000)
     rng = random.Random(0)
-    n = sum(max(c, a.requests) for c in levels) + 1
+    n = sum(max(c, a.requests) for c in levels) * getattr(a, "rounds", 1) + 1
     return gguf, levels, [[rng.randrange(100, vocab - 100) for _ in range(a.prompt)] for _ in range(n)]
 
 
 def main(argv: list[str] | None = None) -> int:
     p = load_args(__doc__.split("\n")[0])
     p.add_argument("--threads", type=int, default=2, help="llama.cpp's threads (each rpc-server's too)")
+    p.add_argument("--rounds", type=int, default=3, help="rounds of each client count, the servers in turns")
     p.add_argument("--server-args", default="", help="more flags for layerline's server (e.g. \"--busy-chunk 32\"); "
                    "default: none, a deploy's settings")
     a = p.parse_args(argv)
+    if a.rounds < 1:
+        p.error("--rounds: at least 1")
     gguf, levels, prompts = load_prompts(a)
     if not llamacpp.built():
         llamacpp.build()
     logs = ROOT / ".cache" / "bench-serve-llamacpp"
     logs.mkdir(parents=True, exist_ok=True)
     print(f"CPU: {cpu_name()}, {os.cpu_count()} logical cores; file {Path(gguf).name}; prompt {a.prompt}, "
-          f"new {a.new}", file=sys.stderr)
-    results = {"layerline": layerline_levels(gguf, None, levels, a.requests, prompts, a.new,
-                                                     shlex.split(a.server_args))}
+          f"new {a.new}; {a.rounds} rounds", file=sys.stderr)
+    from layerline.local import served_stages
     slots, ctx = max(levels), a.prompt + a.new + 64
-    results["llama-server"] = llama_levels("llama-server -np 16", gguf, logs / "llama-server.log", slots, a.threads,
-                                           ctx, None, levels, a.requests, prompts, a.new)
-    with llamacpp.RpcServers(3, threads=a.threads) as rpc:
-        results["llama-server --rpc x3"] = llama_levels("llama-server over 3 rpc", gguf, logs / "llama-rpc.log", slots,
-                                                        a.threads, ctx, rpc.endpoints(), levels, a.requests,
-                                                        prompts, a.new)
-    ll, ls, lr = results["layerline"], results["llama-server"], results["llama-server --rpc x3"]
-    print(f"\nCPU: {cpu_name()}; {Path(gguf).name}; layerline / llama.cpp, same run")
+    with contextlib.ExitStack() as stack:
+        servers = {"layerline (3 workers, gguf)":
+                   (stack.enter_context(served_stages(gguf, 3, "gguf", shlex.split(a.server_args))), "bench")}
+        name = f"llama-server -np {slots}"
+        servers[name] = (start_llama(stack, name, gguf, logs / "llama-server.log", slots, a.threads, ctx, None), "m")
+        rpc = stack.enter_context(llamacpp.RpcServers(3, threads=a.threads))
+        servers["llama-server over 3 rpc"] = (start_llama(stack, "llama-server over 3 rpc", gguf,
+                                                          logs / "llama-rpc.log", slots, a.threads, ctx,
+                                                          rpc.endpoints()), "m")
+        results = in_turns(servers, levels, a.requests, a.rounds, prompts, a.new)
+    ll, ls, lr = results.values()
+    print(f"\nCPU: {cpu_name()}; {Path(gguf).name}; layerline / llama.cpp, same run, medians of {a.rounds} rounds")
+    for name, by in results.items():
+        for c in levels:
+            report(name, c, by[c], " (median)")
     print(f"{'clients':>7} {'agg vs llama-server':>20} {'agg vs llama rpc x3':>20} {'p99 ITL vs llama-server':>24}")
     for c in levels:
         print(f"{c:7d} {ll[c]['tokens_per_s'] / ls[c]['tokens_per_s']:20.2f} {ll[c]['tokens_per_s'] / lr[c]['tokens_per_s']:20.2f} "
