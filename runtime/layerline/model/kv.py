@@ -67,6 +67,9 @@ class StageCache:
         # each layer's (k, v) buffers, read once: a module's attribute lookup per layer and step
         # added up to a few percent of a small model's step (the buffers are written, never replaced)
         self.pairs = [(c.k, c.v) for c in layers]
+        # summed once: the pool sums every cache's bytes at each admission, and a sum over the
+        # layers there took about 5% of a worker's CPU at 16 clients (docs/serving.md)
+        self.nbytes = sum(c.k.numel() * c.k.element_size() * 2 for c in layers)
         self.length = 0
         self.epoch = -1  # the wire epoch of the last forward that wrote it (KVPool drops older ones)
 
@@ -81,10 +84,6 @@ class StageCache:
     @property
     def dtype(self) -> torch.dtype:
         return self.layers[0].k.dtype
-
-    @property
-    def nbytes(self) -> int:
-        return sum(c.k.numel() * c.k.element_size() * 2 for c in self.layers)
 
     def holds(self, pos: int) -> bool:
         """Whether new tokens may start at `pos`: at most where the cached ones end."""
