@@ -1,7 +1,7 @@
 """Two or more layerline trees (or server flags) served in turns: is a change faster, and by how much?
 
-    .venv/bin/python bench/bench_serve_ab.py [--clients 16] [--requests 32] [--rounds 6]
-        TREE[@SERVER ARGS] TREE[@SERVER ARGS] ...
+    .venv/bin/python bench/bench_serve_ab.py [--gguf FILE] [--clients 16] [--requests 32] [--prompt 128]
+        [--new 64] [--rounds 6] TREE[@SERVER ARGS] TREE[@SERVER ARGS] ...
 
 Each side is a source tree (a checkout or `git worktree add /tmp/base HEAD~1`) with optional flags for
 its server (`.@--busy-chunk 16`). Each round runs every side once, the order alternating a round, each
@@ -13,7 +13,6 @@ over minutes: only sides measured in the same run compare.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -23,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
-from bench_serve_llamacpp import cpu_name, median  # noqa: E402
+from bench_serve_llamacpp import cpu_name, load_args, median  # noqa: E402
 
 # run in each side's process: its tree's layerline, this bench's client
 ONE_SIDE = r'''
@@ -48,12 +47,9 @@ print(json.dumps(out))
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = load_args(__doc__.split("\n")[0])  # the load's options, as bench_serve_llamacpp's
+    p.set_defaults(clients="16")
     p.add_argument("sides", nargs="+", help="TREE[@SERVER ARGS]: a source tree, optionally flags for its server")
-    p.add_argument("--clients", default="16")
-    p.add_argument("--requests", type=int, default=32)
-    p.add_argument("--prompt", type=int, default=128)
-    p.add_argument("--new", type=int, default=64)
     p.add_argument("--rounds", type=int, default=6)
     a = p.parse_args(argv)
     sides = []
@@ -67,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("two sides or more, and --rounds at least 1")
     # each round its own prompts (load_prompts makes a level set a round), each sent once
     load_all = ["--clients", a.clients, "--requests", str(a.requests), "--prompt", str(a.prompt), "--new", str(a.new),
-                "--rounds", str(a.rounds)]
+                "--rounds", str(a.rounds), *(["--gguf", str(Path(a.gguf).resolve())] if a.gguf else [])]
     print(f"CPU: {cpu_name()}; clients {a.clients}, {a.requests} requests a level, {a.rounds} rounds", flush=True)
     got: dict[str, list[dict]] = {s: [] for s, _, _ in sides}
     for k in range(a.rounds):
