@@ -77,11 +77,13 @@ def test_kernels_equal_the_float64_product(isa, m, n, k, bias):
         _close(y8, ref8, 2e-4 if dt == torch.float32 else 0.01)  # x as int16 codes: about 1/30000
 
 
-@pytest.mark.parametrize("m,n,k", [(1, 100, 64), (2, 37, 128), (3, 1027, 576), (4, 258, 1024), (40, 36, 2816)])
+@pytest.mark.parametrize("m,n,k", [(1, 100, 64), (2, 37, 128), (3, 1027, 576), (4, 258, 1024), (40, 36, 2816),
+                                   (33, 37, 960)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_int4_kernel_equals_the_float64_product_of_its_weights(isa, m, n, k, bias):
-    """int4 in layerline's layout (any rows: a prefill's too; K = 64 * odd leaves a pair of groups
-    past the last 16, 576 two past the last 16) against x @ the dequantized weight in float64."""
+    """int4 in layerline's layout (any rows: a prefill's too, whose tiles take 3 rows of W at a time,
+    37 leaving one over; K = 64 and 128 only groups past the last whole block of 16, 576 two past
+    it, 960 fourteen, 1024 none) against x @ the dequantized weight in float64."""
     g = torch.Generator().manual_seed(m * n + k)
     w = torch.randn(n, k, generator=g) * torch.linspace(0.1, 2, k)  # groups of different scales
     codes, sz = _pack_rows(*quantize_groups(w))

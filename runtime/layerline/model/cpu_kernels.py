@@ -19,6 +19,7 @@ a compiler, a CPU with neither ISA, or `LAYERLINE_CPU_KERNELS=off` decodes with 
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import importlib.resources
 import os
@@ -190,6 +191,22 @@ def ready() -> bool:
     """Whether the kernels are loaded and in use here (AVX2 or AVX-512), so the ops that need them
     (`linear_int4`, `gguf_linear_q4`, `gguf_linear_x16`) can run. Loads them (once) if nothing has yet."""
     return load() and enabled()
+
+
+INT4_BLOCK = 16  # groups of 32 codes a block of csrc/int4.h's code order
+
+
+@functools.lru_cache(maxsize=64)
+def int4_code_order(groups: int) -> torch.Tensor:
+    """Where each held code byte of an int4 row comes from: held[i] = plain[order[i]] over a row's
+    16 * groups code bytes, plain being each group's 16 bytes in turn (GGUF's Q4_0 / Q4_1 blocks' own
+    order). csrc/int4.h reads each whole block of 16 groups as 4 slices, slice j the j-th 4 bytes of
+    each of its groups, so that one 32-bit lane holds one group's products throughout; the groups
+    after the last whole block stay in turn (int64 [16 * groups])."""
+    whole = groups // INT4_BLOCK * INT4_BLOCK
+    g = torch.arange(whole).view(-1, INT4_BLOCK, 1, 1)        # [block, group, slice, byte]
+    plain = g * 16 + torch.arange(4).view(1, 1, 4, 1) * 4 + torch.arange(4).view(1, 1, 1, 4)
+    return torch.cat([plain.transpose(1, 2).reshape(-1), torch.arange(whole * 16, groups * 16)])
 
 
 def linear_int4(x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor,
