@@ -401,6 +401,42 @@ def test_the_layers_in_one_call_keep_each_layers_window_and_rope_table(tmp_path,
     assert all(torch.equal(a, b) for a, b in zip(fast, run(False)))
 
 
+def test_a_prompt_in_chunks_runs_the_layers_in_one_call_with_the_modules_bits(tmp_path, isa, monkeypatch):
+    """A one-row sequence's prompt chunks (`DecodeStack.chunk`: each chunk's tokens as the rows, ATen's
+    attention under the modules' mask) give the modules' logits and caches bit for bit, chunks past
+    a sliding window (4) and at later positions included, with no module's forward called; a
+    sequence of two rows still prefills through the modules."""
+    from layerline.checkpoint import write_demo_checkpoint
+    from layerline.model.llama import DecoderLayer
+    from layerline.model.loader import load_stage
+    ck = write_demo_checkpoint(tmp_path / "m", layers=2, hidden=128, vocab=300, dtype="float32", seed=5,
+                               arch="mistral", sliding_window=4)
+    stage = load_stage(str(ck), 0, 2, True, True, "fp32")
+    ids = torch.randint(0, 300, (2, 14), generator=torch.Generator().manual_seed(4))
+    forwards = []
+    module_forward = DecoderLayer.forward
+    monkeypatch.setattr(DecoderLayer, "forward", lambda self, x, *a: forwards.append(tuple(x.shape[:2])) or
+                        module_forward(self, x, *a))
+
+    def run(steps: bool) -> list[torch.Tensor]:
+        stage.decode_steps = steps
+        cache = stage.new_cache(1, 16)
+        out = [stage(ids[:1, a:b], a, cache) for a, b in ((0, 3), (3, 8), (8, 11))]
+        out.append(stage(ids[:1, 11:12], 11, cache))
+        out.append(stage(ids[:1, 12:14], 12, cache, last_only=True))
+        return out + [t for layer in cache.layers for t in (layer.k, layer.v)]
+
+    fast = run(True)
+    assert stage._stack is not None and forwards == []
+    slow = run(False)
+    assert forwards == [(1, 3)] * 2 + [(1, 5)] * 2 + [(1, 3)] * 2 + [(1, 1)] * 2 + [(1, 2)] * 2
+    assert all(torch.equal(a, b) for a, b in zip(fast, slow))
+    forwards.clear()
+    stage.decode_steps = True
+    stage(ids[:, :4], 0, stage.new_cache(2, 16))
+    assert forwards == [(2, 4)] * 2
+
+
 def test_a_layers_linear_kinds_are_the_layouts_by_name(isa):
     """`DecodeLayer.linear` takes each projection's kind by the name Python holds (every gguf_blocks
     layout, and llama.DENSE) and refuses any other, naming the kinds; the numbers live in C++ only."""

@@ -835,7 +835,7 @@ class Stage(nn.Module):
         self._cpp_wrapper = False  # whether _step's graphs call their kernels from C++
         self._first_step = True  # no compiled step has run yet
         self.compile_error: str | None = None  # why compiling failed (the stage then steps eagerly)
-        self.decode_steps = True  # eager fp32 one-token steps through each layer's C++ call where it has one
+        self.decode_steps = True  # eager fp32 one-token steps and one-row prompt chunks through the layers' C++ calls where each has one
         self._steps: list | None = None  # those calls once built ([] where a layer has none)
         self._stack = None  # csrc/layer.h's DecodeStack over them: the layers in one call
 
@@ -940,7 +940,11 @@ class Stage(nn.Module):
         if views is ROWS_OP:
             views = dict.fromkeys(self.windows, ROWS_OP)
         stack = self._decode_steps(h, kv, views)
-        if stack is not None:  # the layers in one C++ call: what each writes and attends, per row
+        if stack is not None and h.shape[1] > 1:  # a prompt chunk of one sequence: its tokens as the rows
+            h = stack.chunk(h, [c for c, _ in ropes], [s for _, s in ropes], [layer[0][0] for layer in kv],
+                            [layer[0][1] for layer in kv], int(pos[0, 0]), [views[w][0][0] for w in self.windows],
+                            [views[w][0][2] for w in self.windows])
+        elif stack is not None:  # the layers in one C++ call: what each writes and attends, per row
             b = h.shape[0]
             first = views[self.windows[0]]
             pos_rows = [hi - 1 for _, hi, _ in first] * (b // len(first))
@@ -961,8 +965,10 @@ class Stage(nn.Module):
 
     def _decode_steps(self, h: torch.Tensor, kv: list | None, views: dict) -> object | None:
         """The layers' `DecoderLayer.decode_step`s as one DecodeStack, for an eager fp32 one-token
-        step over caches of fp32 on the CPU where every layer has one; else None (the modules' forward)."""
-        if (not self.decode_steps or kv is None or h.shape[1] != 1 or h.dtype != torch.float32
+        step, or a prompt chunk of one sequence of one row, over caches of fp32 on the CPU where every
+        layer has one; else None (the modules' forward)."""
+        if (not self.decode_steps or kv is None or (h.shape[1] != 1 and (h.shape[0] != 1 or len(kv[0]) != 1))
+                or h.dtype != torch.float32
                 or h.device.type != "cpu" or ROWS_OP in views.values() or torch.compiler.is_compiling()
                 or kv[0][0][0].dtype != torch.float32 or not cpu_kernels.enabled()):  # use_isa("off") later
             return None

@@ -144,6 +144,15 @@ void check_rope(const at::Tensor& cos, const at::Tensor& sin, int64_t B, int64_t
               cos.stride(3) == 1 && sin.stride(3) == 1, "DecodeLayer.step: cos/sin [1 or B, 1, 1, head_dim] of fp32");
 }
 
+// A prompt chunk of one sequence through a layer: its T tokens are the step's rows, written into the
+// sequence's cache at pos0.. and attended by ATen's scaled_dot_product_attention as the module
+// calls it (the keys lo..pos0 + T - 1 in view, the module's mask), so its bits are the module's.
+struct ChunkView {
+  at::Tensor kc, vc;  // the layer's cache of the sequence, [1, nkv, max_len, hd]
+  int64_t pos0, lo;
+  at::Tensor mask;    // bool [T, pos0 + T - lo]
+};
+
 struct DecodeLayer : torch::CustomClassHolder {
   int64_t nh, nkv, hd, ffn;
   double scale, eps;
@@ -226,10 +235,33 @@ struct DecodeLayer : torch::CustomClassHolder {
     return out;
   }
 
-  // y [B, H] from x [B, H] (fp32, contiguous, y apart from x); rows: each row's caches (cache_rows);
-  // ws: scratch(B, H) floats
+  // a chunk's T tokens (the rows of q, k, v) roped, their keys and values written at pos0.. of the
+  // sequence's cache, and attended as llama.Attention._attend_one attends them: q [1, nh, T, hd]
+  // contiguous (qr's floats) over the cache's keys lo..pos0 + T - 1 under the chunk's mask; att [T, nh * hd]
+  void chunk_attention(Rows q, Rows k, Rows v, int64_t T, const float* cp, int64_t cs, const float* sp, int64_t ss,
+                       const ChunkView& ch, float* qr, float* att) const {
+    const int64_t ls = ch.kc.stride(2);
+    float *kc = ch.kc.data_ptr<float>(), *vc = ch.vc.data_ptr<float>();
+    for (int64_t t = 0; t < T; ++t) {
+      const float *c = cp + t * cs, *s = sp + t * ss;
+      for (int64_t h = 0; h < nh; ++h) rope_row(q.row(t) + h * hd, c, s, qr + (h * T + t) * hd, hd);
+      for (int64_t h = 0; h < nkv; ++h) {
+        rope_row(k.row(t) + h * hd, c, s, kc + h * ch.kc.stride(1) + (ch.pos0 + t) * ls, hd);
+        std::memcpy(vc + h * ch.vc.stride(1) + (ch.pos0 + t) * ch.vc.stride(2), v.row(t) + h * hd, sizeof(float) * hd);
+      }
+    }
+    const int64_t keys = ch.pos0 + T - ch.lo;
+    const at::Tensor qt = at::from_blob(qr, {1, nh, T, hd}, at::TensorOptions().dtype(at::kFloat));
+    const at::Tensor out = at::scaled_dot_product_attention(qt, ch.kc.narrow(2, ch.lo, keys), ch.vc.narrow(2, ch.lo, keys),
+                                                            ch.mask, 0.0, false, scale, nkv != nh);
+    at::Tensor o = at::from_blob(att, {1, T, nh, hd}, at::TensorOptions().dtype(at::kFloat));
+    o.copy_(out.transpose(1, 2));
+  }
+
+  // y [B, H] from x [B, H] (fp32, contiguous, y apart from x); rows: each row's caches (cache_rows),
+  // or a chunk of one sequence (B its tokens, rows unused; cos/sin [1, 1, B, hd]); ws: scratch(B, H) floats
   void step_rows(const float* x, float* y, int64_t B, int64_t H, const at::Tensor& cos, const at::Tensor& sin,
-                 std::vector<AttendRow<float>>& rows, float* ws) const {
+                 std::vector<AttendRow<float>>& rows, float* ws, const ChunkView* chunk = nullptr) const {
     const int64_t dq = nh * hd, dk = nkv * hd;
     const float fe = (float)eps;
     float *xn = ws, *hb = xn + B * H, *f = hb + B * H, *qkvb = f + B * H, *qk = qkvb + B * (dq + 2 * dk);
@@ -245,16 +277,20 @@ struct DecodeLayer : torch::CustomClassHolder {
       q = {qk, dq}, k = {qk + B * dq, dk};
     }
     const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
-    const bool per_row = cos.size(0) > 1;
-    for (int64_t b = 0; b < B; ++b) {
-      const float* c = cp + (per_row ? b * cos.stride(0) : 0);
-      const float* s = sp + (per_row ? b * sin.stride(0) : 0);
-      for (int64_t h = 0; h < nh; ++h) rope_row(q.row(b) + h * hd, c, s, qr + b * dq + h * hd, hd);
-      for (int64_t h = 0; h < nkv; ++h) rope_row(k.row(b) + h * hd, c, s, kr + b * dk + h * hd, hd);
-      AttendRow<float>& r = rows[b];
-      r.q = qr + b * dq, r.k = kr + b * dk, r.v = v.row(b), r.qh = r.kh = r.vh = hd, r.out = att + b * dq;
+    if (chunk) {
+      chunk_attention(q, k, v, B, cp, cos.stride(2), sp, sin.stride(2), *chunk, qr, att);
+    } else {
+      const bool per_row = cos.size(0) > 1;
+      for (int64_t b = 0; b < B; ++b) {
+        const float* c = cp + (per_row ? b * cos.stride(0) : 0);
+        const float* s = sp + (per_row ? b * sin.stride(0) : 0);
+        for (int64_t h = 0; h < nh; ++h) rope_row(q.row(b) + h * hd, c, s, qr + b * dq + h * hd, hd);
+        for (int64_t h = 0; h < nkv; ++h) rope_row(k.row(b) + h * hd, c, s, kr + b * dk + h * hd, hd);
+        AttendRow<float>& r = rows[b];
+        r.q = qr + b * dq, r.k = kr + b * dk, r.v = v.row(b), r.qh = r.kh = r.vh = hd, r.out = att + b * dq;
+      }
+      attend_rows(rows.data(), B, nkv, nh / nkv, hd, scale);
     }
-    attend_rows(rows.data(), B, nkv, nh / nkv, hd, scale);
     o[0](att, B, f);
     if (sandwich) rms_rows<float>(f, n_attn.data_ptr<float>(), f, B, H, fe);  // in place: a row is read before written
     for (int64_t i = 0; i < B * H; ++i) hb[i] = x[i] + f[i];
@@ -350,6 +386,60 @@ struct DecodeStack : torch::CustomClassHolder {
     for (size_t i = 0; i < L; ++i) {
       float* dst = i + 1 == L ? y.data_ptr<float>() : buf[i % 2];
       layers[i]->step_rows(src, dst, B, H, cos[rope_of[i]], sin[rope_of[i]], rows[i], w);
+      src = dst;
+    }
+    ws.done();
+    return y;
+  }
+
+  // A prompt chunk of one sequence, x [1, T, hidden] (T > 1) at positions pos0..pos0 + T - 1: cos/sin
+  // one per RoPE table [1, 1, T, hd]; kc/vc each layer's cache of the sequence ([rows >= 1, nkv,
+  // max_len, hd], its first row), layer after layer; lo and mask one per window (llama._views': the
+  // first key in view, bool [T, pos0 + T - lo]). The modules' bits (ChunkView).
+  at::Tensor chunk(at::Tensor x, std::vector<at::Tensor> cos, std::vector<at::Tensor> sin, std::vector<at::Tensor> kc,
+                   std::vector<at::Tensor> vc, int64_t pos0, std::vector<int64_t> lo, std::vector<at::Tensor> mask) {
+    const size_t L = layers.size();
+    TORCH_CHECK(L > 0 && kc.size() == L && vc.size() == L && lo.size() == mask.size() && cos.size() == sin.size(),
+                "DecodeStack.chunk: one cache of the sequence per layer, keys and values alike, a first key and a "
+                "mask per window");
+    TORCH_CHECK(g_isa > 0, "layerline_cpu: no kernel for this CPU (AVX2 + FMA or AVX-512 BF16 needed)");
+    TORCH_CHECK(x.dim() == 3 && x.size(0) == 1 && x.size(1) > 1 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
+                "DecodeStack.chunk: x [1, T > 1, hidden] of fp32");
+    const int64_t T = x.size(1), H = x.size(2);
+    int64_t need = 0;
+    std::vector<ChunkView> views(L);
+    for (size_t i = 0; i < L; ++i) {
+      TORCH_CHECK((size_t)rope_of[i] < cos.size() && (size_t)window_of[i] < lo.size(),
+                  "DecodeStack.chunk: layer ", i, "'s RoPE table or window is not given");
+      const DecodeLayer& layer = *layers[i];
+      layer.check_shapes(H);
+      const at::Tensor &c = cos[rope_of[i]], &s = sin[rope_of[i]];
+      TORCH_CHECK(c.dim() == 4 && c.sizes() == s.sizes() && c.size(0) == 1 && c.size(1) == 1 && c.size(2) == T &&
+                  c.size(3) == layer.hd && c.scalar_type() == at::kFloat && s.scalar_type() == at::kFloat &&
+                  c.stride(3) == 1 && s.stride(3) == 1, "DecodeStack.chunk: cos/sin [1, 1, T, head_dim] of fp32");
+      ChunkView& v = views[i];
+      v.kc = kc[i].narrow(0, 0, 1), v.vc = vc[i].narrow(0, 0, 1), v.pos0 = pos0, v.lo = lo[window_of[i]];
+      v.mask = mask[window_of[i]];
+      for (const auto& t : {v.kc, v.vc})
+        TORCH_CHECK(t.dim() == 4 && t.size(1) == layer.nkv && t.size(3) == layer.hd && t.stride(3) == 1 &&
+                    t.scalar_type() == at::kFloat && t.device().is_cpu() && t.sizes() == v.kc.sizes(),
+                    "DecodeStack.chunk: caches [rows, nkv, max_len, hd] of fp32, rows contiguous");
+      TORCH_CHECK(0 <= v.lo && v.lo <= pos0 && pos0 + T <= v.kc.size(2), "DecodeStack.chunk: 0 <= lo <= pos0 and pos0 + T "
+                  "<= max_len");
+      TORCH_CHECK(v.mask.dim() == 2 && v.mask.size(0) == T && v.mask.size(1) == pos0 + T - v.lo &&
+                  v.mask.scalar_type() == at::kBool, "DecodeStack.chunk: a bool mask [T, pos0 + T - lo] per window");
+      need = std::max(need, layer.scratch(T, H));
+    }
+    const at::Tensor xc = x.contiguous();
+    at::Tensor y = at::empty({1, T, H}, xc.options());
+    thread_local Scratch<float> ws;
+    float* w = ws.get(need + 2 * T * H);
+    float *buf[2] = {w + need, w + need + T * H};
+    const float* src = xc.data_ptr<float>();
+    std::vector<AttendRow<float>> none;
+    for (size_t i = 0; i < L; ++i) {
+      float* dst = i + 1 == L ? y.data_ptr<float>() : buf[i % 2];
+      layers[i]->step_rows(src, dst, T, H, cos[rope_of[i]], sin[rope_of[i]], none, w, &views[i]);
       src = dst;
     }
     ws.done();

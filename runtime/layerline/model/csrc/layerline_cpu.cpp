@@ -83,7 +83,8 @@ TORCH_LIBRARY(layerline_cpu, m) {
   m.class_<DecodeStack>("DecodeStack")
       .def(torch::init<>())
       .def("add", &DecodeStack::add)
-      .def("step", &DecodeStack::step);
+      .def("step", &DecodeStack::step)
+      .def("chunk", &DecodeStack::chunk);
 }
 TORCH_LIBRARY_IMPL(layerline_cpu, CPU, m) {
   m.impl("linear_bf16", linear_bf16);
