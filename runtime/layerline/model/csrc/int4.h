@@ -58,7 +58,7 @@ inline void put_x_codes(int8_t* row, int64_t g, int64_t G, const int8_t* q32) {
 
 template <typename T>
 LL_VNNI void quantize_groups_x(const T* x, int64_t M, int64_t K, int8_t* xq, float* dx, float* xsum) {
-  const int64_t G = K / 32, XS = x_stride(K), GF = full_groups(G);
+  const int64_t G = K / 32, XS = x_stride(K);
   for (int64_t m = 0; m < M; ++m) {
     int8_t* row = xq + m * XS;
     if (G % 4) std::memset(row + XS - 128, 0, 128);
@@ -68,16 +68,10 @@ LL_VNNI void quantize_groups_x(const T* x, int64_t M, int64_t K, int8_t* xq, flo
       const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
       const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
       const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv)), qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
-      if (g >= GF) {
-        int8_t* out = row + GF / 16 * XBLOCK + (g - GF) / 4 * 128 + (g - GF) % 4 * 16;
-        _mm_storeu_si128((__m128i*)out, _mm512_cvtsepi32_epi8(qa));
-        _mm_storeu_si128((__m128i*)(out + 64), _mm512_cvtsepi32_epi8(qb));
-      } else {  // each 4 codes to their slice: codes 4j.. as dword j of the 16, into lane g % 16
-        const __m512i both = _mm512_inserti64x2(_mm512_castsi128_si512(_mm512_cvtsepi32_epi8(qa)),
-                                                _mm512_cvtsepi32_epi8(qb), 1);  // dwords 0-3 lo, 4-7 hi
-        const __m512i lanes = _mm512_setr_epi32(0, 32, 64, 96, 16, 48, 80, 112, 0, 0, 0, 0, 0, 0, 0, 0);
-        _mm512_mask_i32scatter_epi32(row + (g / 16) * XBLOCK + (g % 16) * 4, (__mmask16)0xFF, lanes, both, 4);
-      }
+      alignas(16) int8_t q32[32];
+      _mm_store_si128((__m128i*)q32, _mm512_cvtsepi32_epi8(qa));
+      _mm_store_si128((__m128i*)(q32 + 16), _mm512_cvtsepi32_epi8(qb));
+      put_x_codes(row, g, G, q32);
       dx[m * G + g] = amax / 127.f;
       xsum[m * G + g] = amax / 127.f * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
     }
