@@ -209,6 +209,19 @@ def int4_code_order(groups: int) -> torch.Tensor:
     return torch.cat([plain.transpose(1, 2).reshape(-1), torch.arange(whole * 16, groups * 16)])
 
 
+def int4_hold(plain: torch.Tensor) -> torch.Tensor:
+    """Rows of int4 code bytes (uint8 [n, 16 * groups], each group's 16 bytes in turn) in the order
+    csrc/int4.h reads them (`int4_code_order`)."""
+    return plain[:, int4_code_order(plain.shape[1] // 16)].contiguous()
+
+
+def int4_unhold(held: torch.Tensor) -> torch.Tensor:
+    """`int4_hold`'s exact inverse: each group's 16 code bytes in turn again."""
+    plain = torch.empty_like(held)
+    plain[:, int4_code_order(held.shape[1] // 16)] = held
+    return plain
+
+
 def linear_int4(x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor,
                 bias: torch.Tensor | None = None) -> torch.Tensor | None:
     """`linear_int4` of any number of rows (it beats torch's int4 kernel at 128 rows too), or None

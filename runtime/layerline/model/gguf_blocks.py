@@ -193,13 +193,13 @@ OWN_MODES = ("on", "exact", "off")
 
 def to_int4(raw: np.ndarray, name: str, n: int, k: int) -> np.ndarray:
     """Q4_0 / Q4_1 blocks (uint8 [n, row_bytes]) in the int4 layout, the same size: each row's blocks'
-    code bytes (in `cpu_kernels.int4_code_order`), then their scale bytes (Q4_1's d and m, Q4_0's d),
+    code bytes (`cpu_kernels.int4_hold`), then their scale bytes (Q4_1's d and m, Q4_0's d),
     block by block."""
     bt, nb = BLOCK_TYPES[name], k // 32
     head = bt.block_bytes - 16
     b = raw.reshape(n, nb, bt.block_bytes)
     out = np.empty((n, nb * bt.block_bytes), dtype=np.uint8)
-    out[:, :16 * nb] = b[:, :, head:].reshape(n, 16 * nb)[:, cpu_kernels.int4_code_order(nb).numpy()]
+    out[:, :16 * nb] = cpu_kernels.int4_hold(torch.from_numpy(b[:, :, head:].reshape(n, 16 * nb))).numpy()
     out[:, 16 * nb:] = b[:, :, :head].reshape(n, head * nb)
     return out
 
@@ -210,9 +210,7 @@ def from_int4(held: np.ndarray, name: str, n: int, k: int) -> np.ndarray:
     head = bt.block_bytes - 16
     h = held.reshape(n, nb * bt.block_bytes)
     out = np.empty((n, nb, bt.block_bytes), dtype=np.uint8)
-    codes = np.empty((n, 16 * nb), dtype=np.uint8)
-    codes[:, cpu_kernels.int4_code_order(nb).numpy()] = h[:, :16 * nb]
-    out[:, :, head:] = codes.reshape(n, nb, 16)
+    out[:, :, head:] = cpu_kernels.int4_unhold(torch.from_numpy(np.ascontiguousarray(h[:, :16 * nb]))).numpy().reshape(n, nb, 16)
     out[:, :, :head] = h[:, 16 * nb:].reshape(n, nb, head)
     return out.reshape(n, nb * bt.block_bytes)
 

@@ -835,7 +835,8 @@ class Stage(nn.Module):
         self._cpp_wrapper = False  # whether _step's graphs call their kernels from C++
         self._first_step = True  # no compiled step has run yet
         self.compile_error: str | None = None  # why compiling failed (the stage then steps eagerly)
-        self.decode_steps = True  # eager fp32 one-token steps and one-row prompt chunks through the layers' C++ calls where each has one
+        # eager fp32 one-token steps and one-row prompt chunks through the layers' C++ calls where each has one
+        self.decode_steps = True
         self._steps: list | None = None  # those calls once built ([] where a layer has none)
         self._stack = None  # csrc/layer.h's DecodeStack over them: the layers in one call
 

@@ -16,7 +16,7 @@ code q = round((w - min) / s) in 0..15, so w ≈ (q - 8) s + z (torch's "tinygem
 codes a byte, in one of two layouts, chosen per matrix by `int4_rows` (one place):
 - layerline's (`rows`): codes uint8 [N, K / 2] with each 32-weight group's 16 bytes as GGUF's Q4_0 /
   Q4_1 blocks hold them (byte j: code j low, code j + 16 high), regrouped in blocks of 16 groups as
-  the kernel reads them (`cpu_kernels.int4_code_order`), and each row's (s, z) pairs in bf16
+  the kernel reads them (`cpu_kernels.int4_hold`), and each row's (s, z) pairs in bf16
   [N, K / 32, 2], run by `cpu_kernels.linear_int4` (AVX-512 VNNI or AVX2; faster than torch's kernel, see
   docs/kernels.md). Used where that kernel is loaded, for groups of 32 and K a multiple of 64.
 - torch's otherwise: packed by `torch._convert_weight_to_int4pack_for_cpu`, (s, z) [K / group, N, 2]
@@ -196,8 +196,8 @@ def _pack_rows(q: torch.Tensor, sz: torch.Tensor) -> tuple[torch.Tensor, torch.T
     """layerline's int4 layout of codes q [N, K] (0..15) and scale_zeros [K / 32, N, 2]."""
     n, k = q.shape
     g = q.reshape(n, k // 32, 2, 16).to(torch.uint8)  # each group's codes 0..15 and 16..31
-    codes = (g[:, :, 0] | (g[:, :, 1] << 4)).reshape(n, k // 2)[:, cpu_kernels.int4_code_order(k // 32)]
-    return codes.contiguous(), sz.transpose(0, 1).to(torch.bfloat16).contiguous()
+    codes = cpu_kernels.int4_hold((g[:, :, 0] | (g[:, :, 1] << 4)).reshape(n, k // 2))
+    return codes, sz.transpose(0, 1).to(torch.bfloat16).contiguous()
 
 
 def pack_int4(q: torch.Tensor, sz: torch.Tensor, dtype: torch.dtype = torch.bfloat16,
@@ -231,9 +231,7 @@ def dequantize_groups(q: torch.Tensor, scale_zeros: torch.Tensor, dtype: torch.d
 def dequantize_int4_rows(codes: torch.Tensor, sz: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The float weight [N, K] of layerline's int4 layout (codes [N, K / 2], sz [N, K / 32, 2])."""
     n = codes.shape[0]
-    plain = torch.empty_like(codes)
-    plain[:, cpu_kernels.int4_code_order(codes.shape[1] // 16)] = codes
-    c = plain.reshape(n, -1, 16)
+    c = cpu_kernels.int4_unhold(codes).reshape(n, -1, 16)
     q = torch.cat([c & 15, c >> 4], dim=-1).reshape(n, -1)  # each group's codes in order
     return dequantize_groups(q, sz.transpose(0, 1), dtype)
 
