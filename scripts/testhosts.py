@@ -9,11 +9,12 @@
 `up` makes a bridge PREFIX-br0 holding the subnet's first address on the root side and N
 namespaces PREFIX-h1..hN, each joined to the bridge by a veth pair and given the address
 .11, .12, ... of the subnet. In each namespace an sshd runs inside `unshare --uts --mount`,
-so the host has its own hostname (PREFIX-hK) and its own /tmp (a tmpfs); whatever runs
-through ssh inherits both. Each sshd has its own host key, pidfile and ListenAddress, no
-PAM, key authentication only (root with a key made here). Into --out go the client key,
-known_hosts (host key checking stays on), an ssh_config and inventory.yml, an inventory
-in the shape of inventory/hosts.yml (group layerline, hosts h1..hN).
+so the host has its own hostname (PREFIX-hK), its own /tmp (a tmpfs) and root's ~/.bashrc as a fresh
+Debian machine has it (/etc/skel's, not the controller's); whatever runs through ssh inherits them.
+Each sshd has its own host key, pidfile and ListenAddress, no PAM, key authentication only
+(root with a key made here). Into --out go the client key, known_hosts (host key checking
+stays on), an ssh_config and inventory.yml, an inventory in the shape of inventory/hosts.yml (group
+layerline, hosts h1..hN).
 
 With --mem-limit (bytes, or K/M/G suffixes; one size for every host or one per host) each host's
 sshd starts inside a memory cgroup of its own, a child of this process's memory cgroup (v2 where
@@ -259,6 +260,19 @@ def sshd_config(lay: Layout, k: int, out: Path) -> str:
     ])
 
 
+def fresh_shell_rc() -> str:
+    """The mount that gives a host root's ~/.bashrc as a fresh Debian machine has it (/etc/skel's, which
+    does nothing unless interactive), or "" where there is nothing to replace. sshd runs every command
+    through the login shell, and Debian's bash reads ~/.bashrc when sshd starts it: this controller's
+    (pyenv's init, about 60 processes) ran before every Ansible task on every host, 0.13 s of CPU each
+    time (docs/testing.md). A remote machine does not run the controller's interactive setup."""
+    rc = Path.home() / ".bashrc"
+    skel = Path("/etc/skel/.bashrc")
+    if not rc.is_file():
+        return ""
+    return f" && mount --bind {shlex.quote(str(skel) if skel.is_file() else '/dev/null')} {shlex.quote(str(rc))}"
+
+
 # --- up / down ------------------------------------------------------------------------------
 
 def _kill_pids(pids: list[int], what: str) -> None:
@@ -406,7 +420,7 @@ def up(lay: Layout, n: int, out: Path, python: str, port: int, mem_limits: list[
                        "mount -t tmpfs -o mode=755 cgroup /sys/fs/cgroup && mkdir /sys/fs/cgroup/memory && "
                        "mount -t cgroup -o memory memory /sys/fs/cgroup/memory && ")
         script = (f"hostname {ns} && {cgmount}mount --bind /tmp {shlex.quote(str(old_tmp))} && "
-                  f"mount -t tmpfs -o mode=1777,nosuid,nodev tmpfs /tmp{rebind} && "
+                  f"mount -t tmpfs -o mode=1777,nosuid,nodev tmpfs /tmp{rebind}{fresh_shell_rc()} && "
                   f"exec {SSHD} -f {cfg} -E {hdir / 'sshd.log'}")
         start = ["ip", "netns", "exec", ns, "unshare", "--uts", "--mount", "--propagation", "private",
                  "sh", "-c", script]
