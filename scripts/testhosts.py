@@ -35,6 +35,7 @@ import fcntl
 import ipaddress
 import json
 import os
+import pwd
 import shlex
 import re
 import shutil
@@ -266,7 +267,7 @@ def fresh_shell_rc() -> str:
     through the login shell, and Debian's bash reads ~/.bashrc when sshd starts it: this controller's
     (pyenv's init, about 60 processes) ran before every Ansible task on every host, 0.13 s of CPU each
     time (docs/testing.md). A remote machine does not run the controller's interactive setup."""
-    rc = Path.home() / ".bashrc"
+    rc = Path(pwd.getpwnam("root").pw_dir) / ".bashrc"   # the hosts' ssh user (ssh_config's User root)
     skel = Path("/etc/skel/.bashrc")
     if not rc.is_file():
         return ""

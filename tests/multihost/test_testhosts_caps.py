@@ -1,6 +1,7 @@
 """scripts/testhosts.py --mem-limit: each namespace host runs inside a memory cgroup of its own, so
 the kernel holds its ssh logins and what they start to the cap, and the probe reads the cap as
-the host's RAM. Needs root (namespaces, a bridge, cgroups)."""
+the host's RAM; and a host's root runs no shell startup of the controller's. Needs root (namespaces,
+a bridge, cgroups)."""
 from __future__ import annotations
 
 import json
@@ -54,6 +55,21 @@ def test_probe_reads_each_host_cap_as_its_ram(hosts):
         assert total == cap, f"{name}: probe says {total} bytes of RAM, its cap is {cap}"
         assert 0 < available <= cap
         assert hostname == h["hostname"]
+
+
+def test_a_host_runs_no_shell_startup_of_the_controllers(hosts):
+    """Root's ~/.bashrc on a host is /etc/skel's, as on a fresh machine: sshd runs each command through the
+    login shell, which reads ~/.bashrc, and this controller's (pyenv's init) cost every Ansible task on
+    every host about 60 processes."""
+    import pwd
+    rc = Path(pwd.getpwnam("root").pw_dir) / ".bashrc"
+    if not rc.is_file():
+        pytest.skip("root has no ~/.bashrc here: nothing to replace")
+    skel = Path("/etc/skel/.bashrc")
+    want = skel.read_text() if skel.is_file() else ""
+    for name in hosts["hosts"]:
+        r = on(hosts, name, f"cat {rc}")
+        assert r.returncode == 0 and r.stdout == want, f"{name}: ~/.bashrc is not /etc/skel's: {r.stdout[:300]!r}"
 
 
 def test_the_kernel_kills_what_outgrows_the_cap(hosts):
