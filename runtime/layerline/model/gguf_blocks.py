@@ -210,7 +210,8 @@ def from_int4(held: np.ndarray, name: str, n: int, k: int) -> np.ndarray:
     head = bt.block_bytes - 16
     h = held.reshape(n, nb * bt.block_bytes)
     out = np.empty((n, nb, bt.block_bytes), dtype=np.uint8)
-    out[:, :, head:] = cpu_kernels.int4_unhold(torch.from_numpy(np.ascontiguousarray(h[:, :16 * nb]))).numpy().reshape(n, nb, 16)
+    codes = cpu_kernels.int4_unhold(torch.from_numpy(np.ascontiguousarray(h[:, :16 * nb])))
+    out[:, :, head:] = codes.numpy().reshape(n, nb, 16)
     out[:, :, :head] = h[:, 16 * nb:].reshape(n, nb, head)
     return out.reshape(n, nb * bt.block_bytes)
 
