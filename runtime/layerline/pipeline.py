@@ -332,6 +332,81 @@ def _accepts(endpoint: str, timeout_s: float = 1.0) -> bool:
         return True
 
 
+def _control_keys(endpoint: str, keys_dir: str | None, peer: str | None, curve: str):
+    """(the controller's keys, the worker's public key) for a control request to `endpoint`."""
+    wire.endpoint(endpoint, "control endpoint")
+    if curve not in keymod.CURVE_MODES:
+        keymod.curve_on(curve, endpoint)  # raises the one-line error
+    why = f"control endpoint {endpoint} runs CURVE always (only the controller may stop or redirect a worker)"
+    hk = keymod.load_host_keys(keys_dir, "--keys", why,
+                               hint="pass the controller's keys dir (LAYERLINE_HOME/keys/controller; "
+                                    "`layerline drive --keys DIR`), made by playbooks/keys.yml")
+    if not peer:
+        raise keymod.KeysError(f"control {endpoint}: name the worker's host (its public key is "
+                               f"{os.path.join(hk.dir, 'peers', 'HOST.key')})")
+    return hk, hk.server_key(peer, "peer")
+
+
+def _control_socket(ctx: zmq.Context, hk, server: bytes, endpoint: str):
+    """A DEALER connecting to a control socket over CURVE, and its monitor (refused, handshake failed)."""
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    keymod.connect_curve(s, hk, server)
+    mon = s.get_monitor_socket(_HANDSHAKE_FAILED | zmq.EVENT_CONNECT_RETRIED)
+    s.connect(endpoint)
+    return s, mon
+
+
+def _close_control(s, mon) -> None:
+    s.disable_monitor()
+    mon.close(0)
+    s.close(0)
+
+
+def _exchange(s, mon, endpoint: str, hk, peer: str, header: dict, timeout_s: float) -> dict:
+    """Send one control request on `s` and wait for its answer (the one whose id is header's, where it
+    has one), or for the monitor to say the worker is gone or refused the handshake."""
+    from zmq.utils.monitor import recv_monitor_message
+    op = header["op"]
+    s.send_multipart(wire.encode(header))
+    poller = zmq.Poller()
+    poller.register(s, zmq.POLLIN)
+    poller.register(mon, zmq.POLLIN)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = deadline - time.monotonic()
+        ready = dict(poller.poll(max(0.0, left) * 1000)) if left > 0 else {}
+        if s in ready:
+            frames = s.recv_multipart(copy=False)
+            h, _ = wire.decode(frames)
+            if "id" in header and h.get("id") != header["id"]:
+                continue   # the answer to an earlier request of a kept connection: not this one's
+            break
+        if mon in ready:
+            ev = recv_monitor_message(mon)["event"]
+            if ev & _HANDSHAKE_FAILED and not _accepts(endpoint):
+                # a process killed mid-handshake also fails it: its port, refused now, tells it apart
+                raise DriveError(f"control {endpoint}: nothing listens there any more (the connection closed "
+                                 "during the CURVE handshake and is refused now): the worker's process is gone",
+                                 REFUSED)
+            if ev & _HANDSHAKE_FAILED:
+                raise DriveError(f"control {endpoint}: the worker refused the CURVE handshake (its "
+                                 f"allowed/controller.key is not {hk.dir}/self.key, or {peer!r} is not that "
+                                 "worker's key); use the controller's keys dir from playbooks/keys.yml")
+            if ev == zmq.EVENT_CONNECT_RETRIED:   # a connect failed (refused): nothing listens there
+                raise DriveError(f"control {endpoint}: nothing listens there (connection refused): the "
+                                 f"worker's process is gone", REFUSED)
+            continue
+        if left <= 0:
+            raise DriveError(f"control {endpoint}: no answer to {op} within {timeout_s:.0f} s")
+    bad = version.mismatch(frames[0], f"the worker at {endpoint} ({peer})", "the controller")
+    if bad:
+        raise DriveError(f"control {endpoint}: {bad}", VERSION)
+    if h["op"] == "error":
+        raise DriveError(f"control {endpoint}: {h.get('error')}")
+    return h
+
+
 def control(endpoint: str, op: str, timeout_s: float = 5.0, ctx: zmq.Context | None = None, *,
             keys_dir: str | None = None, peer: str | None = None, curve: str = "auto", **fields) -> dict:
     """One request to a worker's control socket (health, stats, set_next, shutdown).
@@ -345,61 +420,48 @@ def control(endpoint: str, op: str, timeout_s: float = 5.0, ctx: zmq.Context | N
     process is gone), with code REFUSED, at once: a busy worker's port still accepts, so only a
     dead one is told apart this fast (the health monitor fails it over without waiting for misses).
     """
-    wire.endpoint(endpoint, "control endpoint")
-    if curve not in keymod.CURVE_MODES:
-        keymod.curve_on(curve, endpoint)  # raises the one-line error
-    why = f"control endpoint {endpoint} runs CURVE always (only the controller may stop or redirect a worker)"
-    hk = keymod.load_host_keys(keys_dir, "--keys", why,
-                               hint="pass the controller's keys dir (LAYERLINE_HOME/keys/controller; "
-                                    "`layerline drive --keys DIR`), made by playbooks/keys.yml")
-    if not peer:
-        raise keymod.KeysError(f"control {endpoint}: name the worker's host (its public key is "
-                               f"{os.path.join(hk.dir, 'peers', 'HOST.key')})")
-    server = hk.server_key(peer, "peer")
-    ctx = ctx or zmq.Context.instance()
-    s = ctx.socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    keymod.connect_curve(s, hk, server)
-    mon = s.get_monitor_socket(_HANDSHAKE_FAILED | zmq.EVENT_CONNECT_RETRIED)
-    s.connect(endpoint)
+    hk, server = _control_keys(endpoint, keys_dir, peer, curve)
+    s, mon = _control_socket(ctx or zmq.Context.instance(), hk, server, endpoint)
     try:
-        s.send_multipart(wire.encode({"op": op, **fields}))
-        poller = zmq.Poller()
-        poller.register(s, zmq.POLLIN)
-        poller.register(mon, zmq.POLLIN)
-        deadline = time.monotonic() + timeout_s
-        while True:
-            left = deadline - time.monotonic()
-            ready = dict(poller.poll(max(0.0, left) * 1000)) if left > 0 else {}
-            if s in ready:
-                break
-            if mon in ready:
-                from zmq.utils.monitor import recv_monitor_message
-                ev = recv_monitor_message(mon)["event"]
-                if ev & _HANDSHAKE_FAILED and not _accepts(endpoint):
-                    # a process killed mid-handshake also fails it: its port, refused now, tells it apart
-                    raise DriveError(f"control {endpoint}: nothing listens there any more (the connection closed "
-                                     "during the CURVE handshake and is refused now): the worker's process is gone",
-                                     REFUSED)
-                if ev & _HANDSHAKE_FAILED:
-                    raise DriveError(f"control {endpoint}: the worker refused the CURVE handshake (its "
-                                     f"allowed/controller.key is not {hk.dir}/self.key, or {peer!r} is not that "
-                                     "worker's key); use the controller's keys dir from playbooks/keys.yml")
-                if ev == zmq.EVENT_CONNECT_RETRIED:   # a connect failed (refused): nothing listens there
-                    raise DriveError(f"control {endpoint}: nothing listens there (connection refused): the "
-                                     f"worker's process is gone", REFUSED)
-                continue
-            if left <= 0:
-                raise DriveError(f"control {endpoint}: no answer to {op} within {timeout_s:.0f} s")
-        frames = s.recv_multipart(copy=False)
-        h, _ = wire.decode(frames)
-        bad = version.mismatch(frames[0], f"the worker at {endpoint} ({peer})", "the controller")
-        if bad:
-            raise DriveError(f"control {endpoint}: {bad}", VERSION)
-        if h["op"] == "error":
-            raise DriveError(f"control {endpoint}: {h.get('error')}")
-        return h
+        return _exchange(s, mon, endpoint, hk, peer, {"op": op, **fields}, timeout_s)
     finally:
-        s.disable_monitor()
-        mon.close(0)
-        s.close(0)
+        _close_control(s, mon)
+
+
+class ControlChannel:
+    """A kept connection to one worker's control socket, for a caller that asks it again and again:
+    the server's health probe asks each stage every 0.5 s, and a connection a request cost a TCP
+    connect, a CURVE handshake and the worker's ZAP check each time (most of an idle deployment's
+    CPU). Answers and errors are control()'s. After any error the connection is dropped, so an answer
+    that came too late is never taken for a later request's (each request carries an id too), and the
+    next call makes a new one with the keys read again (a host whose keys changed). One thread's: zmq
+    sockets are not thread-safe."""
+
+    def __init__(self, endpoint: str, *, keys_dir: str | None, peer: str | None, curve: str = "auto",
+                 ctx: zmq.Context | None = None):
+        self.endpoint, self.keys_dir, self.peer, self.curve = endpoint, keys_dir, peer, curve
+        self.ctx = ctx or zmq.Context.instance()
+        self.sock = self.mon = self.hk = None
+        self.n = 0
+
+    def call(self, op: str, timeout_s: float, **fields) -> dict:
+        if self.sock is None:
+            self.hk, server = _control_keys(self.endpoint, self.keys_dir, self.peer, self.curve)
+            self.sock, self.mon = _control_socket(self.ctx, self.hk, server, self.endpoint)
+        else:
+            # what the monitor saw between two calls (a retry of a worker since restarted) says nothing of now:
+            # a worker gone now is refused again within the reconnect interval, while this call waits
+            while self.mon.poll(0):
+                self.mon.recv_multipart()
+        self.n += 1
+        try:
+            return _exchange(self.sock, self.mon, self.endpoint, self.hk, self.peer,
+                             {"op": op, **fields, "id": str(self.n)}, timeout_s)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        if self.sock is not None:
+            _close_control(self.sock, self.mon)
+            self.sock = self.mon = None

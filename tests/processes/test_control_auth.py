@@ -12,6 +12,7 @@ controller's key works.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -201,3 +202,50 @@ def test_a_worker_without_keys_stops_in_one_line_naming_keys(small_ckpt, tmp_pat
     for name in ("w1", "w2", "controller"):
         hk = keys.load_host_keys(str(tmp_path / "cli" / name))   # modes checked there (0700, 0600)
         assert hk.controller is not None and hk.secret.decode() not in r.stdout
+
+
+def _conns_to(port: int) -> list:
+    """This process's established TCP connections to `port` on loopback."""
+    import psutil
+    return [c for c in psutil.Process().net_connections("tcp")
+            if c.raddr and c.raddr.port == port and c.status == psutil.CONN_ESTABLISHED]
+
+
+def test_a_kept_control_connection_is_one_connection_that_reconnects_and_tells_a_gone_worker(small_ckpt):
+    """ControlChannel (the server's health probe): calls go over one connection; a call that times out drops it
+    and the next call answers on a new one, with its own answer (not the late one); a worker gone is
+    REFUSED, as with control()."""
+    from layerline.pipeline import REFUSED, ControlChannel
+    w = start_workers(str(small_ckpt), [(0, 4)], kv_context=KV, names=["solo"])
+    try:
+        pid = w.info[0]["pid"]
+        ep = w.control[0]
+        port = int(ep.rsplit(":", 1)[1])
+        ch = ControlChannel(ep, keys_dir=w.keys, peer="solo")
+        ports = []
+        for _ in range(3):
+            h = ch.call("health", 30)
+            assert h["pid"] == pid and h["id"] == str(ch.n)
+            ports.append({c.laddr.port for c in _conns_to(port)})
+        assert len(ports[0]) == 1 and ports == [ports[0]] * 3, f"three calls, connections {ports}: not one kept"
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(DriveError, match="no answer to health within 1 s"):
+                ch.call("health", 1)
+            deadline = time.monotonic() + 10   # zmq closes the dropped connection in its own thread
+            while {c.laddr.port for c in _conns_to(port)} & ports[0] and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert not {c.laddr.port for c in _conns_to(port)} & ports[0], "a call that timed out kept its connection"
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        h = ch.call("health", 30)   # the stopped worker now answers the late call too, on the dropped connection
+        assert h["pid"] == pid and h["id"] == str(ch.n)
+        now = {c.laddr.port for c in _conns_to(port)}
+        assert len(now) == 1 and not now & ports[0], f"after the timeout {now}, before {ports[0]}: not a new connection"
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(DriveError) as e:
+            ch.call("health", 30)
+        assert e.value.code == REFUSED, e.value
+        ch.close()
+    finally:
+        w.stop()

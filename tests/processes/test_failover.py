@@ -250,6 +250,25 @@ def plain(ckpt, tmp_path_factory):
         cluster.stop()
 
 
+def test_the_health_monitor_keeps_one_connection_to_each_stage(plain):
+    """The server asks each stage's health every interval over a kept connection (pipeline.ControlChannel),
+    not over a new one each time (a TCP connect, a CURVE handshake and the worker's ZAP check, twice a second
+    a stage: most of an idle deployment's CPU): an established connection to every control port is there
+    whenever looked at, where a connection a probe lives for a few ms of each 0.5 s."""
+    import psutil
+    from layerline.endpoints import control_endpoint
+    cluster, server, _ = plain
+    server.wait_all_up()
+    ports = {int(control_endpoint(s["endpoint"]).rsplit(":", 1)[1]) for s in cluster.plan["stages"]}
+    seen = dict.fromkeys(ports, 0)
+    for _ in range(6):
+        for c in psutil.net_connections("tcp"):
+            if c.status == psutil.CONN_ESTABLISHED and c.laddr.port in seen:
+                seen[c.laddr.port] += 1
+        time.sleep(0.5)
+    assert all(n >= 4 for n in seen.values()), f"established connections to each control port, of 6 looks: {seen}"
+
+
 def test_sigkill_restarted_by_the_supervisor(plain):
     """The restarted stage lost every running sequence's cache: they replay their prefix."""
     cluster, server, reference = plain

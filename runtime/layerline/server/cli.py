@@ -284,7 +284,8 @@ def _serve(a, plan: dict | None, keys=None, admin_keys=None) -> int:
                          metrics=metrics, prefix=a.prefix_cache == "on")
     engine.start()
     failover = Failover(stages + (standbys_from_plan(plan) if plan else []), health=client.health,
-                        set_next=client.set_next, engine=engine.call, open_pipe=pipes.into, metrics=metrics,
+                        channel=client.channel, set_next=client.set_next, engine=engine.call,
+                        open_pipe=pipes.into, metrics=metrics,
                         interval=a.health_interval, deadline=a.health_deadline, restart_wait=a.restart_wait,
                         on_lost=_on_lost(a.on_stage_lost, a.log_file), misses=a.health_misses)
     failover.start()

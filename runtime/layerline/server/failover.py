@@ -1,7 +1,8 @@
 """Failover: the server's health monitor, its route, and what it does when a stage goes away.
 
 Every `interval` seconds a probe thread per stage (actives and standbys) sends the `health`
-control op with a deadline. Workers answer it on a thread of their own, so a long forward does
+control op with a deadline, over a connection it keeps (pipeline.ControlChannel: one CURVE
+handshake, not one a probe; dropped after a failed probe and made again at the next). Workers answer it on a thread of their own, so a long forward does
 not delay the answer; one slow answer on a loaded machine is still no reason to fail over. A
 stage is down after `misses` consecutive missed deadlines (a window of misses x deadline
 seconds; --health-misses, default 2), or at once when nothing listens at its control port any
@@ -76,6 +77,8 @@ class Failover:
     """The health monitor and failover coordinator (threads of their own).
 
     health(stage, timeout_s) -> the worker's health reply (raises LayerlineError when it does not answer).
+    channel(stage), where given, -> a kept connection (pipeline.ControlChannel) the stage's probe thread asks
+    `health` on, instead of calling health() (a connection a probe).
     set_next(pred, standby) points the predecessor stage at the standby (control op set_next).
     engine(fn, timeout_s) runs fn(engine) in the engine's thread and returns what it returns.
     open_pipe(stage) -> a Pipeline into that stage (called in the engine's thread).
@@ -85,10 +88,12 @@ class Failover:
 
     def __init__(self, stages: list[StageState], *, health: Callable, set_next: Callable, engine: Callable,
                  open_pipe: Callable, metrics=None, interval: float = 0.5, deadline: float = 2.0,
-                 restart_wait: float = 30.0, on_lost: Callable | None = None, misses: int = MISSES):
+                 restart_wait: float = 30.0, on_lost: Callable | None = None, misses: int = MISSES,
+                 channel: Callable | None = None):
         self.stages = stages
         self.route = Route([s for s in stages if s.role == "active"])
         self.health, self.set_next, self.engine, self.open_pipe = health, set_next, engine, open_pipe
+        self.channel = channel
         self.metrics = metrics
         self.interval, self.deadline, self.restart_wait = interval, deadline, restart_wait
         if misses < 1:
@@ -153,10 +158,15 @@ class Failover:
 
     def _probe_loop(self, s: StageState) -> None:
         misses = 0   # in a row
+        ch = None    # the kept connection, where self.channel makes one
         while not self.stop_ev.is_set() and not s.retired:
             t0 = time.monotonic()
             try:
-                h = self.health(s, self.deadline)
+                if self.channel is None:
+                    h = self.health(s, self.deadline)
+                else:
+                    ch = ch or self.channel(s)
+                    h = ch.call("health", self.deadline)
                 misses = 0
                 pid = h.get("pid") if isinstance(h.get("pid"), int) else None
                 with self.lock:
@@ -193,6 +203,8 @@ class Failover:
             except Exception as e:  # noqa: BLE001 - a probe never dies
                 log.warning("stage %s at %s: health probe failed: %s", s.host, s.control, e)
             self.stop_ev.wait(max(0.0, self.interval - (time.monotonic() - t0)))
+        if ch is not None:
+            ch.close()
 
     # -- the coordinator
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import LayerlineError
-from ..pipeline import Pipeline, active_stages, control, pipeline_for_plan, reply_host_for
+from ..pipeline import ControlChannel, Pipeline, active_stages, control, pipeline_for_plan, reply_host_for
 from ..endpoints import control_endpoint
 from .failover import Failover
 from .metrics import Metrics
@@ -59,6 +59,10 @@ class StageClient:
 
     def health(self, st: StageState, timeout_s: float) -> dict:
         return self.health_at(st.control, st.peer, timeout_s)
+
+    def channel(self, st: StageState) -> ControlChannel:
+        """A kept connection to the stage's control socket (the health monitor's, one thread's)."""
+        return ControlChannel(st.control, keys_dir=self.keys_dir, peer=st.peer, curve=self.curve)
 
     def set_next(self, pred: StageState, nxt: StageState) -> None:
         """Point `pred`'s output at `nxt` (a standby promoted, a route switched)."""
