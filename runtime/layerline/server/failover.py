@@ -2,8 +2,9 @@
 
 Every `interval` seconds a probe thread per stage (actives and standbys) sends the `health`
 control op with a deadline, over a connection it keeps (pipeline.ControlChannel: one CURVE
-handshake, not one a probe; dropped after a failed probe and made again at the next). Workers answer it on a thread of their own, so a long forward does
-not delay the answer; one slow answer on a loaded machine is still no reason to fail over. A
+handshake, not one a probe; dropped after a failed probe and made again at the next). Workers
+answer it on a thread of their own, so a long forward does not delay the answer; one slow
+answer on a loaded machine is still no reason to fail over. A
 stage is down after `misses` consecutive missed deadlines (a window of misses x deadline
 seconds; --health-misses, default 2), or at once when nothing listens at its control port any
 more (the connection is refused: its process is gone; a SIGKILLed worker is failed over within
