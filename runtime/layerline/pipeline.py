@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from . import keys as keymod
 from . import version, wire
@@ -366,7 +367,6 @@ def _close_control(s, mon) -> None:
 def _exchange(s, mon, endpoint: str, hk, peer: str, header: dict, timeout_s: float) -> dict:
     """Send one control request on `s` and wait for its answer (the one whose id is header's, where it
     has one), or for the monitor to say the worker is gone or refused the handshake."""
-    from zmq.utils.monitor import recv_monitor_message
     op = header["op"]
     s.send_multipart(wire.encode(header))
     poller = zmq.Poller()

@@ -4,14 +4,13 @@ Every `interval` seconds a probe thread per stage (actives and standbys) sends t
 control op with a deadline, over a connection it keeps (pipeline.ControlChannel: one CURVE
 handshake, not one a probe; dropped after a failed probe and made again at the next). Workers
 answer it on a thread of their own, so a long forward does not delay the answer; one slow
-answer on a loaded machine is still no reason to fail over. A
-stage is down after `misses` consecutive missed deadlines (a window of misses x deadline
-seconds; --health-misses, default 2), or at once when nothing listens at its control port any
-more (the connection is refused: its process is gone; a SIGKILLed worker is failed over within
-the probe interval). Down is one log line naming its host and control endpoint,
-`layerline_stage_up{host,role}` 0; a miss below the limit is a log line of its own. A stage that
-answers with another pid than before was restarted between two probes (its caches are gone just
-the same).
+answer on a loaded machine is still no reason to fail over. A stage is down after `misses`
+consecutive missed deadlines (a window of misses x deadline seconds; --health-misses, default
+2), or at once when nothing listens at its control port any more (the connection is refused:
+its process is gone; a SIGKILLed worker is failed over within the probe interval). Down is one
+log line naming its host and control endpoint, `layerline_stage_up{host,role}` 0; a miss below
+the limit is a log line of its own. A stage that answers with another pid than before was
+restarted between two probes (its caches are gone just the same).
 
 When an active stage is down (or restarted), the coordinator thread
 1. pauses the engine (Engine.fail_over): a new wire epoch, so a stage drops what is still on its
